@@ -1,0 +1,12 @@
+"""constrained_spec: exact speculative decoding under JSON Schema / regex grammar masks."""
+
+from .compile import Constraint
+from .decode import Generator, Result, Round, Stats
+from .draft import Draft, Drafter, ModelDrafter
+from .errors import (ConstraintError, GenerationInputError, SchemaTooComplex,
+                     UnsupportedSchemaError, VocabularyMismatch)
+from .sample import SamplingConfig
+
+__all__ = ["Generator", "Result", "Round", "Stats", "Constraint", "Draft", "Drafter",
+           "ModelDrafter", "SamplingConfig", "ConstraintError", "GenerationInputError",
+           "SchemaTooComplex", "UnsupportedSchemaError", "VocabularyMismatch"]

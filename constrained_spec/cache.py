@@ -1,0 +1,45 @@
+"""Every KV-cache operation in one place (the crop API changed between transformers 4 and 5).
+
+Invariant, asserted after each round: a cache holds exactly the committed tokens minus the last
+one, which is fed at the start of the next verify (or draft) pass.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import cache as memoize
+
+import torch
+from transformers import DynamicCache
+
+
+def new_cache(model) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def cached_length(cache: DynamicCache) -> int:
+    return cache.get_seq_length()
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions. transformers 5: ``crop(-n)`` drops the last n."""
+    drop = cached_length(cache) - length
+    assert drop >= 0, f"cannot crop a cache of {cached_length(cache)} positions to {length}"
+    if drop:
+        cache.crop(-drop)
+
+
+@torch.inference_mode()
+def forward(model, cache: DynamicCache, input_ids: list[int], device) -> torch.Tensor:
+    """Feed ``input_ids`` after what the cache holds; returns their logits, (n, V) float32."""
+    ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # (1, n)
+    kwargs = {_cache_argument(type(model)): cache}
+    logits = model(input_ids=ids, use_cache=True, **kwargs).logits  # (1, n, V)
+    return logits[0].float()
+
+
+@memoize
+def _cache_argument(model_class) -> str:
+    """transformers 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns)."""
+    params = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

@@ -1,0 +1,230 @@
+"""The decode loop: draft → verify (one target forward) → commit → roll back the rest."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import cache as kv
+from .compile import FINISHED, Constraint, compile_regex, default_cache_dir
+from .draft import EMPTY_DRAFT, Draft, Drafter, ModelDrafter
+from .errors import ConstraintError, GenerationInputError, VocabularyMismatch
+from .sample import SamplingConfig, one_hot, policy, verify_greedy, verify_sampled
+from .schema import load_schema, schema_to_regex
+from .vocab import token_vocabulary
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one round committed; passed to ``on_round`` (only committed tokens, never drafts
+    that were rolled back, except as ``rejected`` for display)."""
+    drafted: list[int]     # the draft proposed this round
+    accepted: int          # how many of its tokens the target accepted
+    token: int             # the target's own token: correction (accepted < drafted) or bonus
+    committed: list[int]   # drafted[:accepted] + [token], cut after EOS / at max_new_tokens
+
+
+@dataclass
+class Stats:
+    target_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # histogram: rounds by accepted n
+    accepted_by_position: list[int] = field(default_factory=list)  # drafts accepted at index i
+    drafted_by_position: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    ttft_s: float = 0.0   # prompt in → first committed token
+    total_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.target_calls += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for hist, n in ((self.accepted_lengths, accepted + 1), (self.drafted_by_position, drafted),
+                        (self.accepted_by_position, accepted)):
+            hist.extend([0] * (n - len(hist)))
+        self.accepted_lengths[accepted] += 1
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+        for i in range(accepted):
+            self.accepted_by_position[i] += 1
+
+
+@dataclass(frozen=True)
+class Result:
+    text: str
+    value: Any                 # the parsed JSON when a schema was given and generation stopped
+    token_ids: list[int]       # generated ids, EOS excluded
+    finish_reason: str         # "stop" (EOS in an accepting state) | "length" (max_new_tokens)
+    stats: Stats
+
+
+def speculative_step(target, cache, constraint: Constraint, tokens: list[int], state: int,
+                     draft: Draft, sampling: SamplingConfig, generator: torch.Generator):
+    """One round: ONE target forward over [last committed] + draft, exact acceptance, commit.
+
+    Returns (accepted, token, state): the draft's accepted length, the target's own token, and
+    the automaton state after both. The caller crops the cache to the committed tokens."""
+    states = [state]
+    for token in draft.tokens:  # state_i = state after draft[:i]; drafts are legal by contract
+        states.append(constraint.step(states[-1], token))
+    assert None not in states, "a drafter proposed a token the automaton rejects"
+    device = next(target.parameters()).device
+    logits = kv.forward(target, cache, [tokens[-1]] + draft.tokens, device)  # (k+1, V)
+    masks = torch.stack([constraint.mask(s, device) for s in states])     # (k+1, V)
+    draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # (k,)
+    if sampling.greedy:
+        n, token = verify_greedy(logits, masks, draft_ids)
+    else:
+        target_probs = policy(logits, masks, sampling)  # (k+1, V)
+        draft_probs = draft.probs if draft.probs is not None else \
+            one_hot(draft.tokens, logits.shape[-1], device)  # (k, V)
+        n, token = verify_sampled(target_probs, draft_probs, draft_ids, generator)
+    n, token = torch.stack([n, token]).tolist()  # the round's one host sync
+    return n, token, constraint.step(states[n], token)
+
+
+def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter | None,
+           sampling: SamplingConfig, num_draft_tokens: int, max_new_tokens: int,
+           generator: torch.Generator, on_round: Callable[[Round], None] | None = None):
+    """Generate until EOS or ``max_new_tokens``; returns (new token ids, finish_reason, stats)."""
+    stats, start = Stats(), time.perf_counter()
+    device = next(target.parameters()).device
+    cache = kv.new_cache(target)
+    if len(prompt) > 1:
+        kv.forward(target, cache, prompt[:-1], device)  # the last prompt token opens round 1
+    stats.prefill_s = time.perf_counter() - start
+    tokens, state = list(prompt), constraint.initial_state
+    while state != FINISHED and len(tokens) - len(prompt) < max_new_tokens:
+        budget = min(num_draft_tokens, max_new_tokens - (len(tokens) - len(prompt)) - 1)
+        t0 = time.perf_counter()
+        draft = drafter.propose(tokens, state, constraint, budget, sampling, generator) \
+            if drafter is not None and budget > 0 else EMPTY_DRAFT
+        t1 = time.perf_counter()
+        n, token, state = speculative_step(target, cache, constraint, tokens, state, draft,
+                                           sampling, generator)
+        committed = draft.tokens[:n] + [token]
+        if constraint.eos_id in committed:  # a draft may end in EOS: nothing after it counts
+            committed = committed[: committed.index(constraint.eos_id) + 1]
+            state = FINISHED
+        tokens += committed
+        kv.crop(cache, len(tokens) - 1)
+        assert kv.cached_length(cache) == len(tokens) - 1, "target cache out of step"
+        stats.draft_s += t1 - t0
+        stats.verify_s += time.perf_counter() - t1
+        stats.record(len(draft), n)
+        if stats.target_calls == 1:
+            stats.ttft_s = time.perf_counter() - start
+        if on_round is not None:
+            on_round(Round(draft.tokens, n, token, committed))
+    stats.total_s = time.perf_counter() - start
+    output = tokens[len(prompt):]
+    return output, ("stop" if state == FINISHED else "length"), stats
+
+
+class Generator:
+    """A target model (and optionally a drafter) ready to generate under constraints."""
+
+    def __init__(self, target, tokenizer, draft=None, *, whitespace: str = "",
+                 cache_dir: str | Path | None = None):
+        """``draft``: a transformers causal LM sharing the target's vocabulary, any object with a
+        ``propose`` method (a Drafter), or None (masked baseline only). ``whitespace``: regex
+        allowed between JSON tokens; the default "" emits compact JSON."""
+        self.target, self.tokenizer = target.eval(), tokenizer
+        self.vocab = token_vocabulary(tokenizer)
+        self.width = target.get_output_embeddings().weight.shape[0]  # logits width (may be padded)
+        if self.width < len(tokenizer):
+            raise VocabularyMismatch(f"the target's logits width {self.width} is smaller than the "
+                                     f"tokenizer's {len(tokenizer)} tokens: pass its own tokenizer.")
+        self.drafter = _as_drafter(draft, len(tokenizer), self.width)
+        self.whitespace = whitespace
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+
+    def compile(self, schema=None, regex: str | None = None) -> Constraint:
+        """The compiled constraint for this tokenizer: a JSON Schema or a regex, exactly one."""
+        if (schema is None) == (regex is None):
+            raise ConstraintError("pass exactly one of schema= or regex=.")
+        if schema is not None:
+            regex = schema_to_regex(load_schema(schema), self.whitespace)
+        return compile_regex(regex, self.vocab, self.width, self.cache_dir)
+
+    def generate(self, prompt, schema=None, regex: str | None = None, max_new_tokens: int = 256,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 num_draft_tokens: int = 4, speculative: bool = True, seed: int | None = None,
+                 on_round: Callable[[Round], None] | None = None) -> Result:
+        """Text the constraint accepts, distributed exactly as plain masked sampling."""
+        sampling = _check_sampling(temperature, top_k, top_p, num_draft_tokens, max_new_tokens)
+        prompt_ids = self._prompt_ids(prompt, max_new_tokens)
+        schema_dict = load_schema(schema) if schema is not None else None
+        constraint = self.compile(schema=schema_dict, regex=regex)
+        generator = torch.Generator(device=next(self.target.parameters()).device)
+        generator.manual_seed(seed if seed is not None else torch.seed())
+        drafter = self.drafter if speculative else None
+        ids, finish, stats = decode(self.target, constraint, prompt_ids, drafter, sampling,
+                                    num_draft_tokens, max_new_tokens, generator, on_round)
+        token_ids = [t for t in ids if t != self.vocab.eos_id]
+        text = self.vocab.decode(token_ids)
+        value = json.loads(text) if schema_dict is not None and finish == "stop" else None
+        return Result(text, value, token_ids, finish, stats)
+
+    def _prompt_ids(self, prompt, max_new_tokens: int) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                      tokenize=False)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            if any(not 0 <= t < len(self.tokenizer) for t in ids):
+                raise GenerationInputError(f"prompt token ids must lie in [0, {len(self.tokenizer)}).")
+        else:
+            raise GenerationInputError("prompt must be a str, a list of chat messages "
+                                       "({'role': ..., 'content': ...}) or a list of token ids.")
+        if not ids:
+            raise GenerationInputError("the prompt is empty: give the model something to respond to.")
+        context = getattr(self.target.config, "max_position_embeddings", None)
+        if context is not None and len(ids) + max_new_tokens > context:
+            raise GenerationInputError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"model's context of {context} tokens: shorten the prompt or lower max_new_tokens.")
+        return ids
+
+
+def _as_drafter(draft, vocab_len: int, width: int) -> Drafter | None:
+    if draft is None or hasattr(draft, "propose"):
+        return draft
+    draft_width = draft.get_output_embeddings().weight.shape[0]
+    if draft_width < vocab_len:
+        raise VocabularyMismatch(
+            f"the draft model predicts {draft_width} tokens but the target's tokenizer has "
+            f"{vocab_len}: a draft must share the target's vocabulary (same tokenizer family).")
+    return ModelDrafter(draft.eval(), width)
+
+
+def _check_sampling(temperature, top_k, top_p, num_draft_tokens, max_new_tokens) -> SamplingConfig:
+    problems = []
+    if not temperature >= 0:
+        problems.append(f"temperature={temperature} must be >= 0 (0 is greedy)")
+    if top_k is not None and top_k < 1:
+        problems.append(f"top_k={top_k} must be >= 1 or None")
+    if top_p is not None and not 0 < top_p <= 1:
+        problems.append(f"top_p={top_p} must be in (0, 1] or None")
+    if num_draft_tokens < 0:
+        problems.append(f"num_draft_tokens={num_draft_tokens} must be >= 0")
+    if max_new_tokens < 1:
+        problems.append(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if problems:
+        raise GenerationInputError("; ".join(problems) + ".")
+    return SamplingConfig(temperature, top_k, top_p)

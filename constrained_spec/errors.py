@@ -1,0 +1,29 @@
+"""Errors raised at the boundary, before any model work. Each message names the fix."""
+
+
+class ConstraintError(ValueError):
+    """The schema, regex or grammar cannot be compiled as given."""
+
+
+class UnsupportedSchemaError(ConstraintError):
+    """The schema uses a keyword the compiler cannot honour exactly (refused, never loosened)."""
+
+    def __init__(self, keyword: str, pointer: str, hint: str = ""):
+        self.keyword, self.pointer = keyword, pointer
+        where = pointer or "/"
+        super().__init__(
+            f"unsupported JSON Schema keyword {keyword!r} at {where}: the compiler cannot honour it "
+            f"exactly and refuses rather than loosen the schema. {hint or 'Remove or rewrite it.'}"
+        )
+
+
+class SchemaTooComplex(ConstraintError):
+    """Compiling the constraint exceeded the time or memory bound."""
+
+
+class GenerationInputError(ValueError):
+    """A generate() argument is unusable: empty prompt, prompt too long, bad sampling settings."""
+
+
+class VocabularyMismatch(ValueError):
+    """The draft model does not share the target's vocabulary."""

@@ -1,0 +1,81 @@
+"""Tokenizer adapter: the exact bytes each token id contributes to the text.
+
+The automaton works on bytes, so this mapping decides exactness: a token whose bytes are wrong
+would let the mask admit text the grammar rejects. Two encodings are supported:
+byte-level BPE (GPT-2 style, printable stand-ins for bytes, e.g. ``Ġ`` for space) and
+SentencePiece (``▁`` for space, ``<0xNN>`` byte-fallback tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+
+@dataclass(frozen=True, eq=False)
+class TokenVocabulary:
+    """Exact bytes per token id; ``None`` for ids that can never appear in constrained text."""
+
+    token_bytes: tuple[bytes | None, ...]
+    eos_id: int
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Stable hash of the mapping: the key of the on-disk constraint cache."""
+        h = hashlib.sha256(str(self.eos_id).encode())
+        for b in self.token_bytes:
+            h.update(b"\xff" if b is None else len(b).to_bytes(2, "little") + b)
+        return h.hexdigest()[:16]
+
+    def outlines_map(self) -> dict[bytes, list[int]]:
+        """``{bytes: [ids]}`` for ``outlines_core.Vocabulary``; several ids may share bytes."""
+        out: dict[bytes, list[int]] = {}
+        for i, b in enumerate(self.token_bytes):
+            if b and i != self.eos_id:
+                out.setdefault(b, []).append(i)
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of a token sequence, from the same bytes the automaton saw (EOS contributes none)."""
+        data = b"".join(self.token_bytes[i] or b"" for i in ids if i != self.eos_id)
+        return data.decode("utf-8", errors="replace")
+
+
+def token_vocabulary(tokenizer) -> TokenVocabulary:
+    """Map every token id of a transformers tokenizer to its exact bytes."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos_token_id: set tokenizer.eos_token to the "
+                         "token that ends a reply (e.g. '<|im_end|>' for chat models).")
+    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    to_bytes = _byte_level if "ByteLevel" in json.dumps(decoder) else _sentencepiece
+    special = set(tokenizer.all_special_ids)
+    added = {i: t for i, t in tokenizer.added_tokens_decoder.items()}
+    token_bytes: list[bytes | None] = []
+    for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        if i in special or (i in added and added[i].special) or piece is None:
+            token_bytes.append(None)       # chat markers etc. never appear in constrained text
+        elif i in added:
+            token_bytes.append(added[i].content.encode())  # added tokens are stored as plain text
+        else:
+            token_bytes.append(to_bytes(piece))
+    return TokenVocabulary(tuple(token_bytes), tokenizer.eos_token_id)
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
+
+
+def _byte_level(piece: str) -> bytes | None:
+    try:
+        return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+    except KeyError:
+        return None  # not a byte-level piece (cannot be produced by the pre-tokenizer)
+
+
+def _sentencepiece(piece: str) -> bytes:
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode()
