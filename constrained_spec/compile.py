@@ -8,8 +8,10 @@ cursor is just an int state, so rollback is keeping the old int.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing as mp
 import os
 import pickle
+import resource
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 from outlines_core import Index, Vocabulary
 
-from .errors import ConstraintError
+from .errors import ConstraintError, SchemaTooComplex
 from .vocab import TokenVocabulary
 
 FINISHED = -1  # the state after EOS: nothing is legal any more
@@ -127,8 +129,14 @@ def _load_or_build_index(regex: str, vocab: TokenVocabulary, cache_dir: Path | N
                 return pickle.loads(path.read_bytes())
             except Exception:
                 path.unlink(missing_ok=True)  # corrupt entry: rebuild below
+    outlines_vocab = _outlines_vocabulary(vocab)  # built here, shared with the child by fork
     try:
-        index = Index(regex, _outlines_vocabulary(vocab))
+        # a small regex without repetition is a small finite language: not worth a fork (~70 ms)
+        trivial = len(regex) <= 1000 and not any(c in regex for c in "*+{")
+        index = run_bounded(lambda: Index(regex, outlines_vocab), "compiling the constraint",
+                            timeout_s=0 if trivial else None)
+    except SchemaTooComplex:
+        raise
     except Exception as e:
         raise ConstraintError(f"cannot compile the regex {regex[:200]!r}: {e}") from None
     if path is not None:
@@ -138,6 +146,79 @@ def _load_or_build_index(regex: str, vocab: TokenVocabulary, cache_dir: Path | N
             f.write(pickle.dumps(index))
         os.replace(tmp, path)  # atomic: a crash never leaves a half-written entry
     return index
+
+
+# The Index build runs in native code: no Python signal can stop it, and it may take minutes or
+# tens of GB. So it runs in a forked child with a wall-clock limit and an address-space limit.
+# CONSTRAINED_SPEC_COMPILE_TIMEOUT (seconds) / CONSTRAINED_SPEC_COMPILE_MEMORY_GB set the limits;
+# 0 for either runs the build in-process without any bound.
+DEFAULT_COMPILE_TIMEOUT_S = 60.0
+DEFAULT_COMPILE_MEMORY_GB = 8.0
+
+
+def run_bounded(fn, what: str, timeout_s: float | None = None, memory_gb: float | None = None):
+    """``fn()`` in a forked child with a time and memory bound; its (picklable) result.
+    Raises SchemaTooComplex naming the exceeded limit; re-raises the child's own errors."""
+    env = os.environ.get
+    timeout_s = float(env("CONSTRAINED_SPEC_COMPILE_TIMEOUT", DEFAULT_COMPILE_TIMEOUT_S)) \
+        if timeout_s is None else timeout_s
+    memory_gb = float(env("CONSTRAINED_SPEC_COMPILE_MEMORY_GB", DEFAULT_COMPILE_MEMORY_GB)) \
+        if memory_gb is None else memory_gb
+    if timeout_s <= 0 or memory_gb <= 0 or "fork" not in mp.get_all_start_methods():
+        return fn()
+    parent, child = mp.get_context("fork").Pipe(duplex=False)
+    proc = mp.get_context("fork").Process(target=_child, args=(fn, child, memory_gb), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout_s):
+            raise SchemaTooComplex(
+                f"{what} took longer than {timeout_s:g} s. Simplify the schema (fewer optional "
+                "properties, smaller maxLength/maxItems, shallower nesting) or raise the limit "
+                "with CONSTRAINED_SPEC_COMPILE_TIMEOUT=<seconds> (0 = no limit).")
+        status, payload = pickle.loads(parent.recv_bytes())
+    except EOFError:  # the child died without answering: killed for memory, or aborted
+        raise SchemaTooComplex(
+            f"{what} ran out of its {memory_gb:g} GB memory limit. Simplify the schema or "
+            "raise the limit with CONSTRAINED_SPEC_COMPILE_MEMORY_GB=<GB> (0 = no limit).") from None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        parent.close()
+    if status == "memory":
+        raise SchemaTooComplex(f"{what} ran out of its {memory_gb:g} GB memory limit. Simplify "
+                               "the schema or raise CONSTRAINED_SPEC_COMPILE_MEMORY_GB.")
+    if status == "error":
+        raise payload
+    return payload
+
+
+def _child(fn, conn, memory_gb: float) -> None:
+    # RLIMIT_AS counts the address space inherited from the parent too: allow that plus the limit.
+    inherited = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+    limit = inherited + int(memory_gb * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    try:
+        result = ("ok", fn())
+    except MemoryError:
+        result = ("memory", None)
+    except Exception as e:
+        result = ("error", e if _picklable(e) else ConstraintError(str(e)))
+    try:
+        conn.send_bytes(pickle.dumps(result))
+    except MemoryError:
+        conn.send_bytes(pickle.dumps(("memory", None)))
+    conn.close()
+    os._exit(0)  # skip atexit handlers and finalizers inherited from the parent
+
+
+def _picklable(e: Exception) -> bool:
+    try:
+        pickle.loads(pickle.dumps(e))
+        return True
+    except Exception:
+        return False
 
 
 def default_cache_dir() -> Path:

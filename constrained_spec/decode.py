@@ -75,11 +75,17 @@ def speculative_step(target, cache, constraint: Constraint, tokens: list[int], s
     """One round: ONE target forward over [last committed] + draft, exact acceptance, commit.
 
     Returns (accepted, token, state): the draft's accepted length, the target's own token, and
-    the automaton state after both. The caller crops the cache to the committed tokens."""
-    states = [state]
-    for token in draft.tokens:  # state_i = state after draft[:i]; drafts are legal by contract
-        states.append(constraint.step(states[-1], token))
-    assert None not in states, "a drafter proposed a token the automaton rejects"
+    the automaton state after both. The caller crops the cache to the committed tokens.
+    A draft is cut at its first illegal token (drafters should not propose one; sampled drafts
+    must come from a masked q, since cutting an unmasked sampled draft would bias the output)."""
+    states = [state]  # state_i = the automaton state after draft[:i]
+    for token in draft.tokens:
+        after = constraint.step(states[-1], token)
+        if after is None:  # p(token) = 0: it could only be rejected, so the draft ends here
+            draft = Draft(draft.tokens[: len(states) - 1],
+                          None if draft.probs is None else draft.probs[: len(states) - 1])
+            break
+        states.append(after)
     device = next(target.parameters()).device
     logits = kv.forward(target, cache, [tokens[-1]] + draft.tokens, device)  # (k+1, V)
     masks = torch.stack([constraint.mask(s, device) for s in states])     # (k+1, V)
@@ -149,7 +155,24 @@ class Generator:
                                      f"tokenizer's {len(tokenizer)} tokens: pass its own tokenizer.")
         self.drafter = _as_drafter(draft, len(tokenizer), self.width)
         self.whitespace = whitespace
+        self.context = getattr(target.config, "max_position_embeddings", None) or 2**31
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+
+    @classmethod
+    def from_pretrained(cls, target: str = "smollm2-135m-instruct", draft: str | None = "int8",
+                        dtype: torch.dtype = torch.float32, **kwargs) -> "Generator":
+        """Load a built-in model name, a local path or a hub id. ``draft``: "int8" (a dynamically
+        quantized copy of the target: no extra download), None, or another model name/path."""
+        from .models import load_model, quantize_int8  # keeps `import constrained_spec` light
+
+        model, tokenizer = load_model(target, dtype)
+        if draft == "int8":
+            draft_model = quantize_int8(model)
+        elif draft is not None:
+            draft_model, _ = load_model(draft, dtype)
+        else:
+            draft_model = None
+        return cls(model, tokenizer, draft=draft_model, **kwargs)
 
     def compile(self, schema=None, regex: str | None = None) -> Constraint:
         """The compiled constraint for this tokenizer: a JSON Schema or a regex, exactly one."""
@@ -165,7 +188,8 @@ class Generator:
                  on_round: Callable[[Round], None] | None = None) -> Result:
         """Text the constraint accepts, distributed exactly as plain masked sampling."""
         sampling = _check_sampling(temperature, top_k, top_p, num_draft_tokens, max_new_tokens)
-        prompt_ids = self._prompt_ids(prompt, max_new_tokens)
+        prompt_ids = self._prompt_ids(prompt)
+        max_new_tokens = min(max_new_tokens, self.context - len(prompt_ids))  # then "length"
         schema_dict = load_schema(schema) if schema is not None else None
         constraint = self.compile(schema=schema_dict, regex=regex)
         generator = torch.Generator(device=next(self.target.parameters()).device)
@@ -178,7 +202,7 @@ class Generator:
         value = json.loads(text) if schema_dict is not None and finish == "stop" else None
         return Result(text, value, token_ids, finish, stats)
 
-    def _prompt_ids(self, prompt, max_new_tokens: int) -> list[int]:
+    def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -194,11 +218,10 @@ class Generator:
                                        "({'role': ..., 'content': ...}) or a list of token ids.")
         if not ids:
             raise GenerationInputError("the prompt is empty: give the model something to respond to.")
-        context = getattr(self.target.config, "max_position_embeddings", None)
-        if context is not None and len(ids) + max_new_tokens > context:
+        if len(ids) >= self.context:
             raise GenerationInputError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                f"model's context of {context} tokens: shorten the prompt or lower max_new_tokens.")
+                f"the prompt has {len(ids)} tokens but the model's context holds {self.context}: "
+                "shorten the prompt.")
         return ids
 
 

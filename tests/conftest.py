@@ -2,9 +2,13 @@
 
 import pytest
 import torch
+
+torch.set_num_threads(1)  # tiny models: threads only add overhead, and CI has 2 cores
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+SCALE = 8.0  # lm_head gain: distributions peaked enough to be distinct, flat enough to test
 CORPUS = ['{"name": "Alice", "age": 30}', '{"name": "Bob", "age": 7, "ok": true}',
           "abba baab abab", "yes no yes no", "[1, 2, 3]", "Zoë 東京 null false"] * 20
 
@@ -28,7 +32,7 @@ def tiny_model(tokenizer, seed: int, layers: int = 2):
                          eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # larger logits than the default init: peaked, distinct distributions
-        model.lm_head.weight.mul_(40.0)
+        model.lm_head.weight.mul_(SCALE)
     return model
 
 

@@ -1,0 +1,190 @@
+"""The decode loop on tiny models: greedy identity, KV rollback, legality, validity, bad input."""
+
+import copy
+
+import jsonschema
+import pytest
+import torch
+
+from constrained_spec import (ConstraintError, Draft, GenerationInputError, Generator,
+                              UnsupportedSchemaError, VocabularyMismatch)
+from constrained_spec import decode as decode_module
+from constrained_spec.compile import FINISHED
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer"},
+                         "ok": {"type": "boolean"},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b", None]},
+                                  "maxItems": 3}},
+          "required": ["name", "age", "ok"]}
+PROMPTS = ["hello", '{"name": "Alice", "age": 30}', "yes no yes"]
+NEAR_TIE = 1e-4  # logits differ in the last bits between a k-token verify and k single steps
+
+
+@torch.no_grad()
+def first_divergence_gap(target, constraint, prompt, baseline, other):
+    """At the first position where two greedy outputs differ, the baseline's top-2 masked gap."""
+    state = constraint.initial_state
+    for i, (a, b) in enumerate(zip(baseline, other)):
+        if a != b:
+            logits = target(torch.tensor([prompt + baseline[:i]])).logits[0, -1]
+            top2 = logits.masked_fill(~constraint.mask(state), float("-inf")).topk(2).values
+            return (top2[0] - top2[1]).item()
+        state = constraint.step(state, a)
+    return 0.0 if len(baseline) == len(other) else float("inf")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_speculative_equals_the_masked_baseline(prompt, k, tiny_target, tiny_draft,
+                                                       tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
+    base = gen.generate(prompt, schema=PERSON, speculative=False, max_new_tokens=80)
+    spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=k, max_new_tokens=80)
+    assert base.stats.target_calls == len(base.token_ids) + (base.finish_reason == "stop")
+    if spec.token_ids != base.token_ids:
+        ids = tiny_tokenizer.encode(prompt)
+        gap = first_divergence_gap(tiny_target, gen.compile(schema=PERSON), ids,
+                                   base.token_ids, spec.token_ids)
+        assert gap < NEAR_TIE, f"greedy outputs diverge at a clear decision (gap {gap})"
+    assert spec.finish_reason == base.finish_reason
+    assert spec.stats.drafted > 0
+
+
+class IllegalDrafter:
+    """Deterministic drafts that start legal and then propose a token the grammar forbids."""
+
+    def __init__(self, tokenizer):
+        self.bad = tokenizer.convert_tokens_to_ids("Zo")
+
+    def propose(self, tokens, state, constraint, k, sampling, generator):
+        legal = constraint.allowed(state)
+        return Draft(([legal[0]] + [self.bad] * k)[:k])
+
+
+def test_forbidden_draft_tokens_are_never_committed(tiny_target, tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer, draft=IllegalDrafter(tiny_tokenizer), cache_dir=None)
+    constraint = gen.compile(schema=PERSON)
+    for temperature in (0.0, 1.0):
+        res = gen.generate("hello", schema=PERSON, temperature=temperature, seed=3, max_new_tokens=80)
+        assert constraint.accepts_tokens(res.token_ids + [tiny_tokenizer.eos_token_id]) \
+            or res.finish_reason == "length"
+        if res.finish_reason == "stop":
+            jsonschema.validate(res.value, PERSON)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_kv_caches_after_rollback_equal_a_fresh_forward(temperature, tiny_target, tiny_draft,
+                                                       tiny_tokenizer, monkeypatch):
+    """After every round (rejections included), the target's cache + the last committed token
+    gives the same logits as a fresh forward over all committed tokens; the draft's likewise."""
+    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
+    caches, committed, checked = [], tiny_tokenizer.encode("hello"), []
+    real_new_cache = decode_module.kv.new_cache
+    monkeypatch.setattr(decode_module.kv, "new_cache",
+                        lambda model: caches.append(real_new_cache(model)) or caches[-1])
+
+    @torch.no_grad()
+    def check(rnd):
+        committed.extend(rnd.committed)
+        for model, cache, ids in ((tiny_target, caches[0], committed),
+                                  (tiny_draft, gen.drafter._cache, gen.drafter._cached_ids + [0])):
+            assert cache.get_seq_length() == len(ids) - 1
+            via_cache = model(torch.tensor([ids[-1:]]), cache=copy.deepcopy(cache)).logits[0, -1]
+            fresh = model(torch.tensor([ids])).logits[0, -1]
+            torch.testing.assert_close(via_cache, fresh, atol=1e-4, rtol=1e-4)
+        checked.append(rnd.accepted < len(rnd.drafted))
+
+    gen.generate("hello", schema=PERSON, temperature=temperature, seed=1, max_new_tokens=60,
+                 on_round=check)
+    assert any(checked), "no round rejected a draft: the rollback was not exercised"
+
+
+def test_every_stopped_output_validates(tiny_target, tiny_draft, tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
+    for seed in range(8):
+        res = gen.generate("hello", schema=PERSON, temperature=1.0, seed=seed, max_new_tokens=120)
+        if res.finish_reason == "stop":
+            jsonschema.validate(res.value, PERSON)
+            assert gen.compile(schema=PERSON).accepts(res.text)
+
+
+def test_max_new_tokens_stops_with_length(tiny_target, tiny_draft, tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
+    res = gen.generate("hello", regex="[a-z]{20}", max_new_tokens=5, temperature=1.0, seed=0)
+    assert res.finish_reason == "length" and len(res.token_ids) == 5 and res.value is None
+
+
+def test_prompt_forms(tiny_target, tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    ids = tiny_tokenizer.encode("hello")
+    a = gen.generate("hello", regex="(yes|no)", max_new_tokens=4)
+    b = gen.generate(ids, regex="(yes|no)", max_new_tokens=4)
+    assert a.token_ids == b.token_ids and a.text in ("yes", "no")
+
+
+def test_constraint_queries(tiny_target, tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    c = gen.compile(regex='\\{"a":(1|22)\\}')
+    assert c.accepts('{"a":22}') and not c.accepts('{"a":2}') and not c.accepts('{"a":1')
+    brace = tiny_tokenizer.convert_tokens_to_ids("{")
+    assert c.forced(c.initial_state) is None or c.allowed(c.initial_state) == [brace]
+    ids = [tiny_tokenizer.convert_tokens_to_ids(t) for t in ["{", '"', "a", '"', ":", "1", "}"]]
+    assert c.legal_prefix(c.initial_state, ids + ids) == len(ids)  # the second "{" is illegal
+    state = c.initial_state
+    for t in ids:
+        state = c.step(state, t)
+    assert c.accepting(state) and c.step(state, c.eos_id) == FINISHED
+    assert c.mask(state).shape == (tiny_target.lm_head.weight.shape[0],)
+    assert c.mask(state)[c.eos_id] and c.mask(state).sum() == 1
+
+
+def test_non_ascii_values_are_generatable(tiny_target, tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    res = gen.generate("hello", regex="(Zoë|東京)", max_new_tokens=12)
+    assert res.text in ("Zoë", "東京") and res.finish_reason == "stop"
+
+
+# --- bad input: a clear error before any model work -------------------------------------------
+
+class ExplodingModel(torch.nn.Module):
+    def forward(self, *args, **kwargs):
+        raise AssertionError("the model ran before the input was checked")
+
+
+@pytest.fixture
+def guarded_gen(tiny_target, tiny_tokenizer, monkeypatch):
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    monkeypatch.setattr(decode_module, "decode", lambda *a, **k: ExplodingModel()())
+    return gen
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(schema='{"type": "object",'), ConstraintError, "not valid JSON"),
+    (dict(schema={"type": "objekt"}), ConstraintError, "/type"),
+    (dict(schema={"type": "integer", "multipleOf": 3}), UnsupportedSchemaError, "multipleOf"),
+    (dict(schema="/no/such/schema.json"), ConstraintError, "does not exist"),
+    (dict(schema={"type": "integer"}, regex="[0-9]"), ConstraintError, "exactly one"),
+    (dict(regex="(yes|no"), ConstraintError, "regex"),
+    (dict(regex="yes", temperature=-1.0), GenerationInputError, "temperature"),
+    (dict(regex="yes", top_p=1.5), GenerationInputError, "top_p"),
+    (dict(regex="yes", max_new_tokens=0), GenerationInputError, "max_new_tokens"),
+])
+def test_bad_constraint_or_settings_fail_before_model_work(guarded_gen, kwargs, error, words):
+    with pytest.raises(error, match=words):
+        guarded_gen.generate("hello", **kwargs)
+
+
+@pytest.mark.parametrize("prompt, words", [("", "empty"), ([], "prompt"),
+                                           ("x " * 300, "context holds"), ([10**6], "token ids")])
+def test_bad_prompts_fail_before_model_work(guarded_gen, prompt, words):
+    with pytest.raises(GenerationInputError, match=words):
+        guarded_gen.generate(prompt, regex="yes")
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_target, tiny_tokenizer):
+    small = copy.deepcopy(tiny_target)
+    small.resize_token_embeddings(100)
+    with pytest.raises(VocabularyMismatch, match="share the target's vocabulary"):
+        Generator(tiny_target, tiny_tokenizer, draft=small, cache_dir=None)

@@ -1,0 +1,76 @@
+"""The sampling math on its own: the worked examples of DESIGN.md and the policy."""
+
+import pytest
+import torch
+
+from constrained_spec.sample import (SamplingConfig, acceptance_probs, one_hot, policy, residual,
+                                     verify_greedy, verify_sampled)
+
+
+def output_distribution(p, q):
+    """Exact distribution of the committed token after one draft from q: Σ_x q(x)·accept(x)·δ_x
+    + P(reject)·residual, computed from the library's own acceptance and residual."""
+    v = len(p)
+    accept = acceptance_probs(p.expand(v, -1), q.expand(v, -1), torch.arange(v)).nan_to_num(1.0)
+    rejected = (q * (1 - accept)).sum()
+    return q * accept + rejected * residual(p, q)
+
+
+def test_worked_example_one():
+    p, q = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64), torch.tensor([0.5, 0.4, 0.1], dtype=torch.float64)
+    accept = acceptance_probs(p.expand(3, -1), q.expand(3, -1), torch.arange(3))
+    assert accept.tolist() == pytest.approx([1.0, 0.75, 1.0])
+    assert (q * accept).sum().item() == pytest.approx(0.9)
+    assert residual(p, q).tolist() == pytest.approx([1.0, 0.0, 0.0])
+    assert output_distribution(p, q).tolist() == pytest.approx(p.tolist())
+
+
+def test_worked_example_two_cat_dog_fish():
+    p, q = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), torch.tensor([0.6, 0.2, 0.2], dtype=torch.float64)
+    accept = acceptance_probs(p.expand(3, -1), q.expand(3, -1), torch.arange(3))
+    assert accept[0].item() == pytest.approx(0.8333, abs=1e-4)
+    assert residual(p, q).tolist() == pytest.approx([0.0, 1.0, 0.0])
+    assert output_distribution(p, q).tolist() == pytest.approx(p.tolist())
+
+
+def test_one_hot_draft_accepts_with_p_and_resamples_without_it():
+    p = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    q = one_hot([1], 3, "cpu").double()[0]
+    assert acceptance_probs(p[None], q[None], torch.tensor([1])).item() == pytest.approx(0.5)
+    assert residual(p, q).tolist() == pytest.approx([0.4, 0.0, 0.6])
+    assert output_distribution(p, q).tolist() == pytest.approx(p.tolist())
+
+
+def test_policy_masks_then_tempers_then_truncates():
+    logits = torch.tensor([[2.0, 1.0, 0.0, 5.0]])
+    mask = torch.tensor([[True, True, True, False]])  # the best token is illegal
+    assert policy(logits, mask, SamplingConfig(1.0))[0, 3] == 0
+    full = torch.softmax(torch.tensor([2.0, 1.0, 0.0]) / 0.5, -1)
+    assert policy(logits, mask, SamplingConfig(0.5))[0, :3].tolist() == pytest.approx(full.tolist())
+    top1 = policy(logits, mask, SamplingConfig(1.0, top_k=1))[0]
+    assert top1.tolist() == [1.0, 0.0, 0.0, 0.0]
+    top_p = policy(logits, mask, SamplingConfig(1.0, top_p=0.8))[0]  # 0.665 < 0.8 → keep 2
+    kept = torch.softmax(torch.tensor([2.0, 1.0]), -1)
+    assert top_p.tolist() == pytest.approx(kept.tolist() + [0.0, 0.0])
+
+
+def test_verify_sampled_matches_the_exact_output_distribution():
+    """One verify round, many times: the first committed token is distributed as p[0]."""
+    p = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]])
+    q = torch.tensor([[0.5, 0.4, 0.1]])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(3)
+    for _ in range(20000):
+        draft = torch.multinomial(q[0], 1, generator=gen)
+        n, token = verify_sampled(p, q, draft, gen)
+        counts[draft[0] if n == 1 else token] += 1
+    assert (counts / counts.sum() - p[0]).abs().max() < 0.015  # 4+ standard errors at n=20000
+
+
+def test_verify_greedy_accepts_the_argmax_prefix_and_corrects():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    masks = torch.tensor([[True, True, True], [False, True, True], [True, True, True]])
+    n, token = verify_greedy(logits, masks, torch.tensor([1, 0]))  # token 0 is masked at row 1
+    assert (n.item(), token.item()) == (1, 2)
+    n, token = verify_greedy(logits, masks, torch.tensor([1, 2]))
+    assert (n.item(), token.item()) == (2, 2)  # all accepted: bonus from the last row
