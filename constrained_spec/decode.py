@@ -12,7 +12,7 @@ import torch
 
 from . import cache as kv
 from .compile import FINISHED, Constraint, compile_regex, default_cache_dir
-from .draft import EMPTY_DRAFT, Draft, Drafter, ModelDrafter
+from .draft import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, logits_width
 from .errors import ConstraintError, GenerationInputError, VocabularyMismatch
 from .sample import SamplingConfig, one_hot, policy, verify_greedy, verify_sampled
 from .schema import load_schema, schema_to_regex
@@ -27,6 +27,7 @@ class Round:
     accepted: int          # how many of its tokens the target accepted
     token: int             # the target's own token: correction (accepted < drafted) or bonus
     committed: list[int]   # drafted[:accepted] + [token], cut after EOS / at max_new_tokens
+    sources: tuple[str, ...] = ()  # where each drafted token came from: forced/lookup/model
 
 
 @dataclass
@@ -37,6 +38,8 @@ class Stats:
     accepted_lengths: list[int] = field(default_factory=list)  # histogram: rounds by accepted n
     accepted_by_position: list[int] = field(default_factory=list)  # drafts accepted at index i
     drafted_by_position: list[int] = field(default_factory=list)
+    drafted_by_source: dict[str, int] = field(default_factory=dict)  # "forced"/"lookup"/"model"
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -47,10 +50,14 @@ class Stats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, draft: Draft, accepted: int) -> None:
+        drafted = len(draft)
         self.target_calls += 1
         self.drafted += drafted
         self.accepted += accepted
+        for i, source in enumerate(draft.sources):
+            self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + 1
+            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + (i < accepted)
         for hist, n in ((self.accepted_lengths, accepted + 1), (self.drafted_by_position, drafted),
                         (self.accepted_by_position, accepted)):
             hist.extend([0] * (n - len(hist)))
@@ -82,8 +89,7 @@ def speculative_step(target, cache, constraint: Constraint, tokens: list[int], s
     for token in draft.tokens:
         after = constraint.step(states[-1], token)
         if after is None:  # p(token) = 0: it could only be rejected, so the draft ends here
-            draft = Draft(draft.tokens[: len(states) - 1],
-                          None if draft.probs is None else draft.probs[: len(states) - 1])
+            draft = draft.truncate(len(states) - 1)
             break
         states.append(after)
     device = next(target.parameters()).device
@@ -103,7 +109,8 @@ def speculative_step(target, cache, constraint: Constraint, tokens: list[int], s
 
 def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter | None,
            sampling: SamplingConfig, num_draft_tokens: int, max_new_tokens: int,
-           generator: torch.Generator, on_round: Callable[[Round], None] | None = None):
+           generator: torch.Generator, on_round: Callable[[Round], None] | None = None,
+           adaptive: AdaptiveK | None = None):
     """Generate until EOS or ``max_new_tokens``; returns (new token ids, finish_reason, stats)."""
     stats, start = Stats(), time.perf_counter()
     device = next(target.parameters()).device
@@ -112,11 +119,11 @@ def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter |
         kv.forward(target, cache, prompt[:-1], device)  # the last prompt token opens round 1
     stats.prefill_s = time.perf_counter() - start
     tokens, state = list(prompt), constraint.initial_state
-    while state != FINISHED and len(tokens) - len(prompt) < max_new_tokens:
-        budget = min(num_draft_tokens, max_new_tokens - (len(tokens) - len(prompt)) - 1)
+    while state != FINISHED and (room := max_new_tokens - (len(tokens) - len(prompt))) > 0:
+        k = adaptive.choose() if adaptive is not None else num_draft_tokens
         t0 = time.perf_counter()
-        draft = drafter.propose(tokens, state, constraint, budget, sampling, generator) \
-            if drafter is not None and budget > 0 else EMPTY_DRAFT
+        draft = drafter.propose(tokens, state, constraint, k, sampling, generator).truncate(room - 1) \
+            if drafter is not None and room > 1 else EMPTY_DRAFT
         t1 = time.perf_counter()
         n, token, state = speculative_step(target, cache, constraint, tokens, state, draft,
                                            sampling, generator)
@@ -127,16 +134,44 @@ def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter |
         tokens += committed
         kv.crop(cache, len(tokens) - 1)
         assert kv.cached_length(cache) == len(tokens) - 1, "target cache out of step"
+        t2 = time.perf_counter()
         stats.draft_s += t1 - t0
-        stats.verify_s += time.perf_counter() - t1
-        stats.record(len(draft), n)
+        stats.verify_s += t2 - t1
+        stats.record(draft, n)
+        if adaptive is not None:
+            adaptive.update(draft, n, t1 - t0, t2 - t1)
         if stats.target_calls == 1:
-            stats.ttft_s = time.perf_counter() - start
+            stats.ttft_s = t2 - start
         if on_round is not None:
-            on_round(Round(draft.tokens, n, token, committed))
+            on_round(Round(draft.tokens, n, token, committed, draft.sources))
     stats.total_s = time.perf_counter() - start
     output = tokens[len(prompt):]
     return output, ("stop" if state == FINISHED else "length"), stats
+
+
+@dataclass
+class AdaptiveK:
+    """Draft-model tokens per round, chosen to maximise the expected tokens per unit of cost
+    (1 − α^(k+1)) / ((1 − α)(k·c + 1)) (Leviathan et al. 2023, §3.4), from running estimates of
+    α (acceptance of a model-drafted token) and c (draft step cost / target verify cost)."""
+    k_max: int
+    alpha: float = 0.7    # prior until the first rounds are seen
+    cost: float = 0.4     # prior: an int8 copy of the target costs ≈ 0.4 of a target step
+    decay: float = 0.8    # weight of the past in the running estimates
+
+    def choose(self) -> int:
+        a, c = min(self.alpha, 0.99), self.cost
+        gain = lambda k: (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))
+        return max(range(1, self.k_max + 1), key=gain)  # k ≥ 1 keeps α observable
+
+    def update(self, draft: Draft, accepted: int, draft_s: float, verify_s: float) -> None:
+        model_positions = [i for i, s in enumerate(draft.sources) if s == "model"]
+        for i in model_positions:
+            if i <= accepted:  # reached: every token before it was accepted
+                self.alpha = self.decay * self.alpha + (1 - self.decay) * (i < accepted)
+        if model_positions and verify_s > 0:
+            step_cost = draft_s / len(model_positions) / verify_s
+            self.cost = self.decay * self.cost + (1 - self.decay) * step_cost
 
 
 class Generator:
@@ -149,7 +184,7 @@ class Generator:
         allowed between JSON tokens; the default "" emits compact JSON."""
         self.target, self.tokenizer = target.eval(), tokenizer
         self.vocab = token_vocabulary(tokenizer)
-        self.width = target.get_output_embeddings().weight.shape[0]  # logits width (may be padded)
+        self.width = logits_width(target)  # may be padded above len(tokenizer)
         if self.width < len(tokenizer):
             raise VocabularyMismatch(f"the target's logits width {self.width} is smaller than the "
                                      f"tokenizer's {len(tokenizer)} tokens: pass its own tokenizer.")
@@ -185,6 +220,7 @@ class Generator:
     def generate(self, prompt, schema=None, regex: str | None = None, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  num_draft_tokens: int = 4, speculative: bool = True, seed: int | None = None,
+                 adaptive_k: bool = False,
                  on_round: Callable[[Round], None] | None = None) -> Result:
         """Text the constraint accepts, distributed exactly as plain masked sampling."""
         sampling = _check_sampling(temperature, top_k, top_p, num_draft_tokens, max_new_tokens)
@@ -195,8 +231,9 @@ class Generator:
         generator = torch.Generator(device=next(self.target.parameters()).device)
         generator.manual_seed(seed if seed is not None else torch.seed())
         drafter = self.drafter if speculative else None
+        adaptive = AdaptiveK(max(num_draft_tokens, 1)) if adaptive_k else None
         ids, finish, stats = decode(self.target, constraint, prompt_ids, drafter, sampling,
-                                    num_draft_tokens, max_new_tokens, generator, on_round)
+                                    num_draft_tokens, max_new_tokens, generator, on_round, adaptive)
         token_ids = [t for t in ids if t != self.vocab.eos_id]
         text = self.vocab.decode(token_ids)
         value = json.loads(text) if schema_dict is not None and finish == "stop" else None
@@ -228,7 +265,7 @@ class Generator:
 def _as_drafter(draft, vocab_len: int, width: int) -> Drafter | None:
     if draft is None or hasattr(draft, "propose"):
         return draft
-    draft_width = draft.get_output_embeddings().weight.shape[0]
+    draft_width = logits_width(draft)
     if draft_width < vocab_len:
         raise VocabularyMismatch(
             f"the draft model predicts {draft_width} tokens but the target's tokenizer has "

@@ -1,8 +1,13 @@
 """Drafters: cheap proposals of the next few tokens, every one legal under the automaton.
 
-A drafter is any object with ``propose``. A sampled draft carries its proposal distribution q
-(masked by the same policy as the target); a deterministic draft carries ``probs=None`` and is
-verified as one-hot q.
+A drafter is any object with ``propose``. Each draft token comes from one source:
+- "forced": the state has exactly one legal token, so p = 1 on it (free and exact);
+- "lookup": the continuation of an earlier occurrence of the last n tokens (prompt lookup),
+  cut at the first token the automaton rejects;
+- "model": sampled from a draft model's masked policy q (greedy: its masked argmax).
+Forced and lookup tokens are deterministic: verified as one-hot q. Choosing the source per
+position from the prefix alone keeps the rule exact, since each position is verified against
+the q it was actually drawn from.
 """
 
 from __future__ import annotations
@@ -13,17 +18,25 @@ from typing import Protocol
 import torch
 
 from . import cache as kv
-from .compile import Constraint
-from .sample import SamplingConfig, policy
+from .compile import FINISHED, Constraint
+from .sample import SamplingConfig, one_hot, policy
 
 
 @dataclass(frozen=True)
 class Draft:
     tokens: list[int]
-    probs: torch.Tensor | None = None  # (k, V) q rows, or None for a deterministic draft
+    probs: torch.Tensor | None = None  # (k, V) q rows; None when every token is deterministic
+    sources: tuple[str, ...] = ()       # "forced" | "lookup" | "model", one per token
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def truncate(self, n: int) -> "Draft":
+        """The first n tokens (cutting a draft by position or legality keeps the rule exact)."""
+        if n >= len(self.tokens):
+            return self
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
+                     self.sources[:n])
 
 
 EMPTY_DRAFT = Draft([])
@@ -32,55 +45,116 @@ EMPTY_DRAFT = Draft([])
 class Drafter(Protocol):
     def propose(self, tokens: list[int], state: int, constraint: Constraint, k: int,
                 sampling: SamplingConfig, generator: torch.Generator) -> Draft:
-        """Up to ``k`` legal tokens following ``tokens`` (prompt + committed output) from ``state``."""
+        """Up to ``k`` legal tokens following ``tokens`` (prompt + committed output) from ``state``
+        (plus any free forced tokens)."""
         ...
 
 
-class ModelDrafter:
-    """A small causal LM sharing the target's vocabulary, sampled from its own masked policy."""
+def logits_width(model) -> int:
+    """How many logits the model emits (quantized heads have no plain ``weight``)."""
+    head = model.get_output_embeddings()
+    return getattr(head, "out_features", None) or head.weight.shape[0]
+
+
+class DraftModel:
+    """A small causal LM sharing the target's vocabulary, with its own KV cache kept in step."""
 
     def __init__(self, model, width: int):
         self.model, self.width = model, width  # width: the target's logits width (mask width)
         self.device = next(model.parameters()).device
-        self._cache = None
-        self._cached_ids: list[int] = []  # the tokens whose KV the cache holds
+        self.cache = kv.new_cache(model)
+        self.cached_ids: list[int] = []  # the tokens whose KV the cache holds
 
-    def propose(self, tokens, state, constraint, k, sampling, generator):
-        feed = self._sync_cache(tokens)
-        drafted, rows = [], []
-        for _ in range(k):
-            logits = self._fit(kv.forward(self.model, self._cache, feed, self.device)[-1])  # (V,)
-            mask = constraint.mask(state, self.device)
-            if sampling.greedy:
-                token = int(logits.masked_fill(~mask, float("-inf")).argmax())
-            else:
-                q = policy(logits, mask, sampling)
-                token = int(torch.multinomial(q, 1, generator=generator))
-                rows.append(q)
-            self._cached_ids += feed
-            drafted.append(token)
-            state = constraint.step(state, token)
-            if token == constraint.eos_id:
-                break  # nothing follows EOS
-            feed = [token]
-        return Draft(drafted, torch.stack(rows) if rows else None)
+    def next_token(self, context: list[int], state: int, constraint: Constraint,
+                   sampling: SamplingConfig, generator: torch.Generator):
+        """Draw the token after ``context`` from the masked draft policy: (token, q row | None)."""
+        logits = self._fit(kv.forward(self.model, self.cache, self._feed(context), self.device)[-1])
+        mask = constraint.mask(state, self.device)  # (V,)
+        if sampling.greedy:
+            return int(logits.masked_fill(~mask, float("-inf")).argmax()), None
+        q = policy(logits, mask, sampling)  # (V,)
+        return int(torch.multinomial(q, 1, generator=generator)), q  # host sync: the automaton
+        # needs the token to give the next position's mask
 
-    def _sync_cache(self, tokens: list[int]) -> list[int]:
-        """Crop the cache to its longest prefix still committed; return the tokens to feed."""
-        if self._cache is None:
-            self._cache, self._cached_ids = kv.new_cache(self.model), []
-        keep = 0
-        for cached, token in zip(self._cached_ids, tokens):
-            if cached != token:
-                break
-            keep += 1
-        keep = min(keep, len(tokens) - 1)  # the last committed token is always fed
-        kv.crop(self._cache, keep)
-        self._cached_ids = self._cached_ids[:keep]
-        return tokens[keep:]
+    def _feed(self, context: list[int]) -> list[int]:
+        """Crop the cache to its longest prefix still in ``context``; return what to feed."""
+        keep = len(self.cached_ids)
+        if context[:keep] != self.cached_ids:
+            keep = next((i for i, (a, b) in enumerate(zip(self.cached_ids, context)) if a != b),
+                        min(keep, len(context)))
+        keep = min(keep, len(context) - 1)  # the last token is always fed: its logits are needed
+        kv.crop(self.cache, keep)
+        self.cached_ids = context[:]
+        return context[keep:]
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits at the target's width (padding ids beyond the tokenizer are never legal)."""
         if logits.shape[-1] >= self.width:
             return logits[: self.width]
         return torch.cat([logits, logits.new_full((self.width - logits.shape[-1],), float("-inf"))])
+
+
+def lookup(context: list[int], max_ngram: int = 3, max_tokens: int = 10) -> list[int]:
+    """Prompt lookup: after the latest earlier occurrence of the longest matching suffix n-gram
+    (n = max_ngram … 1), the tokens that followed it."""
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        suffix = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == suffix:
+                return context[start + n:start + n + max_tokens]
+    return []
+
+
+@dataclass
+class CompositeDrafter:
+    """Forced tokens first, then prompt lookup when it matches, then the draft model, chosen per
+    position. ``k`` bounds the draft-model tokens; forced and lookup tokens cost no draft step."""
+
+    model: DraftModel | None = None
+    use_forced: bool = True
+    use_lookup: bool = True
+    max_ngram: int = 3        # longest suffix matched against prompt + output
+    max_lookup: int = 10      # tokens copied per match
+    max_draft: int = 24       # longest draft of any mix (the verify pass widens with it)
+
+    def propose(self, tokens, state, constraint, k, sampling, generator):
+        context, rows, sources, model_steps = list(tokens), [], [], 0
+        while len(sources) < self.max_draft and state != FINISHED:
+            forced = constraint.forced(state) if self.use_forced else None
+            if forced == constraint.eos_id:
+                break  # the target's own token will be this EOS, at no extra cost
+            if forced is not None:
+                step = [(forced, None, "forced")]
+            elif self.use_lookup and (copied := self._lookup(context, state, constraint)):
+                step = [(t, None, "lookup") for t in copied]
+            elif self.model is not None and model_steps < k:
+                token, q = self.model.next_token(context, state, constraint, sampling, generator)
+                step, model_steps = [(token, q, "model")], model_steps + 1
+            else:
+                break
+            for token, q, source in step[: self.max_draft - len(sources)]:
+                context.append(token)
+                rows.append(q)
+                sources.append(source)
+                state = constraint.step(state, token)
+        drafted = context[len(tokens):]
+        return Draft(drafted, _stack_rows(rows, drafted, constraint.vocab_size, sampling), tuple(sources))
+
+    def _lookup(self, context, state, constraint) -> list[int]:
+        copied = lookup(context, self.max_ngram, self.max_lookup)
+        copied = copied[: constraint.legal_prefix(state, copied)]
+        return copied[: copied.index(constraint.eos_id)] if constraint.eos_id in copied else copied
+
+
+def _stack_rows(rows, tokens, width, sampling) -> torch.Tensor | None:
+    """(k, V) q: the model's rows where it sampled, one-hot rows for deterministic tokens."""
+    if sampling.greedy or all(q is None for q in rows):
+        return None
+    device = next(q for q in rows if q is not None).device
+    hot = one_hot(tokens, width, device)
+    return torch.stack([q if q is not None else hot[i] for i, q in enumerate(rows)])
+
+
+def ModelDrafter(model, width: int, **options) -> CompositeDrafter:
+    """A draft model with forced tokens and prompt lookup in the mix (options: CompositeDrafter)."""
+    return CompositeDrafter(DraftModel(model, width), **options)

@@ -89,7 +89,7 @@ def test_kv_caches_after_rollback_equal_a_fresh_forward(temperature, tiny_target
     def check(rnd):
         committed.extend(rnd.committed)
         for model, cache, ids in ((tiny_target, caches[0], committed),
-                                  (tiny_draft, gen.drafter._cache, gen.drafter._cached_ids + [0])):
+                                  (tiny_draft, gen.drafter.model.cache, gen.drafter.model.cached_ids + [0])):
             assert cache.get_seq_length() == len(ids) - 1
             via_cache = model(torch.tensor([ids[-1:]]), cache=copy.deepcopy(cache)).logits[0, -1]
             fresh = model(torch.tensor([ids])).logits[0, -1]

@@ -11,9 +11,12 @@ import torch
 from scipy.stats import chisquare
 
 from constrained_spec import Generator, SamplingConfig
+from constrained_spec.draft import CompositeDrafter
 from constrained_spec.sample import policy
 
 REGEX = "(ab|ba|yes|no){1,2}"
+FORCED_REGEX = "(yes|no)\\{\\}(ab|ba)"  # "{" and "}" are single-token (forced) states
+LOOKUP_PROMPT = "hello yes{}ab no{}ba"    # continuations for prompt lookup to copy
 N_SAMPLES = 1500
 P_VALUE_FLOOR = 1e-3  # fixed seeds: each run draws the same samples, so this is deterministic
 
@@ -42,9 +45,9 @@ def masked_sequence_distribution(target, constraint, prompt, cfg, prune=1e-6):
 
 def assert_same_distribution(gen, exact, samples_kwargs, expect_match=True):
     counts = dict.fromkeys(exact, 0)
-    prompt = samples_kwargs.pop("prompt")
+    prompt, regex = samples_kwargs.pop("prompt"), samples_kwargs.pop("regex", REGEX)
     for seed in range(N_SAMPLES):
-        res = gen.generate(prompt, regex=REGEX, seed=seed, max_new_tokens=12, **samples_kwargs)
+        res = gen.generate(prompt, regex=regex, seed=seed, max_new_tokens=12, **samples_kwargs)
         assert res.finish_reason == "stop"
         key = tuple(res.token_ids)
         assert key in counts, f"sampled a sequence of probability ~0: {res.text!r}"
@@ -67,34 +70,45 @@ def assert_same_distribution(gen, exact, samples_kwargs, expect_match=True):
     return p_value, tv
 
 
-@pytest.fixture(scope="module")
-def prompt(tiny_tokenizer):
-    return tiny_tokenizer.encode("hello")
-
-
-def anti_draft(target):
-    """A draft that disagrees strongly: the target with its output layer negated."""
-    draft = copy.deepcopy(target)
-    with torch.no_grad():
-        draft.lm_head.weight.neg_()
+def drafter_for(kind, target, draft):
+    if kind == "anti":  # a draft that disagrees strongly: the target with its output negated
+        anti = copy.deepcopy(target)
+        with torch.no_grad():
+            anti.lm_head.weight.neg_()
+        return anti
+    if kind == "lookup+forced":  # deterministic drafts only (one-hot q)
+        return CompositeDrafter(model=None)
     return draft
 
 
 @pytest.mark.parametrize("case", [
     dict(temperature=1.0, num_draft_tokens=3),
     dict(temperature=0.7, top_p=0.9, num_draft_tokens=4),
-    dict(temperature=1.0, num_draft_tokens=4, draft="anti"),
-])
-def test_speculative_sampling_is_exact(case, tiny_target, tiny_draft, tiny_tokenizer, prompt):
+    dict(temperature=1.0, num_draft_tokens=4, drafter="anti"),
+    dict(temperature=1.0, num_draft_tokens=2, regex=FORCED_REGEX, prompt=LOOKUP_PROMPT),
+    dict(temperature=0.8, top_k=5, num_draft_tokens=2, regex=FORCED_REGEX,
+         prompt=LOOKUP_PROMPT, drafter="lookup+forced"),
+    dict(temperature=1.0, num_draft_tokens=4, adaptive_k=True, regex=FORCED_REGEX,
+         prompt=LOOKUP_PROMPT, drafter="anti"),
+], ids=["T1", "T0.7-top_p", "anti-draft", "model+lookup+forced", "lookup+forced-top_k",
+        "adaptive-k-anti"])
+def test_speculative_sampling_is_exact(case, tiny_target, tiny_draft, tiny_tokenizer):
     case = dict(case)
-    draft = anti_draft(tiny_target) if case.pop("draft", None) == "anti" else tiny_draft
+    draft = drafter_for(case.pop("drafter", None), tiny_target, tiny_draft)
+    case["prompt"] = tiny_tokenizer.encode(case.get("prompt", "hello"))
     gen = Generator(tiny_target, tiny_tokenizer, draft=draft, cache_dir=None)
-    cfg = SamplingConfig(case["temperature"], None, case.get("top_p"))
-    exact = masked_sequence_distribution(tiny_target, gen.compile(regex=REGEX), prompt, cfg)
-    assert_same_distribution(gen, exact, dict(case, prompt=prompt))
+    cfg = SamplingConfig(case["temperature"], case.get("top_k"), case.get("top_p"))
+    constraint = gen.compile(regex=case.get("regex", REGEX))
+    exact = masked_sequence_distribution(tiny_target, constraint, case["prompt"], cfg)
+    sources = {}
+    case["on_round"] = lambda rnd: sources.update(dict.fromkeys(rnd.sources))
+    assert_same_distribution(gen, exact, case)
+    if case.get("regex") == FORCED_REGEX:
+        assert {"forced", "lookup"} <= set(sources), f"sources exercised: {set(sources)}"
 
 
-def test_the_statistical_test_has_power(tiny_target, tiny_draft, tiny_tokenizer, prompt):
+def test_the_statistical_test_has_power(tiny_target, tiny_draft, tiny_tokenizer):
+    prompt = tiny_tokenizer.encode("hello")
     """Negative control: samples from the draft's own masked policy must fail the same test."""
     gen = Generator(tiny_draft, tiny_tokenizer, cache_dir=None)
     exact = masked_sequence_distribution(tiny_target, gen.compile(regex=REGEX), prompt,
