@@ -8,6 +8,7 @@ cursor is just an int state, so rollback is keeping the old int.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import multiprocessing as mp
 import os
 import pickle
@@ -19,10 +20,19 @@ from pathlib import Path
 import torch
 from outlines_core import Index, Vocabulary
 
+_OUTLINES_VERSION = importlib.metadata.version("outlines-core")  # pickled indexes are per version
+
 from .errors import ConstraintError, SchemaTooComplex
 from .vocab import TokenVocabulary
 
 FINISHED = -1  # the state after EOS: nothing is legal any more
+
+# outlines-core (0.2.x) drops every transition from an accepting state into a non-accepting one:
+# `(ab)*` cannot continue "ab" with "a", `[0-9]+(,[0-9]+)*` cannot write "1,2". So the Index is
+# built for `(?:R)\x00` instead: R's complete texts are then non-accepting and keep all their
+# transitions, and "R is complete here" is read off as "the NUL terminator leads to the final
+# state". The terminator is never legal itself: generated text never contains NUL.
+TERMINATOR = b"\x00"
 
 
 class Constraint:
@@ -31,6 +41,11 @@ class Constraint:
     def __init__(self, index: Index, vocab: TokenVocabulary, vocab_size: int, regex: str):
         self.index, self.vocab, self.vocab_size, self.regex = index, vocab, vocab_size, regex
         self.eos_id = vocab.eos_id
+        if TERMINATOR not in vocab.token_bytes:
+            raise ConstraintError("the tokenizer has no single-byte NUL token, which the compiler "
+                                  "needs as its end-of-match terminator: use a byte-level BPE or a "
+                                  "byte-fallback SentencePiece tokenizer.")
+        self.terminator = vocab.token_bytes.index(TERMINATOR)
         self.initial_state: int = index.get_initial_state()
         self._allowed: dict[int, list[int]] = {}
         self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -41,7 +56,8 @@ class Constraint:
         if state not in self._allowed:
             # After EOS only EOS "continues": a harmless row for drafts that end in EOS.
             ids = [self.eos_id] if state == FINISHED else self.index.get_allowed_tokens(state)
-            self._allowed[state] = [i for i in ids if i < self.vocab_size]
+            ids = [i for i in ids if i < self.vocab_size and i not in (self.terminator, self.eos_id)]
+            self._allowed[state] = ids + [self.eos_id] if self.accepting(state) else ids
         return self._allowed[state]
 
     def step(self, state: int, token: int) -> int | None:
@@ -50,7 +66,7 @@ class Constraint:
             return None
         if token == self.eos_id:
             return FINISHED if self.accepting(state) else None
-        return self.index.get_next_state(state, token)
+        return None if token == self.terminator else self.index.get_next_state(state, token)
 
     def legal_prefix(self, state: int, tokens: list[int]) -> int:
         """How many leading ``tokens`` the automaton accepts from ``state``."""
@@ -61,7 +77,11 @@ class Constraint:
         return len(tokens)
 
     def accepting(self, state: int) -> bool:
-        return state != FINISHED and self.index.is_final_state(state)
+        """True iff the text so far is a complete match (EOS is legal here)."""
+        if state == FINISHED:
+            return False
+        after = self.index.get_next_state(state, self.terminator)
+        return after is not None and self.index.is_final_state(after)
 
     def forced(self, state: int) -> int | None:
         """The only legal token, if exactly one (its probability is 1 under any policy)."""
@@ -114,15 +134,17 @@ def compile_regex(regex: str, vocab: TokenVocabulary, vocab_size: int,
     """Compile ``regex`` for this vocabulary; cached in memory and (if ``cache_dir``) on disk."""
     key = (regex, vocab.fingerprint, vocab_size)
     if key not in _compiled:
-        _compiled[key] = Constraint(_load_or_build_index(regex, vocab, cache_dir), vocab,
+        pattern = f"(?:{regex})\\x00"  # see TERMINATOR
+        _compiled[key] = Constraint(_load_or_build_index(pattern, vocab, cache_dir), vocab,
                                     vocab_size, regex)
     return _compiled[key]
 
 
-def _load_or_build_index(regex: str, vocab: TokenVocabulary, cache_dir: Path | None) -> Index:
+def _load_or_build_index(pattern: str, vocab: TokenVocabulary, cache_dir: Path | None) -> Index:
     path = None
     if cache_dir is not None:
-        digest = hashlib.sha256(f"{vocab.fingerprint}\0{regex}".encode()).hexdigest()[:24]
+        key = f"{_OUTLINES_VERSION}\0{vocab.fingerprint}\0{pattern}"
+        digest = hashlib.sha256(key.encode()).hexdigest()[:24]
         path = Path(cache_dir) / "constraints" / f"{digest}.index"
         if path.is_file():
             try:
@@ -132,13 +154,13 @@ def _load_or_build_index(regex: str, vocab: TokenVocabulary, cache_dir: Path | N
     outlines_vocab = _outlines_vocabulary(vocab)  # built here, shared with the child by fork
     try:
         # a small regex without repetition is a small finite language: not worth a fork (~70 ms)
-        trivial = len(regex) <= 1000 and not any(c in regex for c in "*+{")
-        index = run_bounded(lambda: Index(regex, outlines_vocab), "compiling the constraint",
+        trivial = len(pattern) <= 1000 and not any(c in pattern for c in "*+{")
+        index = run_bounded(lambda: Index(pattern, outlines_vocab), "compiling the constraint",
                             timeout_s=0 if trivial else None)
     except SchemaTooComplex:
         raise
     except Exception as e:
-        raise ConstraintError(f"cannot compile the regex {regex[:200]!r}: {e}") from None
+        raise ConstraintError(f"cannot compile the regex {pattern[4:-5][:200]!r}: {e}") from None
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent)

@@ -35,7 +35,9 @@ class TokenVocabulary:
         """``{bytes: [ids]}`` for ``outlines_core.Vocabulary``; several ids may share bytes."""
         out: dict[bytes, list[int]] = {}
         for i, b in enumerate(self.token_bytes):
-            if b and i != self.eos_id:
+            # NUL is the compiler's end-of-match terminator (compile.py): only the bare NUL token
+            # may carry it, so no token can both finish a match and terminate it.
+            if b and i != self.eos_id and (b"\x00" not in b or b == b"\x00"):
                 out.setdefault(b, []).append(i)
         return out
 

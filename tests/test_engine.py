@@ -188,3 +188,18 @@ def test_draft_with_another_vocabulary_is_refused(tiny_target, tiny_tokenizer):
     small.resize_token_embeddings(100)
     with pytest.raises(VocabularyMismatch, match="share the target's vocabulary"):
         Generator(tiny_target, tiny_tokenizer, draft=small, cache_dir=None)
+
+
+@pytest.mark.parametrize("regex, accepted, rejected", [
+    ("(ab)*", ["", "ab", "abab"], ["a", "aba"]),
+    ("[0-9]+(,[0-9]+)*", ["1", "1,2", "12,345"], ["1,", ","]),
+    ("1(\\.0)?", ["1", "1.0"], ["1."]),
+])
+def test_matches_continue_past_an_accepting_prefix(regex, accepted, rejected, tiny_target,
+                                                   tiny_tokenizer):
+    """outlines-core alone drops transitions out of accepting states ("1" could never become
+    "1,2"); the compiler's end-of-match terminator restores them."""
+    c = Generator(tiny_target, tiny_tokenizer, cache_dir=None).compile(regex=regex)
+    assert [t for t in accepted if not c.accepts(t)] == []
+    assert [t for t in rejected if c.accepts(t)] == []
+    assert c.terminator not in c.allowed(c.initial_state)

@@ -1,0 +1,383 @@
+"""The ``constrained-spec`` command: constrained generation from the terminal.
+
+Everything the user typed is validated before the model loads (that takes seconds); bad input
+ends with one line on stderr and exit code 2. Output text goes to stdout, everything else
+(live view, stats, errors) to stderr, so ``constrained-spec generate ... > out.json`` works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import re
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from .errors import ConstraintError, GenerationInputError, VocabularyMismatch
+from .grammars import grammar_names, load_grammar
+from .models import BUILTIN_MODELS, DEFAULT_MODEL, ModelFetchError
+from .schema import load_schema, schema_to_regex
+
+EXIT_USAGE = 2
+# Errors that mean "the input is unusable", not "the program is wrong": one line, exit 2.
+INPUT_ERRORS = (ConstraintError, GenerationInputError, VocabularyMismatch)
+
+
+class UsageError(Exception):
+    """Bad command-line input, found before any model work."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated ``generate`` invocation."""
+    constraint: dict            # {"schema": dict} or {"regex": str}
+    prompt: str | list[dict]    # raw text, or chat messages (the chat template is applied)
+    draft: str | None           # "int8", another model name/path, or None (baseline only)
+
+
+# ---------------------------------------------------------------- argument parsing
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + message; still exit code 2
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="constrained-spec", description=(
+        "Generate text that a JSON Schema, a regex or a named grammar accepts, with exact "
+        "speculative decoding (the output is distributed exactly as plain masked sampling "
+        "from the target model)."))
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=_Parser)
+
+    gen = commands.add_parser("generate", help="generate constrained text for a prompt",
+                              description="Print the generated text (JSON for a schema) on "
+                              "stdout; the live view, stats and errors go to stderr.")
+    gen.add_argument("prompt", metavar="PROMPT",
+                     help="the request, sent as one user chat message (see --raw-prompt)")
+    which = gen.add_mutually_exclusive_group(required=True)
+    which.add_argument("--schema", metavar="FILE",
+                       help="JSON Schema file the output must satisfy (or an inline JSON object)")
+    which.add_argument("--regex", metavar="RE",
+                       help="regex the whole output must match (no ^/$ needed)")
+    which.add_argument("--grammar", metavar="NAME",
+                       help="a ready-made constraint from grammars/ (list: `constrained-spec "
+                       "grammars`)")
+    gen.add_argument("--raw-prompt", action="store_true",
+                     help="feed PROMPT to the model as is, without the chat template")
+    gen.add_argument("--system", metavar="TEXT",
+                     help="a system message placed before PROMPT (chat template only)")
+    gen.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
+                     help=f"target model: a built-in name, a local path or a Hugging Face hub "
+                     f"id (default: {DEFAULT_MODEL})")
+    gen.add_argument("--draft", default="int8", metavar="DRAFT",
+                     help="drafter: 'int8' (an int8-quantized copy of the target, no download), "
+                     "'none', or a draft model name/path sharing the target's tokenizer "
+                     "(default: int8)")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                     help="target weights dtype; the baseline uses the same (default: float32)")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                     help="sampling temperature, 0 = greedy (default: 0)")
+    gen.add_argument("--top-k", type=int, default=None, metavar="K",
+                     help="keep the K most likely legal tokens (default: off)")
+    gen.add_argument("--top-p", type=float, default=None, metavar="P",
+                     help="nucleus sampling: keep the smallest set of legal tokens with mass P "
+                     "(default: off)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="random seed for sampling (default: random)")
+    gen.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
+                     help="stop after N generated tokens (default: 256)")
+    gen.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
+                     help="tokens drafted per round, verified by one target call (default: 4)")
+    gen.add_argument("--adaptive-k", action="store_true",
+                     help="choose the model-drafted tokens per round (up to --num-draft-tokens) "
+                     "from the measured acceptance and draft cost")
+    gen.add_argument("--no-speculation", action="store_true",
+                     help="plain masked decoding, one target call per token (the baseline)")
+    gen.add_argument("--stats", action="store_true",
+                     help="print target calls, tokens per call, acceptance by draft position, "
+                     "TTFT, time per output token, total time and peak memory on stderr")
+    gen.add_argument("--show", action="store_true",
+                     help="live view on stderr: accepted drafts green, rejected draft struck "
+                     "through orange, the target's own token blue, forced tokens underlined")
+    gen.set_defaults(run=_generate)
+
+    lst = commands.add_parser("grammars", help="list the ready-made grammars (--grammar NAME)",
+                              description="List the grammars in grammars/ with a description.")
+    lst.set_defaults(run=_list_grammars)
+    return parser
+
+
+def _validate(args) -> Request:
+    """Everything that can be checked without the model; raises UsageError / ConstraintError."""
+    problems = []
+    if args.temperature < 0:
+        problems.append(f"--temperature {args.temperature} must be >= 0 (0 is greedy)")
+    if args.top_k is not None and args.top_k < 1:
+        problems.append(f"--top-k {args.top_k} must be >= 1")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        problems.append(f"--top-p {args.top_p} must be in (0, 1]")
+    if args.max_new_tokens < 1:
+        problems.append(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    if args.num_draft_tokens < 0:
+        problems.append(f"--num-draft-tokens {args.num_draft_tokens} must be >= 0")
+    if not args.prompt.strip():
+        problems.append("PROMPT is empty: give the model something to respond to")
+    if args.system is not None and args.raw_prompt:
+        problems.append("--system needs the chat template: drop --raw-prompt")
+    if problems:
+        raise UsageError("; ".join(problems) + ".")
+
+    if args.grammar is not None:
+        constraint = load_grammar(args.grammar)
+    elif args.schema is not None:
+        constraint = {"schema": load_schema(args.schema)}
+    else:
+        constraint = {"regex": args.regex}
+    if "schema" in constraint:
+        schema_to_regex(constraint["schema"])  # refuses unsupported keywords now, not later
+    else:
+        try:
+            re.compile(constraint["regex"])
+        except re.error as e:
+            raise UsageError(f"invalid regex {constraint['regex'][:80]!r}: {e}.") from None
+
+    _check_model_name(args.model, "--model")
+    draft = None if args.draft.lower() == "none" or args.no_speculation else args.draft
+    if draft not in (None, "int8"):
+        _check_model_name(draft, "--draft")
+    if draft == "int8" and args.dtype != "float32":
+        raise UsageError(f"--draft int8 quantizes a float32 target: drop --dtype {args.dtype}, "
+                         "or pass --draft none or a draft model.")
+    if args.raw_prompt:
+        prompt = args.prompt
+    else:
+        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                 [{"role": "user", "content": args.prompt}]
+    return Request(constraint, prompt, draft)
+
+
+def _check_model_name(name: str, flag: str) -> None:
+    """A built-in name, an existing local path, or something shaped like a hub id (owner/name)."""
+    builtin = set(BUILTIN_MODELS)
+    if name in builtin or Path(name).expanduser().exists():
+        return
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")):
+        return  # a hub id: only the load can tell whether it exists
+    raise UsageError(f"{flag} {name!r} is not a built-in model, a local path or a hub id "
+                     f"(owner/name): built-in models are {', '.join(sorted(builtin))}.")
+
+
+# ---------------------------------------------------------------- commands
+
+def _list_grammars(args, out: Console, err: Console) -> int:
+    names = grammar_names()
+    if not names:
+        err.print("no grammars found (the grammars/ directory is missing).")
+        return 1
+    table = Table("name", "kind", "description", box=None, pad_edge=False)
+    for name, description in names.items():
+        kind = "schema" if "schema" in load_grammar(name) else "regex"
+        table.add_row(name, kind, description)
+    out.print(table)
+    return 0
+
+
+def _generate(args, out: Console, err: Console) -> int:
+    request = _validate(args)  # before the model: loading it takes seconds
+    import torch
+    from .decode import Generator
+
+    t0 = time.perf_counter()
+    try:  # no spinner here: the first load shows its own download / conversion progress
+        gen = Generator.from_pretrained(args.model, draft=request.draft,
+                                        dtype=getattr(torch, args.dtype))
+    except ModelFetchError as e:  # not the user's input: no network, corrupt download
+        err.print(Text.assemble(("error: ", "bold red"), str(e)))
+        return 1
+    except (OSError, ValueError) as e:  # unknown name, missing path or hub id, bad files
+        message = _first_line(e)
+        raise UsageError(message if args.model in message else
+                         f"cannot load model {args.model!r}: {message}") from None
+    load_s = time.perf_counter() - t0
+
+    meter, t1 = _Meter(), time.perf_counter()
+    view = RoundView(gen, gen.compile(**request.constraint), err) if args.show else None
+    try:
+        result = gen.generate(
+            request.prompt, **request.constraint, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            num_draft_tokens=args.num_draft_tokens, speculative=not args.no_speculation,
+            seed=args.seed, adaptive_k=args.adaptive_k, on_round=meter.chain(view))
+    finally:
+        wall_s = time.perf_counter() - t1
+        if view is not None:
+            view.close()
+    sys.stdout.write(result.text + "\n")  # exactly the text: no markup, emoji or wrapping
+    sys.stdout.flush()
+    if result.finish_reason == "length":
+        err.print(f"stopped at --max-new-tokens {args.max_new_tokens}: the output is incomplete "
+                  "and may not satisfy the constraint.", style="yellow", markup=False)
+    if args.stats:
+        err.print(stats_table(result, meter, load_s, wall_s, args, request))
+    return 0
+
+
+# ---------------------------------------------------------------- live view and stats
+
+class _Meter:
+    """Counts committed tokens per round (EOS included), for tokens-per-call and TPOT."""
+
+    def __init__(self):
+        self.committed, self.first_round = 0, 0
+
+    def chain(self, then):
+        def on_round(r):
+            self.committed += len(r.committed)
+            if not self.first_round:
+                self.first_round = len(r.committed)
+            if then is not None:
+                then(r)
+        return on_round
+
+
+class RoundView:
+    """The live terminal view, fed one ``Round`` at a time by ``generate(on_round=...)``."""
+
+    def __init__(self, gen, constraint, console: Console):
+        self.gen, self.constraint = gen, constraint
+        self.state = constraint.initial_state
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = Text()
+        self.calls = self.tokens = self.forced = self.drafted = self.accepted = 0
+        self.console, self.live = console, None
+
+    def __call__(self, r) -> None:
+        self.text.append_text(render_round(r, self._piece, self._step))
+        self.calls += 1
+        self.tokens += len(r.committed)
+        self.drafted += len(r.drafted)
+        self.accepted += r.accepted
+        if self.live is not None:
+            self.live.update(self._render())
+        elif self.console.is_terminal:  # started on the first round: errors before it stay clean
+            self.live = Live(self._render(), console=self.console, refresh_per_second=10,
+                             vertical_overflow="visible", redirect_stdout=False,
+                             redirect_stderr=False)
+            self.live.start()
+
+    def close(self) -> None:
+        """End the view; on a non-terminal (a pipe, a file) print it once, complete."""
+        if self.live is not None:
+            self.live.stop()
+        elif self.calls:
+            self.console.print(self._render())
+
+    def _piece(self, token: int, committed: bool) -> str:
+        if token == self.constraint.eos_id:
+            return "⏎"
+        if not committed:  # a rejected draft token: shown alone, never fed to the text
+            return self.gen.vocab.decode([token])
+        return self.utf8.decode(self.gen.vocab.token_bytes[token] or b"")
+
+    def _step(self, token: int) -> bool:
+        """Advance the automaton over a committed token; True iff it was forced."""
+        forced = self.constraint.forced(self.state) == token
+        self.state = self.constraint.step(self.state, token)
+        self.forced += forced
+        return forced
+
+    def _render(self):
+        per_call = self.tokens / self.calls if self.calls else 0.0
+        counter = Text.assemble(
+            ("target calls ", "bold"), str(self.calls), ("  vs  tokens ", "bold"), str(self.tokens),
+            f"  ({per_call:.2f} tokens/call; drafts accepted {self.accepted}/{self.drafted}, "
+            f"forced {self.forced})", style="dim")
+        legend = Text.assemble(("accepted draft", "green"), "  ", ("rejected draft", STRUCK),
+                               "  ", ("target token", "blue"), "  ", ("forced", "underline"),
+                               style="dim")
+        return Group(self.text, counter, legend)
+
+
+STRUCK = "strike dark_orange"
+
+
+def render_round(r, piece, step) -> Text:
+    """One round as styled text: accepted draft tokens green, the first rejected draft token
+    struck through in orange, then the target's correction or bonus token in blue; tokens the
+    constraint forced (exactly one legal token) underlined. ``piece(token, committed)`` gives a
+    token's text, ``step(token)`` advances the automaton and says whether the token was forced."""
+    out = Text()
+    for i, token in enumerate(r.committed):
+        if i == r.accepted and r.accepted < len(r.drafted):
+            out.append(piece(r.drafted[r.accepted], False), style=STRUCK)
+        style = "green" if i < r.accepted else "blue"
+        if step(token):
+            style += " underline"
+        out.append(piece(token, True), style=style)
+    return out
+
+
+def stats_table(result, meter: _Meter, load_s: float, wall_s: float, args, request) -> Table:
+    s = result.stats
+    n = meter.committed  # generated tokens, EOS included (the baseline makes one call per token)
+    tpot = (s.total_s - s.ttft_s) / (n - meter.first_round) if n > meter.first_round else 0.0
+    by_position = "  ".join(f"{i + 1}: {a / d:.0%}" for i, (a, d) in
+                            enumerate(zip(s.accepted_by_position, s.drafted_by_position)) if d)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_mb = peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes vs KiB
+    table = Table(title="generation stats", show_header=False, box=None, pad_edge=False,
+                  title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("model / draft", f"{args.model} ({args.dtype}) / "
+                          f"{'none (baseline)' if request.draft is None or args.no_speculation else request.draft}"),
+        ("finish", f"{result.finish_reason}, {n} tokens"),
+        ("target calls", f"{s.target_calls} ({n / s.target_calls if s.target_calls else 0:.2f} "
+                         "tokens per call)"),
+        ("drafts accepted", f"{s.accepted}/{s.drafted} ({s.acceptance_rate:.0%})"),
+        ("acceptance by position", by_position or "-"),
+        ("TTFT", f"{s.ttft_s * 1e3:.0f} ms (prefill {s.prefill_s * 1e3:.0f} ms)"),
+        ("time per output token", f"{tpot * 1e3:.1f} ms"),
+        ("total", f"{s.total_s:.2f} s ({n / s.total_s if s.total_s else 0:.1f} tok/s; draft "
+                  f"{s.draft_s:.2f} s, verify {s.verify_s:.2f} s; with compile {wall_s:.2f} s)"),
+        ("model load", f"{load_s:.1f} s"),
+        ("peak memory (RSS)", f"{peak_mb:.0f} MiB"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+# ---------------------------------------------------------------- entry point
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0 ok, 1 failed, 2 bad input, 130 interrupted)."""
+    out, err = Console(), Console(stderr=True)
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args, out, err)
+    except (UsageError, *INPUT_ERRORS) as e:
+        err.print(Text.assemble(("error: ", "bold red"), _first_line(e)), soft_wrap=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

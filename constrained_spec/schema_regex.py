@@ -1,0 +1,321 @@
+"""Regex building blocks for the schema front end: JSON strings (free text, ``pattern``,
+``format``) and bounded numbers.
+
+A JSON Schema string keyword constrains the *decoded* string; the automaton sees its JSON text,
+where ``"``, ``\\`` and control characters are escaped. So a ``pattern`` is parsed with Python's
+own parser (jsonschema checks patterns with ``re.search``) and re-emitted one character at a
+time in its JSON form. Where Python's meaning is wider than what we can write down (``\\d``
+matches every Unicode digit) the emitted regex takes the ASCII part only: fewer strings, never
+more. Features a finite automaton cannot express exactly (lookarounds, backreferences, anchors
+inside the pattern, flags) raise ``PatternError`` naming the feature.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+try:  # Python >= 3.11
+    from re import _constants as C
+    from re import _parser as sre_parse
+except ImportError:  # pragma: no cover
+    import sre_constants as C
+    import sre_parse
+
+MAX_CODEPOINT = 0x10FFFF
+_HEX = "[0-9a-fA-F]"
+# One decoded character of a JSON string, in any JSON spelling except lone surrogate escapes
+# (a surrogate pair counts as one character, as Python's len() counts it after json.loads).
+STRING_CHAR = (r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]'
+               rf"|\\u(?:[0-9a-cA-Ce-fE-F]{_HEX}{{3}}|[dD][0-7]{_HEX}{{2}})"
+               rf"|\\u[dD][89abAB]{_HEX}{{2}}\\u[dD][c-fC-F]{_HEX}{{2}})")
+_META = set("\\.+*?()|[]{}^$#&-~")
+_CATEGORY = {C.CATEGORY_DIGIT: r"\d", C.CATEGORY_NOT_DIGIT: r"\D", C.CATEGORY_SPACE: r"\s",
+             C.CATEGORY_NOT_SPACE: r"\S", C.CATEGORY_WORD: r"\w", C.CATEGORY_NOT_WORD: r"\W"}
+
+
+class PatternError(ValueError):
+    """A pattern (or format) the automaton cannot honour exactly; the message names why."""
+
+
+def literal(text: str) -> str:
+    """``text`` as a regex matching exactly itself (outlines-core / Rust regex syntax)."""
+    return "".join("\\" + c if c in _META else c for c in text)
+
+
+def json_string(value: str) -> str:
+    """Regex of the JSON text of ``value`` (quotes included), raw UTF-8 or \\u-escaped."""
+    forms = {json.dumps(value, ensure_ascii=False), json.dumps(value)}
+    return alternation(sorted(literal(f) for f in forms))
+
+
+def alternation(alts: list[str]) -> str:
+    return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+
+
+def repeat(regex: str, lo: int, hi: int | None) -> str:
+    if (lo, hi) == (1, 1):
+        return regex
+    return f"(?:{regex}){{{lo},{'' if hi is None else hi}}}"
+
+
+# --- patterns -------------------------------------------------------------------------------
+
+def pattern_body(pattern: str, min_len: int = 0, max_len: int | None = None) -> str:
+    """Regex of the JSON-escaped strings (no quotes) in which ``re.search(pattern)`` succeeds
+    and whose length is within [min_len, max_len]."""
+    try:
+        parsed = sre_parse.parse(pattern)
+    except re.error as e:
+        raise PatternError(f"{pattern!r} is not a valid regular expression ({e})") from None
+    if parsed.state.flags & (re.I | re.M | re.S | re.L | re.A):
+        raise PatternError("inline flags such as (?i), (?m), (?s) are not supported")
+    items = list(parsed)
+    while len(items) == 1 and items[0][0] is C.SUBPATTERN and not any(items[0][1][1:3]):
+        items = list(items[0][1][3])  # a group around the whole pattern
+    branches = items[0][1][1] if len(items) == 1 and items[0][0] is C.BRANCH else [items]
+    if (min_len, max_len) != (0, None):
+        if len(branches) != 1:
+            raise PatternError("minLength/maxLength together with a pattern that has top-level "
+                               "alternatives; put the length into the pattern instead")
+        return _bounded(list(branches[0]), min_len, max_len)
+    return alternation([_anchored(list(b)) for b in branches])
+
+
+def _anchored(items: list) -> str:
+    start = bool(items) and items[0] in ((C.AT, C.AT_BEGINNING), (C.AT, C.AT_BEGINNING_STRING))
+    end = bool(items) and items[-1] in ((C.AT, C.AT_END), (C.AT, C.AT_END_STRING))
+    body = _seq(items[int(start):len(items) - int(end)])
+    # pattern is unanchored (re.search): anything may come before / after the match
+    return ("" if start else f"{STRING_CHAR}*") + body + ("" if end else f"{STRING_CHAR}*")
+
+
+def _bounded(items: list, min_len: int, max_len: int | None) -> str:
+    anchored = (items[:1] in ([(C.AT, C.AT_BEGINNING)], [(C.AT, C.AT_BEGINNING_STRING)])
+                and items[-1:] in ([(C.AT, C.AT_END)], [(C.AT, C.AT_END_STRING)]))
+    if not anchored:
+        raise PatternError("minLength/maxLength together with an unanchored pattern; anchor it "
+                           "(^...$) and put the length into the pattern")
+    body = items[1:-1]
+    lo, hi = sre_parse.SubPattern(sre_parse.State(), body).getwidth()
+    if min_len <= lo and (max_len is None or hi <= max_len):
+        return _seq(body)  # the pattern's own length range is within the bounds
+    reps = [i for i, (op, av) in enumerate(body) if op in (C.MAX_REPEAT, C.MIN_REPEAT)]
+    rest = [x for i, x in enumerate(body) if i not in reps]
+    fixed_lo, fixed_hi = sre_parse.SubPattern(sre_parse.State(), rest).getwidth()
+    if len(reps) != 1 or fixed_lo != fixed_hi or len(body[reps[0]][1][2]) != 1 \
+            or body[reps[0]][1][2].getwidth() != (1, 1):
+        raise PatternError("minLength/maxLength together with this pattern; put the length "
+                           "into the pattern (e.g. ^[a-z]{3,8}$)")
+    r_lo, r_hi, sub = body[reps[0]][1]
+    new_lo = max(r_lo, min_len - fixed_lo)
+    new_hi = r_hi if max_len is None else min(r_hi, max_len - fixed_lo)
+    body = body[:reps[0]] + [(C.MAX_REPEAT, (new_lo, new_hi, sub))] + body[reps[0] + 1:]
+    return _seq(body) if new_lo <= new_hi else "[^\\x{0}-\\x{10FFFF}]"
+
+
+def _seq(items) -> str:
+    return "".join(_item(op, av) for op, av in items)
+
+
+def _item(op, av) -> str:
+    if op is C.LITERAL:
+        return literal(json.dumps(chr(av), ensure_ascii=False)[1:-1])
+    if op in (C.NOT_LITERAL, C.ANY, C.IN):
+        return _charset_regex(_charset(op, av))
+    if op in (C.MAX_REPEAT, C.MIN_REPEAT):  # laziness does not change a full-match language
+        lo, hi, sub = av
+        return repeat(_seq(sub), lo, None if hi is C.MAXREPEAT else hi)
+    if op is C.SUBPATTERN:
+        if av[1] or av[2]:
+            raise PatternError("scoped inline flags (?i:...) are not supported")
+        return "(?:" + _seq(av[3]) + ")"
+    if op is C.BRANCH:
+        return "(?:" + "|".join(_seq(b) for b in av[1]) + ")"
+    names = {C.AT: "anchors or \\b inside the pattern (only a leading ^ and a trailing $)",
+             C.GROUPREF: "backreferences", C.GROUPREF_EXISTS: "conditional groups",
+             C.ASSERT: "lookarounds", C.ASSERT_NOT: "lookarounds"}
+    raise PatternError(f"{names.get(op, str(op).lower())} cannot be compiled to an automaton")
+
+
+def _charset(op, av) -> list[tuple[int, int]]:
+    """Code point ranges a one-character item matches (ASCII-only where Python's is wider)."""
+    if op is C.ANY:
+        return [(0, 9), (11, MAX_CODEPOINT)]
+    if op is C.NOT_LITERAL:
+        return _complement([(av, av)])
+    negate = bool(av) and av[0][0] is C.NEGATE
+    ranges, categories = [], []
+    for sub_op, sub_av in av[int(negate):]:
+        if sub_op is C.LITERAL:
+            ranges.append((sub_av, sub_av))
+        elif sub_op is C.RANGE:
+            ranges.append(sub_av)
+        elif sub_op is C.CATEGORY and sub_av in _CATEGORY:
+            categories.append(_CATEGORY[sub_av])
+        else:
+            raise PatternError(f"character class item {sub_op} is not supported")
+    for cat in categories:  # exact on ASCII; non-ASCII members are left out (fewer strings)
+        ranges += [(c, c) for c in range(128) if re.fullmatch(cat, chr(c))]
+    if not negate:
+        return _normalise(ranges)
+    full = _complement(ranges)
+    return [(lo, min(hi, 127)) for lo, hi in full if lo < 128] if categories else full
+
+
+def _normalise(ranges) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _complement(ranges) -> list[tuple[int, int]]:
+    out, nxt = [], 0
+    for lo, hi in _normalise(ranges):
+        if lo > nxt:
+            out.append((nxt, lo - 1))
+        nxt = hi + 1
+    return out + ([(nxt, MAX_CODEPOINT)] if nxt <= MAX_CODEPOINT else [])
+
+
+def _charset_regex(ranges: list[tuple[int, int]]) -> str:
+    """The JSON spellings of a set of characters: raw where JSON allows, escaped otherwise."""
+    special = [(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0xD800, 0xDFFF)]
+    raw = [r for r in _intersect(ranges, _complement(special))]
+    escaped = [c for lo, hi in _intersect(ranges, special[:3]) for c in range(lo, hi + 1)]
+    alts = ["[" + "".join(f"\\x{{{lo:X}}}" + (f"-\\x{{{hi:X}}}" if hi > lo else "")
+                          for lo, hi in raw) + "]"] if raw else []
+    alts += [literal(json.dumps(chr(c))[1:-1]) for c in escaped]
+    if not alts:
+        raise PatternError("a character class that matches no character")
+    return alternation(alts)
+
+
+def _intersect(a, b) -> list[tuple[int, int]]:
+    return [(max(x, y), min(p, q)) for x, p in _normalise(a) for y, q in _normalise(b)
+            if max(x, y) <= min(p, q)]
+
+
+# --- formats --------------------------------------------------------------------------------
+# Each is a Python pattern, anchored, whose every match passes jsonschema's FormatChecker
+# (and the stricter libraries it may use: rfc3339-validator, idna, fqdn, rfc3987); many valid
+# values are left out (e.g. IPv6 shorthand), never an invalid one is let in.
+_YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"  # 0000 is not a date
+_LEAP = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+              r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_DATE = rf"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP}-02-29)"
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_LABEL = r"[a-z](?:[a-z0-9]|-[a-z0-9]){0,30}"  # <= 61 chars, no "--" (idna), no edge hyphen
+_HOST = rf"{_LABEL}(?:\.{_LABEL}){{0,3}}"  # <= 247 chars in all (fqdn: 253)
+_URI = rf"https?://{_HOST}(?::[1-9][0-9]{{0,3}})?(?:/[a-zA-Z0-9._~-]*)*(?:\?[a-zA-Z0-9._~=&-]*)?"
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": rf"{_DATE}T{_TIME}",
+    "email": r"[a-zA-Z0-9._%+-]{1,64}@[a-z0-9](?:[a-z0-9-]{0,30}[a-z0-9])?(?:\.[a-z]{2,10}){1,3}",
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "ipv4": rf"{_OCTET}(?:\.{_OCTET}){{3}}",
+    "ipv6": r"[0-9a-f]{1,4}(?::[0-9a-f]{1,4}){7}",
+    "hostname": _HOST,
+    "uri": _URI,
+    "json-pointer": r"(?:/(?:[^~/]|~[01])*)*",
+}
+FORMATS |= {"idn-email": FORMATS["email"], "idn-hostname": _HOST, "uri-reference": _URI,
+            "iri": _URI, "iri-reference": _URI, "ip-address": FORMATS["ipv4"],
+            "host-name": _HOST}
+# Formats JSON Schema defines (some checked by jsonschema when a library is installed) that we
+# cannot write as a regex exactly: refused by name. Other format names are annotations only
+# (jsonschema ignores them), so they do not constrain the output.
+KNOWN_FORMATS = set(FORMATS) | {"duration", "uri-template", "relative-json-pointer", "regex",
+                                "color"}
+
+
+def format_body(name: str, min_len: int = 0, max_len: int | None = None) -> str:
+    """Regex of the JSON text (no quotes) of strings in format ``name`` (a key of FORMATS)."""
+    return pattern_body(f"^{FORMATS[name]}$", min_len, max_len)
+
+
+# --- numbers --------------------------------------------------------------------------------
+# Integers: exact digit-range regexes. Non-integers with bounds: at most FRACTION_DIGITS digits
+# after the point and no exponent, so that json.loads' float rounding (~1e-7 at 1e9) cannot move
+# a value across an integer bound (values are >= 1e-6 away from it, or exactly on it).
+FRACTION_DIGITS = 6
+
+
+def integer_range(lo: int | None, hi: int | None) -> str | None:
+    """Regex of the canonical decimal integers in [lo, hi] (None: unbounded); None if empty."""
+    alts = []
+    if hi is None or hi >= 0:
+        alts += _naturals(max(lo, 0) if lo is not None else 0, hi)
+    if lo is None or lo < 0:
+        mags = _naturals(max(-hi, 1) if hi is not None and hi < 0 else 1,
+                         -lo if lo is not None else None)
+        if mags:
+            alts.append("-" + alternation(mags))
+    return alternation(alts) if alts else None
+
+
+def _naturals(lo: int, hi: int | None) -> list[str]:
+    if hi is not None and lo > hi:
+        return []
+    alts, n = [], len(str(lo))
+    while hi is None or n <= len(str(hi)):
+        first, last = max(lo, 10 ** (n - 1) if n > 1 else 0), 10 ** n - 1
+        if hi is None and lo <= 10 ** (n - 1) and n > 1:
+            return alts + [f"[1-9][0-9]{{{n - 1},}}"]  # every length from here on
+        last = last if hi is None else min(last, hi)
+        if first <= last:
+            alts.append(_same_length(str(first), str(last)))
+        n += 1
+    return alts
+
+
+def _same_length(a: str, b: str) -> str:
+    """Digit strings of one length between a and b (inclusive)."""
+    if a == b:
+        return a
+    if a[0] == b[0]:
+        return a[0] + _same_length(a[1:], b[1:])
+    n = len(a) - 1
+    tail = f"[0-9]{{{n}}}" if n else ""
+    if a[1:] == "0" * n and b[1:] == "9" * n:
+        return f"[{a[0]}-{b[0]}]" + tail
+    alts = [a[0] + _same_length(a[1:], "9" * n)]
+    if int(a[0]) + 1 <= int(b[0]) - 1:
+        alts.append(f"[{int(a[0]) + 1}-{int(b[0]) - 1}]" + tail)
+    alts.append(b[0] + _same_length("0" * n, b[1:]))
+    return "(?:" + "|".join(alts) + ")"
+
+
+def number_range(lo: int | None, lo_ex: bool, hi: int | None, hi_ex: bool) -> str | None:
+    """Regex of decimal numbers x with lo <(=) x <(=) hi, integer bounds (None: unbounded)."""
+    alts = []
+    if hi is None or hi > 0 or (hi == 0 and not hi_ex):  # x >= 0
+        pos_lo, pos_ex = (lo, lo_ex) if lo is not None and lo >= 0 else (0, False)
+        alts += _magnitudes(pos_lo, pos_ex, hi, hi_ex)
+    if lo is None or lo < 0:  # x < 0, as m = -x > 0
+        neg_lo, neg_ex = (-hi, hi_ex) if hi is not None and hi < 0 else (0, True)
+        mags = _magnitudes(neg_lo, neg_ex, None if lo is None else -lo, lo_ex)
+        if mags:
+            alts.append("-" + alternation(mags))
+    return alternation(alts) if alts else None
+
+
+def _magnitudes(lo: int, lo_ex: bool, hi: int | None, hi_ex: bool) -> list[str]:
+    frac = rf"\.[0-9]{{1,{FRACTION_DIGITS}}}"
+    alts = []
+    any_lo, any_hi = lo + 1 if lo_ex else lo, None if hi is None else hi - 1
+    ints = integer_range(any_lo, any_hi) if any_hi is None or any_lo <= any_hi else None
+    if ints:  # i + f lies in [any_lo, any_hi + 1) for every fraction f
+        alts.append(f"{ints}(?:{frac})?")
+    if hi is not None and not hi_ex and (hi > lo or (hi == lo and not lo_ex)):
+        alts.append(f"{hi}(?:\\.0{{1,{FRACTION_DIGITS}}})?")  # exactly on the upper bound
+    if lo_ex and (hi is None or lo + 1 <= hi):  # just above an exclusive lower bound
+        alts.append(f"{lo}\\.[0-9]{{0,{FRACTION_DIGITS - 1}}}[1-9]")
+    return alts

