@@ -54,9 +54,11 @@ class Constraint:
     def allowed(self, state: int) -> list[int]:
         """Legal token ids in ``state`` (EOS included iff accepting); computed once per state."""
         if state not in self._allowed:
-            # After EOS only EOS "continues": a harmless row for drafts that end in EOS.
-            ids = [self.eos_id] if state == FINISHED else self.index.get_allowed_tokens(state)
-            ids = [i for i in ids if i < self.vocab_size and i not in (self.terminator, self.eos_id)]
+            if state == FINISHED:  # only EOS "continues": a harmless row for drafts ending in EOS
+                self._allowed[state] = [self.eos_id]
+                return self._allowed[state]
+            ids = [i for i in self.index.get_allowed_tokens(state)
+                   if i < self.vocab_size and i not in (self.terminator, self.eos_id)]
             self._allowed[state] = ids + [self.eos_id] if self.accepting(state) else ids
         return self._allowed[state]
 
