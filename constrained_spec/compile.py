@@ -17,6 +17,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import torch
 from outlines_core import Index, Vocabulary
 
@@ -47,19 +48,25 @@ class Constraint:
                                   "byte-fallback SentencePiece tokenizer.")
         self.terminator = vocab.token_bytes.index(TERMINATOR)
         self.initial_state: int = index.get_initial_state()
-        self._allowed: dict[int, list[int]] = {}
+        self._allowed: dict[int, np.ndarray] = {}
         self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._byte_ids = {b[0]: i for i, b in enumerate(vocab.token_bytes) if b and len(b) == 1}
 
     def allowed(self, state: int) -> list[int]:
-        """Legal token ids in ``state`` (EOS included iff accepting); computed once per state."""
+        """Legal token ids in ``state`` (EOS included iff accepting)."""
+        return self._legal(state).tolist()
+
+    def _legal(self, state: int) -> np.ndarray:
+        """Legal ids as an array, computed once per state (numpy: a free-text state has ~50k)."""
         if state not in self._allowed:
             if state == FINISHED:  # only EOS "continues": a harmless row for drafts ending in EOS
-                self._allowed[state] = [self.eos_id]
-                return self._allowed[state]
-            ids = [i for i in self.index.get_allowed_tokens(state)
-                   if i < self.vocab_size and i not in (self.terminator, self.eos_id)]
-            self._allowed[state] = ids + [self.eos_id] if self.accepting(state) else ids
+                ids = np.array([self.eos_id])
+            else:
+                ids = np.array(self.index.get_allowed_tokens(state), dtype=np.int64)
+                ids = ids[(ids < self.vocab_size) & (ids != self.terminator) & (ids != self.eos_id)]
+                if self.accepting(state):
+                    ids = np.append(ids, self.eos_id)
+            self._allowed[state] = ids
         return self._allowed[state]
 
     def step(self, state: int, token: int) -> int | None:
@@ -87,21 +94,21 @@ class Constraint:
 
     def forced(self, state: int) -> int | None:
         """The only legal token, if exactly one (its probability is 1 under any policy)."""
-        allowed = self.allowed(state)
-        return allowed[0] if len(allowed) == 1 else None
+        legal = self._legal(state)
+        return int(legal[0]) if len(legal) == 1 else None
 
     def mask(self, state: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Boolean mask of legal ids, (V,) with V the model's logits width; cached per state."""
         device = torch.device(device)
         key = (state, device)
         if key not in self._masks:
-            allowed = self.allowed(state)
-            if not allowed:
+            legal = self._legal(state)
+            if not len(legal):
                 raise ConstraintError(f"state {state} has no legal token: the constraint cannot "
                                       "be completed with this vocabulary.")
-            m = torch.zeros(self.vocab_size, dtype=torch.bool)
-            m[torch.tensor(allowed)] = True
-            self._masks[key] = m.to(device)
+            m = np.zeros(self.vocab_size, dtype=bool)
+            m[legal] = True  # numpy scatter: ~50x faster than torch index_put on CPU here
+            self._masks[key] = torch.from_numpy(m).to(device)
         return self._masks[key]
 
     def accepts_tokens(self, tokens: list[int]) -> bool:
