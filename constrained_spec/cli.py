@@ -21,6 +21,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from .decode import DRAFTS
 from .errors import ConstraintError, GenerationInputError, VocabularyMismatch
 from .grammars import grammar_names, load_grammar
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, ModelFetchError
@@ -78,10 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
                      help=f"target model: a built-in name, a local path or a Hugging Face hub "
                      f"id (default: {DEFAULT_MODEL})")
-    gen.add_argument("--draft", default="int8", metavar="DRAFT",
-                     help="drafter: 'int8' (an int8-quantized copy of the target, no download), "
-                     "'none', or a draft model name/path sharing the target's tokenizer "
-                     "(default: int8)")
+    gen.add_argument("--draft", default="auto", metavar="DRAFT",
+                     help="drafter: " + "; ".join(f"'{k}' = {v}" for k, v in DRAFTS.items())
+                     + "; or a draft model name/path sharing the target's tokenizer (default: auto)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                      help="target weights dtype; the baseline uses the same (default: float32)")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
@@ -152,7 +152,7 @@ def _validate(args) -> Request:
 
     _check_model_name(args.model, "--model")
     draft = None if args.draft.lower() == "none" or args.no_speculation else args.draft
-    if draft not in (None, "int8"):
+    if draft not in (None, *DRAFTS):
         _check_model_name(draft, "--draft")
     if draft == "int8" and args.dtype != "float32":
         raise UsageError(f"--draft int8 quantizes a float32 target: drop --dtype {args.dtype}, "

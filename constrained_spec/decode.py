@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ import torch
 
 from . import cache as kv
 from .compile import FINISHED, Constraint, compile_regex, default_cache_dir
-from .draft import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, logits_width
+from .draft import EMPTY_DRAFT, CompositeDrafter, Draft, Drafter, ModelDrafter, logits_width
 from .errors import ConstraintError, GenerationInputError, VocabularyMismatch
 from .sample import SamplingConfig, one_hot, policy, verify_greedy, verify_sampled
 from .schema import load_schema, schema_to_regex
@@ -194,20 +195,14 @@ class Generator:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
 
     @classmethod
-    def from_pretrained(cls, target: str = "smollm2-135m-instruct", draft: str | None = "int8",
+    def from_pretrained(cls, target: str = "smollm2-135m-instruct", draft: str | None = "auto",
                         dtype: torch.dtype = torch.float32, **kwargs) -> "Generator":
-        """Load a built-in model name, a local path or a hub id. ``draft``: "int8" (a dynamically
-        quantized copy of the target: no extra download), None, or another model name/path."""
-        from .models import load_model, quantize_int8  # keeps `import constrained_spec` light
+        """Load a built-in model name, a local path or a hub id. ``draft``: one of DRAFTS (no
+        extra download) or a draft model name/path sharing the target's tokenizer."""
+        from .models import load_model  # keeps `import constrained_spec` light
 
         model, tokenizer = load_model(target, dtype)
-        if draft == "int8":
-            draft_model = quantize_int8(model)
-        elif draft is not None:
-            draft_model, _ = load_model(draft, dtype)
-        else:
-            draft_model = None
-        return cls(model, tokenizer, draft=draft_model, **kwargs)
+        return cls(model, tokenizer, draft=_named_draft(draft, model, dtype), **kwargs)
 
     def compile(self, schema=None, regex: str | None = None) -> Constraint:
         """The compiled constraint for this tokenizer: a JSON Schema or a regex, exactly one."""
@@ -260,6 +255,31 @@ class Generator:
                 f"the prompt has {len(ids)} tokens but the model's context holds {self.context}: "
                 "shorten the prompt.")
         return ids
+
+
+# Drafts that need no download. "auto" is what benchmarks/results/ shows fastest on the default
+# model on a 2-core CPU (see README): forced tokens + prompt lookup, no draft model.
+DRAFTS = {"auto": "the fastest measured here (currently: lookup)",
+          "lookup": "grammar-forced tokens + prompt lookup (free drafts, no draft model)",
+          "int8": "a dynamically int8-quantized copy of the target, plus forced + lookup",
+          "bf16": "a bfloat16 copy of the target, plus forced + lookup",
+          "none": "no drafts: the masked baseline"}
+AUTO_DRAFT = "lookup"
+
+
+def _named_draft(draft: str | None, model, dtype: torch.dtype):
+    from .models import load_model, quantize_int8
+
+    draft = AUTO_DRAFT if draft == "auto" else draft
+    if draft in (None, "none"):
+        return None
+    if draft == "lookup":
+        return CompositeDrafter(model=None)
+    if draft == "int8":
+        return quantize_int8(model)
+    if draft == "bf16":
+        return copy.deepcopy(model).to(torch.bfloat16)
+    return load_model(draft, dtype)[0]
 
 
 def _as_drafter(draft, vocab_len: int, width: int) -> Drafter | None:
