@@ -97,6 +97,39 @@ class Constraint:
         legal = self._legal(state)
         return int(legal[0]) if len(legal) == 1 else None
 
+    def forced_text(self, state: int, limit: int = 64) -> bytes:
+        """The bytes every continuation from ``state`` starts with: the grammar leaves exactly one
+        choice for each (e.g. `","name":"` between two values). Stops where the match may end."""
+        out = bytearray()
+        while len(out) < limit and not self.accepting(state):
+            legal = self._legal(state)
+            if len(legal) > 256:  # a free-text state: nothing forced (and skip the scan)
+                break
+            first_bytes = {self.vocab.token_bytes[i][0] for i in legal.tolist()}
+            if len(first_bytes) != 1:
+                break
+            byte = first_bytes.pop()
+            out.append(byte)
+            state = self.step(state, self._byte_ids[byte])
+        return bytes(out)
+
+    def tokenize(self, state: int, data: bytes, limit: int, prefer=frozenset()) -> list[int]:
+        """Up to ``limit`` tokens spelling a prefix of ``data`` that the automaton accepts from
+        ``state``: at each position the longest legal token in ``prefer`` (e.g. the tokens the
+        model has chosen before), else the longest legal token."""
+        tokens, pos = [], 0
+        while pos < len(data) and len(tokens) < limit:
+            candidates = []  # (token, state after, end), longest first
+            for end in range(min(len(data), pos + self.vocab.max_token_bytes), pos, -1):
+                token = self.vocab.ids_by_bytes.get(data[pos:end])
+                if token is not None and (after := self.step(state, token)) is not None:
+                    candidates.append((token, after, end))
+            if not candidates:
+                break  # no legal token spells the next bytes
+            token, state, pos = next((c for c in candidates if c[0] in prefer), candidates[0])
+            tokens.append(token)
+        return tokens
+
     def mask(self, state: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Boolean mask of legal ids, (V,) with V the model's logits width; cached per state."""
         device = torch.device(device)

@@ -141,6 +141,8 @@ def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter |
         stats.record(draft, n)
         if adaptive is not None:
             adaptive.update(draft, n, t1 - t0, t2 - t1)
+        if hasattr(drafter, "observe"):
+            drafter.observe(committed)
         if stats.target_calls == 1:
             stats.ttft_s = t2 - start
         if on_round is not None:

@@ -2,17 +2,19 @@
 
 A drafter is any object with ``propose``. Each draft token comes from one source:
 - "forced": the state has exactly one legal token, so p = 1 on it (free and exact);
-- "lookup": the continuation of an earlier occurrence of the last n tokens (prompt lookup),
+- "grammar": text the grammar forces (e.g. `","age":`) where several tokenizations are legal,
+  spelled by greedy longest match;
+- "lookup": the continuation of an earlier occurrence of the text's last bytes (prompt lookup),
   cut at the first token the automaton rejects;
 - "model": sampled from a draft model's masked policy q (greedy: its masked argmax).
-Forced and lookup tokens are deterministic: verified as one-hot q. Choosing the source per
+Forced, grammar and lookup tokens are deterministic: verified as one-hot q. Choosing the source per
 position from the prefix alone keeps the rule exact, since each position is verified against
 the q it was actually drawn from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -94,56 +96,62 @@ class DraftModel:
         return torch.cat([logits, logits.new_full((self.width - logits.shape[-1],), float("-inf"))])
 
 
-def lookup(context: list[int], max_ngram: int = 3, max_tokens: int = 10) -> list[int]:
-    """Prompt lookup: after the latest earlier occurrence of the longest matching suffix n-gram
-    (n = max_ngram … 1), the tokens that followed it."""
-    for n in range(min(max_ngram, len(context) - 1), 0, -1):
-        suffix = context[-n:]
-        for start in range(len(context) - n - 1, -1, -1):
-            if context[start:start + n] == suffix:
-                return context[start + n:start + n + max_tokens]
-    return []
+def lookup(text: bytes, min_match: int = 4, max_match: int = 32, max_bytes: int = 64) -> bytes:
+    """Prompt lookup on text: the bytes that followed the latest earlier occurrence of the
+    longest suffix of ``text`` (max_match … min_match bytes). Matching bytes rather than token
+    ids finds copies whose tokenization differs (" Alice" in a prompt, "Alice" after a quote)."""
+    for n in range(min(max_match, len(text) - 1), min_match - 1, -1):
+        start = text.rfind(text[-n:], 0, len(text) - 1)
+        if start >= 0:
+            return text[start + n:start + n + max_bytes]
+    return b""
 
 
 @dataclass
 class CompositeDrafter:
-    """Forced tokens first, then prompt lookup when it matches, then the draft model, chosen per
-    position. ``k`` bounds the draft-model tokens; forced and lookup tokens cost no draft step."""
+    """Per position: the text the grammar forces, else prompt lookup when it matches, else the
+    draft model. ``k`` bounds the draft-model tokens; forced and lookup tokens cost no draft step
+    (forced and copied text is spelled in tokens by the greedy longest match the automaton
+    accepts: a deterministic draft, verified by the target like any other)."""
 
     model: DraftModel | None = None
     use_forced: bool = True
     use_lookup: bool = True
-    max_ngram: int = 3        # longest suffix matched against prompt + output
+    min_match: int = 4        # shortest text suffix that may trigger a lookup, in bytes
     max_lookup: int = 10      # tokens copied per match
     max_draft: int = 24       # longest draft of any mix (the verify pass widens with it)
+    # Tokens the target has committed: forced text is spelled with them where possible, since
+    # a model keeps its habits (SmolLM2 writes `{` `"` rather than `{"`).
+    target_tokens: set[int] = field(default_factory=set)
+
+    def observe(self, committed: list[int]) -> None:
+        """Learn from the tokens the target committed this round."""
+        self.target_tokens.update(committed)
 
     def propose(self, tokens, state, constraint, k, sampling, generator):
         context, rows, sources, model_steps = list(tokens), [], [], 0
+        text = constraint.vocab.text_bytes(tokens)
         while len(sources) < self.max_draft and state != FINISHED:
-            forced = constraint.forced(state) if self.use_forced else None
-            if forced == constraint.eos_id:
-                break  # the target's own token will be this EOS, at no extra cost
-            if forced is not None:
-                step = [(forced, None, "forced")]
-            elif self.use_lookup and (copied := self._lookup(context, state, constraint)):
-                step = [(t, None, "lookup") for t in copied]
+            room = min(self.max_lookup, self.max_draft - len(sources))
+            forced_text = constraint.forced_text(state) if self.use_forced else b""
+            if ids := constraint.tokenize(state, forced_text, room, self.target_tokens):
+                step = [(t, None, "grammar") for t in ids]
+            elif self.use_lookup and (ids := constraint.tokenize(state, lookup(text, self.min_match), room)):
+                step = [(t, None, "lookup") for t in ids]
             elif self.model is not None and model_steps < k:
                 token, q = self.model.next_token(context, state, constraint, sampling, generator)
                 step, model_steps = [(token, q, "model")], model_steps + 1
             else:
                 break
-            for token, q, source in step[: self.max_draft - len(sources)]:
+            for token, q, source in step:
+                forced = source == "grammar" and constraint.forced(state) == token
+                sources.append("forced" if forced else source)  # forced: p = 1, never rejected
                 context.append(token)
                 rows.append(q)
-                sources.append(source)
+                text += constraint.vocab.token_bytes[token] or b""
                 state = constraint.step(state, token)
         drafted = context[len(tokens):]
         return Draft(drafted, _stack_rows(rows, drafted, constraint.vocab_size, sampling), tuple(sources))
-
-    def _lookup(self, context, state, constraint) -> list[int]:
-        copied = lookup(context, self.max_ngram, self.max_lookup)
-        copied = copied[: constraint.legal_prefix(state, copied)]
-        return copied[: copied.index(constraint.eos_id)] if constraint.eos_id in copied else copied
 
 
 def _stack_rows(rows, tokens, width, sampling) -> torch.Tensor | None:

@@ -41,6 +41,19 @@ class TokenVocabulary:
                 out.setdefault(b, []).append(i)
         return out
 
+    @cached_property
+    def ids_by_bytes(self) -> dict[bytes, int]:
+        """One id per byte string (for tokenizing drafted text), EOS and NUL excluded."""
+        return {b: ids[0] for b, ids in self.outlines_map().items() if b != b"\x00"}
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        return max(len(b) for b in self.ids_by_bytes)
+
+    def text_bytes(self, ids: list[int]) -> bytes:
+        """The bytes of a token sequence; special tokens become NUL, which never matches text."""
+        return b"".join(self.token_bytes[i] or b"\x00" for i in ids)
+
     def decode(self, ids: list[int]) -> str:
         """Text of a token sequence, from the same bytes the automaton saw (EOS contributes none)."""
         data = b"".join(self.token_bytes[i] or b"" for i in ids if i != self.eos_id)
