@@ -110,28 +110,60 @@ def test_summary_accounting(quick_run):
     lookup = summary["lookup"]
     rows = [r for r in results["results"] if r["config"] == "lookup"]
     assert lookup["drafted"] == sum(r["drafted"] for r in rows)
-    assert set(lookup["by_source"]) <= {"forced", "lookup"}
+    assert lookup["by_source"] and "model" not in lookup["by_source"]  # no draft model there
     assert "speedups" in summary["int8+lookup/k4@t0.7"]  # ÷ baseline@t0.7
     assert summary["int8/k2"]["cost_ratio"] is not None
 
 
-def test_divergence_gap_points_at_the_first_difference():
+@pytest.fixture(scope="module")
+def tiny_gen(tmp_path_factory):
     model, tokenizer = workloads.tiny_model_and_tokenizer()
-    gen = run.Generator(model, tokenizer, cache_dir=None)
-    request = workloads.Request("r", "f", "s", "extract", SCHEMAS[0],
-                                workloads.messages_for("extract", SCHEMAS[0], INSTANCES[0]))
+    return run.Generator(model, tokenizer, cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+REQUEST = workloads.Request("r", "f", "s", "extract", SCHEMAS[0],
+                            workloads.messages_for("extract", SCHEMAS[0], INSTANCES[0]),
+                            expected=INSTANCES[0])
+
+
+def test_judge_marks_invalid_outputs_and_divergences(tiny_gen):
+    greedy, hot = run.Config("x", "engine", "lookup"), run.Config("y", "engine", "lookup",
+                                                                   temperature=0.7)
+    ref = tiny_gen.generate(REQUEST.messages, schema=SCHEMAS[0], speculative=False,
+                            max_new_tokens=64)
+    reference = {"token_ids": ref.token_ids, "text": ref.text}
+    cases = [('{"color":"green","ok":true}', "stop", True, True),
+             ('{"color":"red"}', "stop", False, False),       # a required property missing
+             ('{"color":"green","ok":true}', "length", False, True),  # cut: not a finished output
+             ('{"color":"green",', "length", False, False)]
+    for text, finish, valid, exact in cases:
+        row = {"status": "ok", "text": text, "finish_reason": finish, "token_ids": ref.token_ids}
+        run.judge(row, REQUEST, hot, reference, tiny_gen)
+        assert (row["valid"], row["exact_match"], row["identical"]) == (valid, exact, None)
+    row = {"status": "ok", "text": ref.text, "finish_reason": "stop", "token_ids": ref.token_ids}
+    run.judge(row, REQUEST, greedy, reference, tiny_gen)
+    assert row["identical"] is True and "first_divergence" not in row
+    row = {"status": "ok", "text": "", "finish_reason": "length", "token_ids": ref.token_ids[:-1]}
+    run.judge(row, REQUEST, greedy, reference, tiny_gen)
+    assert row["identical"] is False and row["first_divergence"] == len(ref.token_ids) - 1
+    assert row["near_tie"] is False  # a cut output is not a near-tie
+    row = {"status": "error", "error": "boom"}
+    run.judge(row, REQUEST, greedy, reference, tiny_gen)
+    assert "valid" not in row  # crashes are counted as errors, not judged
+
+
+def test_divergence_gap_points_at_the_first_difference(tiny_gen):
+    gen, request = tiny_gen, REQUEST
     ids = gen.generate(request.messages, schema=SCHEMAS[0], speculative=False,
                        max_new_tokens=64).token_ids
     assert run.divergence_gap(gen, request, ids, list(ids)) == (None, None)
-    constraint, state = gen.compile(schema=SCHEMAS[0]), None
-    state = constraint.initial_state
-    for t in ids[:2]:
-        state = constraint.step(state, t)
-    other = [t for t in constraint.allowed(state) if t != ids[2]]
-    if not other:
-        pytest.skip("position 2 is forced for this tokenizer")
-    index, gap = run.divergence_gap(gen, request, ids, ids[:2] + other[:1])
-    assert index == 2 and gap >= 0
+    constraint = gen.compile(schema=SCHEMAS[0])
+    state, i = constraint.initial_state, 0
+    while len(constraint.allowed(state)) < 2:  # the first choice the grammar leaves open
+        state, i = constraint.step(state, ids[i]), i + 1
+    other = next(t for t in constraint.allowed(state) if t != ids[i])
+    index, gap = run.divergence_gap(gen, request, ids, ids[:i] + [other])
+    assert index == i and gap >= 0
 
 
 def test_prediction_formula():
@@ -144,8 +176,9 @@ def test_prediction_formula():
 
 
 def test_config_selection():
-    names = [c.name for c in run.select_configs("int8+lookup/k*")]
+    names = [c.name for c in run.select_configs("int8+lookup/k[0-9]")]
     assert names == ["baseline", "int8+lookup/k2", "int8+lookup/k4", "int8+lookup/k8"]
+    assert "int8+lookup/k4@t0.7" in [c.name for c in run.select_configs("int8+lookup/k*")]
     assert "baseline@t0.7" in [c.name for c in run.select_configs("lookup@t0.7")]
     with pytest.raises(SystemExit, match="matches nothing"):
         run.select_configs("nonsense")

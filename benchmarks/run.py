@@ -1,0 +1,608 @@
+"""Masked speculative decoding vs the masked baseline vs peers: same requests, one process.
+
+    python benchmarks/run.py --workload extract --n 40 --out benchmarks/results/<name>
+    python benchmarks/run.py --quick --out /tmp/bench-quick          # tiny random model, seconds
+    python benchmarks/run.py --report-only --out benchmarks/results/<name>   # redo report + plots
+
+Every configuration runs on every request, interleaved (request i: all configurations, in an
+order rotated by i, so machine noise and first-visit costs spread evenly). Before timing:
+each configuration is warmed up once on an extra request, and each request gets one untimed
+greedy baseline pass, which fills the mask cache of the states it visits and is the reference
+for greedy identity. Timed: from chat messages in to token ids out, compile excluded (ours is
+cached; the peers' processors are built before the clock starts).
+
+Configurations (``--configs`` takes names, shell patterns such as 'int8*', or groups):
+    baseline                     masked decoding, one target call per token
+    forced, lookup               grammar-forced tokens; + grammar-aware prompt lookup
+    int8/k{K}, int8/adaptive     int8 self-draft only (CompositeDrafter(DraftModel), no free drafts)
+    int8+lookup/k{K}, .../adaptive   the default ModelDrafter: forced + lookup + int8 model
+    ...@t0.7                     the same at temperature 0.7 (seeded per request)
+    outlines                     outlines Generator (transformers model, outlines-core processor)
+    hf+outlines                  transformers generate with that logits processor
+    hf-assisted-lookup+outlines  + prompt_lookup_num_tokens=10
+    hf-assisted-int8+outlines    + assistant_model = the int8 copy
+Groups: all, engine, peers, greedy, sampled, default (= all).
+Outputs under --out: requests.json, results.jsonl (one line per run, written as it goes),
+results.json (everything, with the command line and machine), report.md, *.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(HERE)]
+
+from constrained_spec import Generator  # noqa: E402
+from constrained_spec.compile import Constraint, run_bounded  # noqa: E402
+from constrained_spec.draft import CompositeDrafter, DraftModel, ModelDrafter  # noqa: E402
+
+import report  # noqa: E402
+import workloads  # noqa: E402
+from workloads import Request, Selection  # noqa: E402
+
+KS = (2, 4, 8)
+ADAPTIVE_K_MAX = 8
+HOT_T = 0.7
+NEAR_TIE = 1e-3  # fp32 logits of a k-token verify and k single steps differ in the last bits
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    kind: str                  # engine | outlines | hf | hf-assisted
+    drafter: str | None = None  # forced | lookup | int8 | int8+lookup (hf-assisted: lookup | int8)
+    k: int = 0                 # engine: draft-model tokens per round (k_max when adaptive)
+    adaptive: bool = False
+    temperature: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def peer(self) -> bool:
+        return self.kind != "engine"
+
+
+def all_configs() -> list[Config]:
+    hot = lambda c: replace(c, name=f"{c.name}@t{HOT_T:g}", temperature=HOT_T)  # noqa: E731
+    base = Config("baseline", "engine")
+    forced, lookup = Config("forced", "engine", "forced"), Config("lookup", "engine", "lookup")
+    model = {d: [Config(f"{d}/k{k}", "engine", d, k) for k in KS]
+             + [Config(f"{d}/adaptive", "engine", d, ADAPTIVE_K_MAX, adaptive=True)]
+             for d in ("int8", "int8+lookup")}
+    peers = [Config("outlines", "outlines"), Config("hf+outlines", "hf"),
+             Config("hf-assisted-lookup+outlines", "hf-assisted", "lookup"),
+             Config("hf-assisted-int8+outlines", "hf-assisted", "int8")]
+    return ([base, forced, lookup, *model["int8"], *model["int8+lookup"]]
+            + [hot(base), hot(lookup), hot(model["int8"][1]), hot(model["int8+lookup"][1]),
+               hot(model["int8+lookup"][-1])]
+            + peers + [hot(peers[1])])
+
+
+def select_configs(spec: str) -> list[Config]:
+    configs, chosen = all_configs(), []
+    groups = {"all": lambda c: True, "default": lambda c: True,
+              "engine": lambda c: not c.peer, "peers": lambda c: c.peer,
+              "greedy": lambda c: c.greedy, "sampled": lambda c: not c.greedy}
+    for pattern in [p.strip() for p in spec.split(",") if p.strip()]:
+        match = [c for c in configs if (groups[pattern](c) if pattern in groups
+                                        else fnmatch.fnmatchcase(c.name, pattern))]
+        if not match:
+            names = ", ".join(c.name for c in configs)
+            raise SystemExit(f"--configs: {pattern!r} matches nothing. Names: {names}; "
+                             f"groups: {', '.join(groups)}.")
+        chosen += [c for c in match if c not in chosen]
+    if not any(c.name == "baseline" for c in chosen):  # speedups are relative to it
+        chosen.insert(0, configs[0])
+    hot_base = next(c for c in configs if c.name == f"baseline@t{HOT_T:g}")
+    if any(not c.greedy for c in chosen) and hot_base not in chosen:
+        chosen.append(hot_base)
+    return sorted(chosen, key=configs.index)
+
+
+# --- measurement helpers ------------------------------------------------------------------------
+
+class Meter:
+    """Counters shared by every run: target forwards (a hook) and time in Constraint.mask."""
+
+    current: "Meter | None" = None
+
+    def __init__(self, target):
+        self.forwards, self.mask_s, self.mask_calls = 0, 0.0, 0
+        self.hook = target.register_forward_pre_hook(self._count)
+        Meter.current = self
+        if not hasattr(Constraint, "_unmetered_mask"):  # a wrapper here, not a library change
+            Constraint._unmetered_mask = Constraint.mask
+            Constraint.mask = _metered_mask
+
+    def close(self) -> None:
+        self.hook.remove()
+        Meter.current = None
+        if hasattr(Constraint, "_unmetered_mask"):
+            Constraint.mask = Constraint._unmetered_mask
+            del Constraint._unmetered_mask
+
+    def _count(self, module, args):
+        self.forwards += 1
+
+    def reset(self) -> None:
+        self.forwards, self.mask_s, self.mask_calls = 0, 0.0, 0
+        _reset_peak_rss()
+
+
+def _metered_mask(constraint, state, device="cpu"):
+    t = time.perf_counter()
+    try:
+        return constraint._unmetered_mask(state, device)
+    finally:
+        if Meter.current is not None:
+            Meter.current.mask_s += time.perf_counter() - t
+            Meter.current.mask_calls += 1
+
+
+def _reset_peak_rss() -> None:
+    try:  # Linux: "5" resets VmHWM (the peak RSS) to the current RSS
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class TimedProcessor:
+    """Wraps a logits processor: time inside it, and when it is first called (≈ TTFT)."""
+
+    def __init__(self, inner, start: float):
+        self.inner, self.start = inner, start
+        self.first_call_s, self.seconds, self.calls, self.prompt_len = None, 0.0, 0, None
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def __call__(self, input_ids, scores):
+        t = time.perf_counter()
+        if self.first_call_s is None:
+            self.first_call_s, self.prompt_len = t - self.start, input_ids.shape[-1]
+        try:
+            return self.inner(input_ids, scores)
+        finally:
+            self.seconds += time.perf_counter() - t
+            self.calls += 1
+
+
+# --- runners: one request under one configuration -----------------------------------------------
+
+class Bench:
+    def __init__(self, args, model, tokenizer, configs):
+        self.args, self.model, self.tokenizer = args, model, tokenizer
+        self.gen = Generator(model, tokenizer, draft=None)
+        self.eos = self.gen.vocab.eos_id
+        self._outlines = None       # outlines Transformers model, or the exception it raised
+        self._indexes: dict = {}    # request id → outlines-core Index, or the exception
+        self._drafters: dict = {}   # configuration name → its drafter
+        self.int8 = None
+        if any(c.drafter in ("int8", "int8+lookup") for c in configs):
+            from constrained_spec.models import quantize_int8
+            self.int8 = quantize_int8(model)  # before the meter's hook, which a copy would inherit
+        self.meter = Meter(model)
+
+    def drafter(self, config: Config):
+        """One drafter per configuration, kept across requests as a user's Generator keeps it
+        (a draft KV cache that reuses a shared prompt prefix; what a drafter learns)."""
+        if config.drafter is None:
+            return None
+        if config.name not in self._drafters:
+            width = self.gen.width
+            self._drafters[config.name] = {
+                "forced": lambda: CompositeDrafter(model=None, use_lookup=False),
+                "lookup": lambda: CompositeDrafter(model=None),
+                "int8": lambda: CompositeDrafter(DraftModel(self.int8, width), use_forced=False,
+                                                 use_lookup=False),
+                "int8+lookup": lambda: ModelDrafter(self.int8, width),
+            }[config.drafter]()
+        return self._drafters[config.name]
+
+    def run(self, config: Config, request: Request, seed: int, max_new_tokens: int) -> dict:
+        row = {"config": config.name, "request": request.id, "seed": seed,
+               "temperature": config.temperature, "prompt_tokens": request.prompt_tokens,
+               "loadavg": os.getloadavg()[0]}
+        try:
+            runner = self.run_engine if config.kind == "engine" else self.run_peer
+            row.update(runner(config, request, seed, max_new_tokens))
+            row["status"] = row.get("status", "ok")
+        except Exception as e:  # a crash is a result, recorded as such
+            row.update(status="error", error=f"{type(e).__name__}: {str(e)[:500]}")
+        row["rss_peak_mb"] = peak_rss_mb()
+        return row
+
+    def run_engine(self, config, request, seed, max_new_tokens) -> dict:
+        self.gen.drafter = self.drafter(config)  # Generator keeps one drafter: swap it per run
+        speculative = config.drafter is not None
+        self.meter.reset()
+        t0 = time.perf_counter()
+        result = self.gen.generate(request.messages, schema=request.schema,
+                                   max_new_tokens=max_new_tokens,
+                                   temperature=config.temperature, seed=seed,
+                                   num_draft_tokens=max(config.k, 1), speculative=speculative,
+                                   adaptive_k=config.adaptive)
+        wall = time.perf_counter() - t0
+        s, n = result.stats, len(result.token_ids)
+        return {"token_ids": result.token_ids, "text": result.text, "finish_reason":
+                result.finish_reason, "output_tokens": n, "wall_s": wall, "decode_s": s.total_s,
+                "ttft_s": s.ttft_s, "tpot_s": (s.total_s - s.ttft_s) / (n - 1) if n > 1 else None,
+                "prefill_s": s.prefill_s, "gen_s": s.total_s - s.prefill_s,
+                "draft_s": s.draft_s, "verify_s": s.verify_s,
+                "mask_s": self.meter.mask_s, "mask_calls": self.meter.mask_calls,
+                "target_calls": s.target_calls, "forward_calls": self.meter.forwards,
+                "committed_tokens": n + (result.finish_reason == "stop"),
+                "drafted": s.drafted, "accepted": s.accepted,
+                "accepted_by_position": s.accepted_by_position,
+                "drafted_by_position": s.drafted_by_position,
+                "drafted_by_source": s.drafted_by_source,
+                "accepted_by_source": s.accepted_by_source,
+                "accepted_lengths": s.accepted_lengths}
+
+    # peers -----------------------------------------------------------------------------------
+
+    def outlines_index(self, request: Request):
+        """outlines' own regex (build_regex_from_schema, compact whitespace) compiled by
+        outlines-core with outlines' vocabulary, bounded like ours; built before timing."""
+        if request.id not in self._indexes:
+            try:
+                from outlines.backends.outlines_core import OutlinesCoreBackend
+                from outlines_core import Index
+                from outlines_core.json_schema import build_regex_from_schema
+                model = self.outlines_model()
+                vocabulary = getattr(self, "_outlines_vocab", None)
+                if vocabulary is None:
+                    vocabulary = self._outlines_vocab = OutlinesCoreBackend(model).vocabulary
+                regex = build_regex_from_schema(json.dumps(request.schema), "")
+                t = time.perf_counter()
+                index = run_bounded(lambda: Index(regex, vocabulary), "outlines compile",
+                                    timeout_s=self.args.compile_timeout)
+                self._indexes[request.id] = (index, time.perf_counter() - t)
+            except Exception as e:
+                self._indexes[request.id] = (e, None)
+        return self._indexes[request.id]
+
+    def outlines_model(self):
+        if self._outlines is None:
+            try:
+                import outlines
+                self._outlines = outlines.from_transformers(self.model, self.tokenizer)
+            except Exception as e:
+                self._outlines = e
+        if isinstance(self._outlines, Exception):
+            raise self._outlines
+        return self._outlines
+
+    def run_peer(self, config, request, seed, max_new_tokens) -> dict:
+        try:
+            from outlines.backends.outlines_core import OutlinesCoreLogitsProcessor
+        except ImportError as e:
+            return {"status": "unavailable", "error": f"{type(e).__name__}: {e}"}
+        index, compile_s = self.outlines_index(request)
+        if isinstance(index, Exception):
+            return {"status": "error", "error": f"outlines compile: {type(index).__name__}: "
+                                                f"{str(index)[:300]}"}
+        sampling = {"do_sample": False} if config.greedy else {
+            "do_sample": True, "temperature": config.temperature, "top_k": 0, "top_p": 1.0}
+        sampling.update(max_new_tokens=max_new_tokens, eos_token_id=self.eos, pad_token_id=self.eos)
+        if config.kind == "hf-assisted":
+            sampling.update({"prompt_lookup_num_tokens": 10} if config.drafter == "lookup"
+                            else {"assistant_model": self.int8})
+        torch.manual_seed(seed)  # transformers samples from the global generator
+        self.meter.reset()
+        t0 = time.perf_counter()
+        processor = TimedProcessor(OutlinesCoreLogitsProcessor(index, "torch"), t0)
+        if config.kind == "outlines":
+            prompt_len, new = self._outlines_generate(request, processor, sampling)
+        else:
+            prompt_len, new = self._hf_generate(request, processor, sampling)
+        wall = time.perf_counter() - t0
+        stop = self.eos in new
+        ids = new[: new.index(self.eos)] if stop else new
+        n, forwards = len(ids), self.meter.forwards
+        ttft = processor.first_call_s
+        return {"token_ids": ids, "text": self.gen.vocab.decode(ids),
+                "finish_reason": "stop" if stop else "length", "output_tokens": n,
+                "peer_prompt_tokens": prompt_len, "wall_s": wall, "decode_s": wall, "ttft_s": ttft,
+                "gen_s": wall - ttft if ttft is not None else None,
+                "tpot_s": (wall - ttft) / (n - 1) if n > 1 and ttft is not None else None,
+                "mask_s": processor.seconds, "mask_calls": processor.calls,
+                "target_calls": forwards, "forward_calls": forwards,
+                "committed_tokens": n + stop, "peer_compile_s": compile_s}
+
+    def _hf_generate(self, request, processor, sampling):
+        from transformers import LogitsProcessorList
+        text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
+                                                  tokenize=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        input_ids = torch.tensor([ids])
+        with torch.inference_mode():
+            out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                      logits_processor=LogitsProcessorList([processor]), **sampling)
+        return len(ids), out[0, len(ids):].tolist()
+
+    def _outlines_generate(self, request, processor, sampling):
+        from outlines.generator import SteerableGenerator
+        from outlines.inputs import Chat
+        model = self.outlines_model()
+        # outlines returns decoded text; keep its ids instead (token counts must be exact)
+        model._decode_generation = lambda generated: generated  # noqa: SLF001
+        try:
+            generator = SteerableGenerator.from_processor(model, processor)
+            with torch.inference_mode():
+                new = generator(Chat(request.messages), **sampling)
+        finally:
+            del model._decode_generation
+        return processor.prompt_len, new.reshape(-1).tolist()
+
+
+# --- forward costs, measured apart from the decode loop ----------------------------------------
+
+@torch.inference_mode()
+def calibrate(target, draft, context: list[int], reps: int = 3) -> dict:
+    """ms of one target forward over n new tokens (n = 1, 2, 3, 5, 9, 17: a verify of k = n − 1
+    drafts) and of one draft-model step, after ``context`` is cached: the c and verify-cost
+    curve the speedup prediction needs, free of loop overhead and of the draft's prefill."""
+    from constrained_spec import cache as kv
+
+    def step_ms(model, n: int) -> float:
+        cache = kv.new_cache(model)
+        kv.forward(model, cache, context, "cpu")
+        times = []
+        for r in range(reps + 1):
+            t = time.perf_counter()
+            kv.forward(model, cache, context[-n:], "cpu")
+            times.append(time.perf_counter() - t)
+            kv.crop(cache, len(context))
+        return 1e3 * statistics.median(times[1:])
+
+    out = {"context_tokens": len(context),
+           "target_ms": {n: step_ms(target, n) for n in (1, 2, 3, 5, 9, 17)}}
+    if draft is not None:
+        out["draft_step_ms"] = step_ms(draft, 1)
+        t = time.perf_counter()
+        kv.forward(draft, kv.new_cache(draft), context, "cpu")
+        out["draft_prefill_ms"] = 1e3 * (time.perf_counter() - t)
+        out["cost_ratio"] = out["draft_step_ms"] / out["target_ms"][1]
+    return out
+
+
+# --- correctness fields ------------------------------------------------------------------------
+
+@torch.inference_mode()
+def divergence_gap(gen, request: Request, reference: list[int], other: list[int]) -> tuple:
+    """(first index where two greedy outputs differ, the reference's top-2 masked logit gap
+    there); (None, None) if identical."""
+    if reference == other:
+        return None, None
+    constraint = gen.compile(schema=request.schema)
+    prompt = gen._prompt_ids(request.messages)  # noqa: SLF001
+    state = constraint.initial_state
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            logits = gen.target(torch.tensor([prompt + reference[:i]])).logits[0, -1].float()
+            top2 = logits[: constraint.vocab_size].masked_fill(
+                ~constraint.mask(state), float("-inf")).topk(2).values
+            return i, float(top2[0] - top2[1])
+        state = constraint.step(state, a)
+    return min(len(reference), len(other)), None  # one is a prefix of the other (length cut)
+
+
+def judge(row: dict, request: Request, config: Config, reference: dict | None, gen) -> None:
+    """Adds validity, exact match (extract) and greedy identity with the baseline."""
+    if row.get("status") != "ok":
+        return
+    try:
+        value = json.loads(row["text"])
+        parsed = True
+    except ValueError:
+        value, parsed = None, False
+    row["valid"] = parsed and row["finish_reason"] == "stop" and \
+        workloads.is_valid(request.schema, value)
+    if request.expected is not None:
+        row["exact_match"] = parsed and value == request.expected
+    if not config.greedy or reference is None:
+        row["identical"] = None
+        return
+    if config.peer:  # another regex may tokenize the same text differently: compare texts
+        row["identical"] = row["text"] == reference["text"]
+        return
+    row["identical"] = row["token_ids"] == reference["token_ids"]
+    if not row["identical"]:
+        index, gap = divergence_gap(gen, request, reference["token_ids"], row["token_ids"])
+        row.update(first_divergence=index, divergence_gap=gap,
+                   near_tie=gap is not None and gap < NEAR_TIE)
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+def machine_info(args) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "cpus": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                           if line.startswith("model name"))
+        info["avx512_bf16"] = "avx512_bf16" in cpuinfo
+    except (OSError, StopIteration):
+        pass
+    for name in ("transformers", "outlines", "outlines_core", "jsonschema"):
+        try:
+            from importlib.metadata import version
+            info[name] = version(name)
+        except Exception:
+            info[name] = None
+    try:
+        git = lambda *a: subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True,  # noqa
+                                        text=True, timeout=10).stdout.strip()
+        info["git_commit"] = git("rev-parse", "HEAD")
+        info["git_dirty"] = bool(git("status", "--porcelain"))
+    except Exception:
+        pass
+    return info
+
+
+def load(args):
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        return workloads.tiny_model_and_tokenizer()
+    from constrained_spec.models import load_model
+    return load_model(args.model)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    if args.report_only:
+        report.write(json.loads((out / "results.json").read_text()), out)
+        print(f"report: {out / 'report.md'}")
+        return 0
+    configs = select_configs(args.configs)
+    out.mkdir(parents=True, exist_ok=True)
+    say = lambda *a: print(*a, flush=True)  # noqa: E731
+    say(f"loading {'the tiny random model' if args.quick else args.model} ...")
+    model, tokenizer = load(args)
+    bench = Bench(args, model, tokenizer, configs)
+    try:
+        return measure(args, configs, bench, out, argv, say)
+    finally:
+        bench.meter.close()
+
+
+def measure(args, configs, bench, out: Path, argv, say) -> int:
+    sel = Selection(args.seed, args.max_schema_chars, args.min_instance_chars,
+                    args.max_instance_chars, args.max_prompt_tokens, args.compile_timeout)
+    say(f"selecting {args.n} {args.workload} requests from {args.data} ...")
+    t = time.perf_counter()
+    requests, skipped = workloads.select_requests(bench.gen, args.workload, args.n, sel,
+                                                  Path(args.data), log=say)
+    say(f"  {len(requests) - 1} requests (+1 warm-up) in {time.perf_counter() - t:.1f} s; "
+        f"skipped: {skipped}")
+    if len(requests) < 2:
+        raise SystemExit("no usable requests: loosen --max-schema-chars / --max-instance-chars.")
+    warmup, requests = requests[0], requests[1:]
+    (out / "requests.json").write_text(json.dumps(
+        {"selection": asdict(sel), "warmup": warmup.to_json(), "skipped": skipped,
+         "requests": [r.to_json() for r in requests]}, indent=1, ensure_ascii=False))
+    meta = {"command": shlex.join([sys.executable, *sys.argv]) if argv is None
+            else shlex.join(["benchmarks/run.py", *argv]),
+            "args": vars(args), "machine": machine_info(args), "started": time.time(),
+            "model": "tiny random (quick)" if args.quick else args.model,
+            "configs": [asdict(c) for c in configs], "near_tie": NEAR_TIE}
+
+    if args.calibrate:
+        say("measuring forward costs ...")
+        meta["calibration"] = calibrate(bench.model, bench.int8,
+                                        bench.gen._prompt_ids(warmup.messages))  # noqa: SLF001
+        say(f"  {json.dumps(meta['calibration'])}")
+    say(f"warming up {len(configs)} configurations ...")
+    for config in configs:
+        row = bench.run(config, warmup, args.seed, min(args.max_new_tokens, 32))
+        if row["status"] != "ok":
+            say(f"  {config.name}: {row['status']} {row.get('error', '')[:200]}")
+    rows: list[dict] = []
+    jsonl = (out / "results.jsonl").open("w")
+    for i, request in enumerate(requests):
+        seed = args.seed * 100003 + i
+        reference = bench.run(configs[0], request, seed, args.max_new_tokens)  # untimed
+        if reference["status"] != "ok":
+            reference = None
+        order = configs[i % len(configs):] + configs[: i % len(configs)]
+        for config in order:
+            row = bench.run(config, request, seed, args.max_new_tokens)
+            judge(row, request, config, reference, bench.gen)
+            rows.append(row)
+            jsonl.write(json.dumps(row, ensure_ascii=False) + "\n")
+            jsonl.flush()
+        done = [r for r in rows if r["request"] == request.id and r["status"] == "ok"]
+        say(f"[{i + 1}/{len(requests)}] {request.id} {request.file}: " + "  ".join(
+            f"{r['config']}={r['output_tokens'] / r['wall_s']:.1f}" for r in done) + " tok/s")
+        # after every request, so that a run cut short still has a report (--report-only)
+        results = save(out, meta, warmup, skipped, requests[: i + 1], rows)
+        gc.collect()
+    jsonl.close()
+    meta["partial"] = False
+    results = save(out, meta, warmup, skipped, requests, rows)
+    report.write(results, out)
+    say(f"results: {out / 'results.json'}\nreport:  {out / 'report.md'}")
+    return 0
+
+
+def save(out: Path, meta: dict, warmup, skipped, requests, rows) -> dict:
+    meta.update(finished=time.time(), partial=meta.get("partial", True))
+    meta["machine"]["loadavg_end"] = os.getloadavg()
+    results = {"meta": meta, "warmup": warmup.to_json(), "skipped": skipped,
+               "requests": [r.to_json() for r in requests], "results": rows}
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1, ensure_ascii=False))
+    os.replace(tmp, out / "results.json")
+    return results
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=workloads.WORKLOADS, default="extract")
+    p.add_argument("--n", type=int, default=None, help="requests (default 40; 2 with --quick)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--configs", default="default", help="comma-separated names/patterns/groups")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 256 (40 with --quick)")
+    p.add_argument("--seed", type=int, default=0, help="selects the requests; seeds T>0 sampling")
+    p.add_argument("--data", default=str(workloads.DATA), help="JSONSchemaBench-style folder")
+    p.add_argument("--max-schema-chars", type=int, default=None, help="default 1500 (500 quick)")
+    p.add_argument("--min-instance-chars", type=int, default=20)
+    p.add_argument("--max-instance-chars", type=int, default=None, help="default 300 (120 quick)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--compile-timeout", type=float, default=10.0,
+                   help="seconds; schemas (and outlines' regexes) compiling longer are skipped")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's own; 1 with --quick). On a shared "
+                        "2-core machine 2 threads can be 10x slower than 1: check first")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="skip measuring target/draft forward costs (a few seconds)")
+    p.add_argument("--quick", action="store_true", help="tiny random model, a few requests")
+    p.add_argument("--report-only", action="store_true", help="rebuild report from results.json")
+    args = p.parse_args(argv)
+    q = args.quick
+    args.threads = args.threads or (1 if q else None)  # tiny model: threads only add overhead
+    args.n = args.n if args.n is not None else (2 if q else 40)
+    args.max_new_tokens = args.max_new_tokens or (40 if q else 256)
+    args.max_schema_chars = args.max_schema_chars or (500 if q else 1500)
+    args.max_instance_chars = args.max_instance_chars or (120 if q else 300)
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""Benchmark requests from JSONSchemaBench (development half), and the tiny model of ``--quick``.
+
+A fixed, seeded selection of schemas that the compiler accepts and compiles quickly, each with a
+short valid instance (valid under jsonschema with its format checker, and accepted by our
+automaton so the extraction answer is reachable). Two workloads over the same selection:
+    extract   the prompt gives the schema and the instance as plain ``field: value`` lines;
+              the answer is that instance as JSON (values are copied from the prompt)
+    generate  the prompt gives only the schema and asks for a realistic example
+Refusals (unsupported keyword, too complex, no short valid instance, ...) are counted by reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import jsonschema
+
+from constrained_spec import ConstraintError
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench-dev"
+WORKLOADS = ("extract", "generate")
+
+
+@dataclass(frozen=True)
+class Selection:
+    seed: int = 0                  # shuffles the file list: the same seed gives the same requests
+    max_schema_chars: int = 1500   # compact schema text, so prompts fit the model's context
+    min_instance_chars: int = 20   # a few tokens only would measure per-request overhead
+    max_instance_chars: int = 300  # compact JSON of the expected instance
+    max_prompt_tokens: int = 1024
+    compile_timeout_s: float = 10.0  # "compiles quickly": longer builds are skipped as too complex
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str                  # "<workload>-<index>"
+    file: str                # dataset file name
+    source: str              # dataset subset (Github_easy, Kubernetes, ...)
+    workload: str
+    schema: dict
+    messages: list           # chat messages (one user turn)
+    expected: object = None  # the instance stated in an extract prompt
+    prompt_tokens: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def source_of(name: str) -> str:
+    return name.split("---")[0] if "---" in name else name.rsplit("_", 1)[0]
+
+
+def compact(value) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def validator(schema: dict):
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def is_valid(schema: dict, value) -> bool:
+    try:
+        return validator(schema).is_valid(value)
+    except Exception:  # a schema jsonschema cannot use (bad $ref, ...) validates nothing
+        return False
+
+
+def field_lines(value, prefix: str = "") -> list[str]:
+    """An instance as plain ``field: value`` lines (dotted paths, [i] for array items)."""
+    if isinstance(value, dict) and value:
+        return [line for k, v in value.items()
+                for line in field_lines(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(value, list) and value:
+        return [line for i, v in enumerate(value) for line in field_lines(v, f"{prefix}[{i}]")]
+    text = value if isinstance(value, str) and "\n" not in value else compact(value)
+    return [f"{prefix or 'value'}: {text}"]
+
+
+def messages_for(workload: str, schema: dict, instance) -> list[dict]:
+    schema_text = compact(schema)
+    if workload == "extract":
+        record = "\n".join(field_lines(instance))
+        content = (f"Convert the record below to JSON that matches this JSON Schema.\n\n"
+                   f"Schema:\n{schema_text}\n\nRecord:\n{record}\n\nAnswer with the JSON only.")
+    elif workload == "generate":
+        content = (f"Here is a JSON Schema:\n{schema_text}\n\nWrite one realistic example "
+                   f"object that matches it. Answer with the JSON only.")
+    else:
+        raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}.")
+    return [{"role": "user", "content": content}]
+
+
+def short_instance(schema: dict, tests: list, sel: Selection):
+    """The first instance the dataset marks valid, jsonschema agrees, and that is short enough."""
+    for test in tests:
+        if not test.get("valid"):
+            continue
+        text = compact(test.get("data"))
+        if sel.min_instance_chars <= len(text) <= sel.max_instance_chars and \
+                is_valid(schema, test["data"]):
+            return test["data"]
+    return None
+
+
+def select_requests(gen, workload: str, n: int, sel: Selection, data: Path = DATA,
+                    log=print) -> tuple[list[Request], dict]:
+    """``n`` requests (plus one more, first, for warm-up) and the counts of skipped files by reason.
+
+    Compiling is bounded by ``sel.compile_timeout_s`` (a forked child, as the library does);
+    verdicts are remembered in a small cache file so a rerun does not wait for timeouts again."""
+    files = sorted(p for p in Path(data).glob("*.json"))
+    if not files:
+        raise SystemExit(f"no schema files in {data}: pass --data DIR (JSONSchemaBench layout).")
+    random.Random(sel.seed).shuffle(files)
+    verdicts = _VerdictCache(gen, sel, data)
+    skipped: dict[str, int] = {}
+    chosen: list[Request] = []
+    for path in files:
+        if len(chosen) == n + 1:
+            break
+        reason, request = _try_file(gen, path, workload, sel, verdicts, len(chosen))
+        if request is None:
+            skipped[reason] = skipped.get(reason, 0) + 1
+        else:
+            chosen.append(request)
+    verdicts.save()
+    if len(chosen) < n + 1:
+        log(f"only {len(chosen)} usable schemas in {data} (wanted {n} + 1 warm-up)")
+    return chosen, skipped
+
+
+def _try_file(gen, path: Path, workload: str, sel: Selection, verdicts, index: int):
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return "unreadable", None
+    schema = entry.get("schema")
+    if not isinstance(schema, dict):
+        return "schema not an object", None
+    if len(compact(schema)) > sel.max_schema_chars:
+        return "schema too long", None
+    instance = short_instance(schema, entry.get("tests", []), sel)
+    if instance is None:
+        return "no short valid instance", None
+    verdict = verdicts.get(path.name)
+    if verdict is None:
+        verdict = _compile_verdict(gen, schema, instance, sel)
+        verdicts.put(path.name, verdict)
+    if verdict != "ok":
+        return verdict, None
+    messages = messages_for(workload, schema, instance)
+    prompt_tokens = len(gen._prompt_ids(messages))  # noqa: SLF001 (the engine's own encoding)
+    if prompt_tokens > sel.max_prompt_tokens:
+        return "prompt too long", None
+    rid = f"{workload}-{index}" if index else f"{workload}-warmup"
+    return "ok", Request(rid, path.name, source_of(path.name), workload, schema, messages,
+                         instance if workload == "extract" else None, prompt_tokens)
+
+
+def _compile_verdict(gen, schema: dict, instance, sel: Selection) -> str:
+    old = os.environ.get("CONSTRAINED_SPEC_COMPILE_TIMEOUT")
+    os.environ["CONSTRAINED_SPEC_COMPILE_TIMEOUT"] = str(sel.compile_timeout_s)
+    try:
+        constraint = gen.compile(schema=schema)
+    except ConstraintError as e:  # UnsupportedSchemaError, SchemaTooComplex included
+        return f"refused: {type(e).__name__}"
+    except Exception as e:  # a compiler crash is a finding, but not a benchmark request
+        return f"compiler crash: {type(e).__name__}"
+    finally:
+        if old is None:
+            os.environ.pop("CONSTRAINED_SPEC_COMPILE_TIMEOUT", None)
+        else:
+            os.environ["CONSTRAINED_SPEC_COMPILE_TIMEOUT"] = old
+    try:
+        accepted = constraint.accepts(compact(instance))
+    except ValueError:  # a byte without a single-byte token
+        accepted = False
+    return "ok" if accepted else "automaton rejects the instance"
+
+
+class _VerdictCache:
+    """file name → compile verdict, for one vocabulary, selection and data folder."""
+
+    def __init__(self, gen, sel: Selection, data: Path):
+        key = f"{gen.vocab.fingerprint}|{sel.compile_timeout_s}|{Path(data).resolve()}"
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        self.path = gen.cache_dir / "benchmark" / f"verdicts-{digest}.json" \
+            if gen.cache_dir is not None else None
+        self.verdicts = {}
+        if self.path is not None and self.path.is_file():
+            try:
+                self.verdicts = json.loads(self.path.read_text())
+            except ValueError:
+                self.verdicts = {}
+        self.dirty = False
+
+    def get(self, name: str):
+        return self.verdicts.get(name)
+
+    def put(self, name: str, verdict: str) -> None:
+        self.verdicts[name], self.dirty = verdict, True
+
+    def save(self) -> None:
+        if self.path is None or not self.dirty:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.{time.time_ns()}.tmp")
+        tmp.write_text(json.dumps(self.verdicts, indent=0, sort_keys=True))
+        os.replace(tmp, self.path)
+
+
+# --- the tiny model of --quick -----------------------------------------------------------------
+
+TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                 "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TINY_CORPUS = ['{"name": "Alice", "age": 30}', '{"name": "Bob", "age": 7, "ok": true}',
+               '{"type": "object", "properties": {"id": {"type": "integer"}}}',
+               "Convert the record below to JSON that matches this JSON Schema.",
+               "Schema: Record: Answer with the JSON only. name: Alice",
+               "[1, 2, 3] null false"] * 20
+
+
+def tiny_model_and_tokenizer(seed: int = 0):
+    """A random 2-layer Llama and a byte-level BPE tokenizer trained here: a harness check only."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TINY_CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                        bos_token="<|im_start|>", pad_token="<|im_end|>")
+    tokenizer.chat_template = TINY_TEMPLATE
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer) + 6, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # peaked distributions, so that the int8 copy mostly agrees
+        model.lm_head.weight.mul_(8.0)
+    return model, tokenizer
