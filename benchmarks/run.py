@@ -405,7 +405,7 @@ def divergence_gap(gen, request: Request, reference: list[int], other: list[int]
     if reference == other:
         return None, None
     constraint = gen.compile(schema=request.schema)
-    prompt = gen._prompt_ids(request.messages)  # noqa: SLF001
+    prompt = gen.encode_prompt(request.messages)
     state = constraint.initial_state
     for i, (a, b) in enumerate(zip(reference, other)):
         if a != b:
@@ -524,7 +524,7 @@ def measure(args, configs, bench, out: Path, argv, say) -> int:
     if args.calibrate:
         say("measuring forward costs ...")
         meta["calibration"] = calibrate(bench.model, bench.int8,
-                                        bench.gen._prompt_ids(warmup.messages))  # noqa: SLF001
+                                        bench.gen.encode_prompt(warmup.messages))
         say(f"  {json.dumps(meta['calibration'])}")
     say(f"warming up {len(configs)} configurations ...")
     for config in configs:

@@ -157,7 +157,7 @@ def _try_file(gen, path: Path, workload: str, sel: Selection, verdicts, index: i
     if verdict != "ok":
         return verdict, None
     messages = messages_for(workload, schema, instance)
-    prompt_tokens = len(gen._prompt_ids(messages))  # noqa: SLF001 (the engine's own encoding)
+    prompt_tokens = len(gen.encode_prompt(messages))  # the engine's own encoding
     if prompt_tokens > sel.max_prompt_tokens:
         return "prompt too long", None
     rid = f"{workload}-{index}" if index else f"{workload}-warmup"

@@ -221,7 +221,7 @@ class Generator:
                  on_round: Callable[[Round], None] | None = None) -> Result:
         """Text the constraint accepts, distributed exactly as plain masked sampling."""
         sampling = _check_sampling(temperature, top_k, top_p, num_draft_tokens, max_new_tokens)
-        prompt_ids = self._prompt_ids(prompt)
+        prompt_ids = self.encode_prompt(prompt)
         max_new_tokens = min(max_new_tokens, self.context - len(prompt_ids))  # then "length"
         schema_dict = load_schema(schema) if schema is not None else None
         constraint = self.compile(schema=schema_dict, regex=regex)
@@ -236,7 +236,8 @@ class Generator:
         value = json.loads(text) if schema_dict is not None and finish == "stop" else None
         return Result(text, value, token_ids, finish, stats)
 
-    def _prompt_ids(self, prompt) -> list[int]:
+    def encode_prompt(self, prompt) -> list[int]:
+        """The token ids generate() feeds for ``prompt`` (str, chat messages or ids), checked."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
