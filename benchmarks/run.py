@@ -16,6 +16,7 @@ Configurations (``--configs`` takes names, shell patterns such as 'int8*', or gr
     forced, lookup               grammar-forced tokens; + grammar-aware prompt lookup
     int8/k{K}, int8/adaptive     int8 self-draft only (CompositeDrafter(DraftModel), no free drafts)
     int8+lookup/k{K}, .../adaptive   the default ModelDrafter: forced + lookup + int8 model
+    bf16+lookup/k{K}, .../adaptive   the same with a bfloat16 copy of the target as draft
     ...@t0.7                     the same at temperature 0.7 (seeded per request)
     outlines                     outlines Generator (transformers model, outlines-core processor)
     hf+outlines                  transformers generate with that logits processor
@@ -29,6 +30,7 @@ results.json (everything, with the command line and machine), report.md, *.png.
 from __future__ import annotations
 
 import argparse
+import copy
 import fnmatch
 import gc
 import json
@@ -86,11 +88,11 @@ def all_configs() -> list[Config]:
     forced, lookup = Config("forced", "engine", "forced"), Config("lookup", "engine", "lookup")
     model = {d: [Config(f"{d}/k{k}", "engine", d, k) for k in KS]
              + [Config(f"{d}/adaptive", "engine", d, ADAPTIVE_K_MAX, adaptive=True)]
-             for d in ("int8", "int8+lookup")}
+             for d in ("int8", "int8+lookup", "bf16+lookup")}
     peers = [Config("outlines", "outlines"), Config("hf+outlines", "hf"),
              Config("hf-assisted-lookup+outlines", "hf-assisted", "lookup"),
              Config("hf-assisted-int8+outlines", "hf-assisted", "int8")]
-    return ([base, forced, lookup, *model["int8"], *model["int8+lookup"]]
+    return ([base, forced, lookup, *model["int8"], *model["int8+lookup"], *model["bf16+lookup"]]
             + [hot(base), hot(lookup), hot(model["int8"][1]), hot(model["int8+lookup"][1]),
                hot(model["int8+lookup"][-1])]
             + peers + [hot(peers[1])])
@@ -210,6 +212,8 @@ class Bench:
         if any(c.drafter in ("int8", "int8+lookup") for c in configs):
             from constrained_spec.models import quantize_int8
             self.int8 = quantize_int8(model)  # before the meter's hook, which a copy would inherit
+        self.bf16 = copy.deepcopy(model).to(torch.bfloat16) \
+            if any(c.drafter == "bf16+lookup" for c in configs) else None  # before the hook too
         self.meter = Meter(model)
 
     def drafter(self, config: Config):
@@ -225,6 +229,7 @@ class Bench:
                 "int8": lambda: CompositeDrafter(DraftModel(self.int8, width), use_forced=False,
                                                  use_lookup=False),
                 "int8+lookup": lambda: ModelDrafter(self.int8, width),
+                "bf16+lookup": lambda: ModelDrafter(self.bf16, width),
             }[config.drafter]()
         return self._drafters[config.name]
 
