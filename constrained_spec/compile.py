@@ -49,6 +49,7 @@ class Constraint:
         self.terminator = vocab.token_bytes.index(TERMINATOR)
         self.initial_state: int = index.get_initial_state()
         self._allowed: dict[int, np.ndarray] = {}
+        self._forced_bytes: dict[int, int | None] = {}
         self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._byte_ids = {b[0]: i for i, b in enumerate(vocab.token_bytes) if b and len(b) == 1}
 
@@ -101,17 +102,20 @@ class Constraint:
         """The bytes every continuation from ``state`` starts with: the grammar leaves exactly one
         choice for each (e.g. `","name":"` between two values). Stops where the match may end."""
         out = bytearray()
-        while len(out) < limit and not self.accepting(state):
-            legal = self._legal(state)
-            if len(legal) > 256:  # a free-text state: nothing forced (and skip the scan)
-                break
-            first_bytes = {self.vocab.token_bytes[i][0] for i in legal.tolist()}
-            if len(first_bytes) != 1:
-                break
-            byte = first_bytes.pop()
+        while len(out) < limit and (byte := self._forced_byte(state)) is not None:
             out.append(byte)
             state = self.step(state, self._byte_ids[byte])
         return bytes(out)
+
+    def _forced_byte(self, state: int) -> int | None:
+        """The only byte that may come next, if exactly one; computed once per state."""
+        if state not in self._forced_bytes:
+            legal = self._legal(state)
+            first = {self.vocab.token_bytes[i][0] for i in legal.tolist()} \
+                if len(legal) <= 256 and state != FINISHED and not self.accepting(state) \
+                else set()  # free text (or the end): nothing forced, skip the scan
+            self._forced_bytes[state] = first.pop() if len(first) == 1 else None
+        return self._forced_bytes[state]
 
     def tokenize(self, state: int, data: bytes, limit: int, prefer=frozenset()) -> list[int]:
         """Up to ``limit`` tokens spelling a prefix of ``data`` that the automaton accepts from
