@@ -189,10 +189,10 @@ def predictions(summary: dict, configs: list, calibration: dict | None = None) -
         alpha = solve_alpha(s["tokens_per_call"], k)
         c = s.get("cost_ratio")
         v = verify_cost(calibration, k)
-        if config["drafter"] != "int8":  # k bounds model tokens only: α from τ means nothing
-            alpha = c_cal_row = v = None
+        if config["drafter"] not in ("int8", "head"):  # k bounds model tokens only: α from τ
+            alpha = c_cal_row = v = None                # means nothing with free drafts mixed in
         else:
-            c_cal_row = c_cal
+            c_cal_row = c_cal if config["drafter"] == "int8" else None
         table.append({"config": config["name"], "drafter": config["drafter"], "k": k,
                       "alpha": alpha, "cost_ratio": c, "tokens_per_call": s["tokens_per_call"],
                       "predicted": predicted_speedup(alpha, k, c)
@@ -472,7 +472,8 @@ def plot(results: dict, summary: dict, preds: list[dict], out: Path) -> list[str
     files.append(_save(fig, out, "acceptance_by_position.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for drafter, color in (("int8", "tab:blue"), ("int8+lookup", "tab:orange")):
+    for drafter, color in (("int8", "tab:blue"), ("int8+lookup", "tab:orange"),
+                           ("head", "tab:green"), ("head+lookup", "tab:red")):
         pts = sorted((p for p in preds if p["drafter"] == drafter), key=lambda p: p["k"])
         if not pts:
             continue

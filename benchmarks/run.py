@@ -17,6 +17,9 @@ Configurations (``--configs`` takes names, shell patterns such as 'int8*', or gr
     int8/k{K}, int8/adaptive     int8 self-draft only (CompositeDrafter(DraftModel), no free drafts)
     int8+lookup/k{K}, .../adaptive   the default ModelDrafter: forced + lookup + int8 model
     bf16+lookup/k{K}, .../adaptive   the same with a bfloat16 copy of the target as draft
+    head/k{K}                    the trained draft head only (constrained_spec/heads/; a random
+                                 head with --quick)
+    head+lookup/k{K}, .../adaptive   forced + lookup + the trained head
     ...@t0.7                     the same at temperature 0.7 (seeded per request)
     outlines                     outlines Generator (transformers model, outlines-core processor)
     hf+outlines                  transformers generate with that logits processor
@@ -52,7 +55,9 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 
 from constrained_spec import Generator  # noqa: E402
 from constrained_spec.compile import Constraint, run_bounded  # noqa: E402
-from constrained_spec.draft import CompositeDrafter, DraftModel, ModelDrafter  # noqa: E402
+from constrained_spec.draft import (CompositeDrafter, DraftModel, ModelDrafter,  # noqa: E402
+                                    logits_width)
+from constrained_spec.head import DraftHead, HeadDraft, load_head, shipped_head  # noqa: E402
 
 import report  # noqa: E402
 import workloads  # noqa: E402
@@ -88,13 +93,14 @@ def all_configs() -> list[Config]:
     forced, lookup = Config("forced", "engine", "forced"), Config("lookup", "engine", "lookup")
     model = {d: [Config(f"{d}/k{k}", "engine", d, k) for k in KS]
              + [Config(f"{d}/adaptive", "engine", d, ADAPTIVE_K_MAX, adaptive=True)]
-             for d in ("int8", "int8+lookup", "bf16+lookup")}
+             for d in ("int8", "int8+lookup", "bf16+lookup", "head", "head+lookup")}
     peers = [Config("outlines", "outlines"), Config("hf+outlines", "hf"),
              Config("hf-assisted-lookup+outlines", "hf-assisted", "lookup"),
              Config("hf-assisted-int8+outlines", "hf-assisted", "int8")]
-    return ([base, forced, lookup, *model["int8"], *model["int8+lookup"], *model["bf16+lookup"]]
+    return ([base, forced, lookup, *model["int8"], *model["int8+lookup"], *model["bf16+lookup"],
+             *model["head"][:-1], *model["head+lookup"]]
             + [hot(base), hot(lookup), hot(model["int8"][1]), hot(model["int8+lookup"][1]),
-               hot(model["int8+lookup"][-1])]
+               hot(model["int8+lookup"][-1]), hot(model["head"][1]), hot(model["head+lookup"][1])]
             + peers + [hot(peers[1])])
 
 
@@ -214,7 +220,15 @@ class Bench:
             self.int8 = quantize_int8(model)  # before the meter's hook, which a copy would inherit
         self.bf16 = copy.deepcopy(model).to(torch.bfloat16) \
             if any(c.drafter == "bf16+lookup" for c in configs) else None  # before the hook too
+        self.head = self._head(args, model) if any(
+            (c.drafter or "").startswith("head") for c in configs) else None
         self.meter = Meter(model)
+
+    def _head(self, args, model):
+        if args.quick:  # the tiny model has no trained head: a random one exercises the path
+            torch.manual_seed(0)
+            return DraftHead.for_target(model, torch.arange(logits_width(model))).eval()
+        return load_head(model, self.gen.vocab, shipped_head(args.model))
 
     def drafter(self, config: Config):
         """One drafter per configuration, kept across requests as a user's Generator keeps it
@@ -230,6 +244,9 @@ class Bench:
                                                  use_lookup=False),
                 "int8+lookup": lambda: ModelDrafter(self.int8, width),
                 "bf16+lookup": lambda: ModelDrafter(self.bf16, width),
+                "head": lambda: CompositeDrafter(HeadDraft(self.head, self.model, width),
+                                                 use_forced=False, use_lookup=False),
+                "head+lookup": lambda: CompositeDrafter(HeadDraft(self.head, self.model, width)),
             }[config.drafter]()
         return self._drafters[config.name]
 

@@ -3,10 +3,11 @@
 from .compile import Constraint
 from .decode import Generator, Result, Round, Stats
 from .draft import Draft, Drafter, ModelDrafter
-from .errors import (ConstraintError, GenerationInputError, SchemaTooComplex,
+from .errors import (ConstraintError, DraftHeadError, GenerationInputError, SchemaTooComplex,
                      UnsupportedSchemaError, VocabularyMismatch)
+from .head import DraftHead
 from .sample import SamplingConfig
 
 __all__ = ["Generator", "Result", "Round", "Stats", "Constraint", "Draft", "Drafter",
-           "ModelDrafter", "SamplingConfig", "ConstraintError", "GenerationInputError",
-           "SchemaTooComplex", "UnsupportedSchemaError", "VocabularyMismatch"]
+           "ModelDrafter", "DraftHead", "SamplingConfig", "ConstraintError", "GenerationInputError",
+           "SchemaTooComplex", "UnsupportedSchemaError", "VocabularyMismatch", "DraftHeadError"]

@@ -30,12 +30,20 @@ def crop(cache: DynamicCache, length: int) -> None:
 
 
 @torch.inference_mode()
-def forward(model, cache: DynamicCache, input_ids: list[int], device) -> torch.Tensor:
-    """Feed ``input_ids`` after what the cache holds; returns their logits, (n, V) float32."""
+def forward(model, cache: DynamicCache, input_ids: list[int], device, features: bool = False):
+    """Feed ``input_ids`` after what the cache holds; returns their logits, (n, V) float32, and
+    with ``features`` also the LM head's inputs, (n, d): what a trained draft head reads."""
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # (1, n)
     kwargs = {_cache_argument(type(model)): cache}
-    logits = model(input_ids=ids, use_cache=True, **kwargs).logits  # (1, n, V)
-    return logits[0].float()
+    seen = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(
+        lambda module, args: seen.append(args[0])) if features else None
+    try:
+        logits = model(input_ids=ids, use_cache=True, **kwargs).logits  # (1, n, V)
+    finally:
+        if hook is not None:
+            hook.remove()
+    return (logits[0].float(), seen[-1][0]) if features else logits[0].float()
 
 
 @memoize

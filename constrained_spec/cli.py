@@ -22,14 +22,15 @@ from rich.table import Table
 from rich.text import Text
 
 from .decode import DRAFTS
-from .errors import ConstraintError, GenerationInputError, VocabularyMismatch
+from .errors import ConstraintError, DraftHeadError, GenerationInputError, VocabularyMismatch
+from .head import shipped_head
 from .grammars import grammar_names, load_grammar
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, ModelFetchError
 from .schema import load_schema, schema_to_regex
 
 EXIT_USAGE = 2
 # Errors that mean "the input is unusable", not "the program is wrong": one line, exit 2.
-INPUT_ERRORS = (ConstraintError, GenerationInputError, VocabularyMismatch)
+INPUT_ERRORS = (ConstraintError, GenerationInputError, VocabularyMismatch, DraftHeadError)
 
 
 class UsageError(Exception):
@@ -154,6 +155,8 @@ def _validate(args) -> Request:
     draft = None if args.draft.lower() == "none" or args.no_speculation else args.draft
     if draft not in (None, *DRAFTS):
         _check_model_name(draft, "--draft")
+    if draft == "head":
+        shipped_head(args.model)  # raises DraftHeadError naming the heads there are
     if draft == "int8" and args.dtype != "float32":
         raise UsageError(f"--draft int8 quantizes a float32 target: drop --dtype {args.dtype}, "
                          "or pass --draft none or a draft model.")

@@ -15,6 +15,7 @@ from . import cache as kv
 from .compile import FINISHED, Constraint, compile_regex, default_cache_dir
 from .draft import EMPTY_DRAFT, CompositeDrafter, Draft, Drafter, ModelDrafter, logits_width
 from .errors import ConstraintError, GenerationInputError, VocabularyMismatch
+from .head import DraftHead, HeadDraft, load_head, shipped_head
 from .sample import SamplingConfig, one_hot, policy, verify_greedy, verify_sampled
 from .schema import load_schema, schema_to_regex
 from .vocab import token_vocabulary
@@ -79,11 +80,13 @@ class Result:
 
 
 def speculative_step(target, cache, constraint: Constraint, tokens: list[int], state: int,
-                     draft: Draft, sampling: SamplingConfig, generator: torch.Generator):
+                     draft: Draft, sampling: SamplingConfig, generator: torch.Generator,
+                     features: bool = False):
     """One round: ONE target forward over [last committed] + draft, exact acceptance, commit.
 
-    Returns (accepted, token, state): the draft's accepted length, the target's own token, and
-    the automaton state after both. The caller crops the cache to the committed tokens.
+    Returns (accepted, token, state, features): the draft's accepted length, the target's own
+    token, the automaton state after both, and (if asked) the target's features over the fed
+    positions. The caller crops the cache to the committed tokens.
     A draft is cut at its first illegal token (drafters should not propose one; sampled drafts
     must come from a masked q, since cutting an unmasked sampled draft would bias the output)."""
     states = [state]  # state_i = the automaton state after draft[:i]
@@ -94,7 +97,8 @@ def speculative_step(target, cache, constraint: Constraint, tokens: list[int], s
             break
         states.append(after)
     device = next(target.parameters()).device
-    logits = kv.forward(target, cache, [tokens[-1]] + draft.tokens, device)  # (k+1, V)
+    out = kv.forward(target, cache, [tokens[-1]] + draft.tokens, device, features)
+    logits, hidden = out if features else (out, None)  # (k+1, V), (k+1, d)
     masks = torch.stack([constraint.mask(s, device) for s in states])     # (k+1, V)
     draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # (k,)
     if sampling.greedy:
@@ -105,7 +109,7 @@ def speculative_step(target, cache, constraint: Constraint, tokens: list[int], s
             one_hot(draft.tokens, logits.shape[-1], device)  # (k, V)
         n, token = verify_sampled(target_probs, draft_probs, draft_ids, generator)
     n, token = torch.stack([n, token]).tolist()  # the round's one host sync
-    return n, token, constraint.step(states[n], token)
+    return n, token, constraint.step(states[n], token), hidden
 
 
 def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter | None,
@@ -116,8 +120,13 @@ def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter |
     stats, start = Stats(), time.perf_counter()
     device = next(target.parameters()).device
     cache = kv.new_cache(target)
+    features = getattr(drafter, "uses_features", False)  # a trained head reads the target's
     if len(prompt) > 1:
-        kv.forward(target, cache, prompt[:-1], device)  # the last prompt token opens round 1
+        out = kv.forward(target, cache, prompt[:-1], device, features)  # the last prompt token
+        if features:                                                    # opens round 1
+            drafter.begin(prompt, out[1])
+    elif features:
+        drafter.begin(prompt, torch.empty(0, 0, device=device))
     stats.prefill_s = time.perf_counter() - start
     tokens, state = list(prompt), constraint.initial_state
     while state != FINISHED and (room := max_new_tokens - (len(tokens) - len(prompt))) > 0:
@@ -126,8 +135,8 @@ def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter |
         draft = drafter.propose(tokens, state, constraint, k, sampling, generator).truncate(room - 1) \
             if drafter is not None and room > 1 else EMPTY_DRAFT
         t1 = time.perf_counter()
-        n, token, state = speculative_step(target, cache, constraint, tokens, state, draft,
-                                           sampling, generator)
+        n, token, state, hidden = speculative_step(target, cache, constraint, tokens, state,
+                                                   draft, sampling, generator, features)
         committed = draft.tokens[:n] + [token]
         if constraint.eos_id in committed:  # a draft may end in EOS: nothing after it counts
             committed = committed[: committed.index(constraint.eos_id) + 1]
@@ -141,7 +150,9 @@ def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter |
         stats.record(draft, n)
         if adaptive is not None:
             adaptive.update(draft, n, t1 - t0, t2 - t1)
-        if hasattr(drafter, "observe"):
+        if features:
+            drafter.observe(committed, hidden[:len(committed)])
+        elif hasattr(drafter, "observe"):
             drafter.observe(committed)
         if stats.target_calls == 1:
             stats.ttft_s = t2 - start
@@ -182,8 +193,8 @@ class Generator:
 
     def __init__(self, target, tokenizer, draft=None, *, whitespace: str = "",
                  cache_dir: str | Path | None = None):
-        """``draft``: a transformers causal LM sharing the target's vocabulary, any object with a
-        ``propose`` method (a Drafter), or None (masked baseline only). ``whitespace``: regex
+        """``draft``: a transformers causal LM sharing the target's vocabulary, a trained
+        DraftHead, any object with a ``propose`` method (a Drafter), or None (masked baseline). ``whitespace``: regex
         allowed between JSON tokens; the default "" emits compact JSON."""
         self.target, self.tokenizer = target.eval(), tokenizer
         self.vocab = token_vocabulary(tokenizer)
@@ -191,7 +202,7 @@ class Generator:
         if self.width < len(tokenizer):
             raise VocabularyMismatch(f"the target's logits width {self.width} is smaller than the "
                                      f"tokenizer's {len(tokenizer)} tokens: pass its own tokenizer.")
-        self.drafter = _as_drafter(draft, len(tokenizer), self.width)
+        self.drafter = _as_drafter(draft, target, len(tokenizer), self.width)
         self.whitespace = whitespace
         self.context = getattr(target.config, "max_position_embeddings", None) or 2**31
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -203,7 +214,11 @@ class Generator:
         extra download) or a draft model name/path sharing the target's tokenizer."""
         from .models import load_model  # keeps `import constrained_spec` light
 
+        head = shipped_head(target) if draft == "head" else draft if _is_head_file(draft) else None
         model, tokenizer = load_model(target, dtype)
+        if head is not None:
+            return cls(model, tokenizer, draft=load_head(model, token_vocabulary(tokenizer), head),
+                       **kwargs)
         return cls(model, tokenizer, draft=_named_draft(draft, model, dtype), **kwargs)
 
     def compile(self, schema=None, regex: str | None = None) -> Constraint:
@@ -266,6 +281,7 @@ DRAFTS = {"auto": "the fastest measured here (currently: lookup)",
           "lookup": "grammar-forced tokens + prompt lookup (free drafts, no draft model)",
           "int8": "a dynamically int8-quantized copy of the target, plus forced + lookup",
           "bf16": "a bfloat16 copy of the target, plus forced + lookup",
+          "head": "the draft head trained for the target (EAGLE-style), plus forced + lookup",
           "none": "no drafts: the masked baseline"}
 AUTO_DRAFT = "lookup"
 
@@ -285,9 +301,15 @@ def _named_draft(draft: str | None, model, dtype: torch.dtype):
     return load_model(draft, dtype)[0]
 
 
-def _as_drafter(draft, vocab_len: int, width: int) -> Drafter | None:
+def _is_head_file(draft) -> bool:
+    return isinstance(draft, (str, Path)) and str(draft).endswith(".safetensors")
+
+
+def _as_drafter(draft, target, vocab_len: int, width: int) -> Drafter | None:
     if draft is None or hasattr(draft, "propose"):
         return draft
+    if isinstance(draft, DraftHead):
+        return CompositeDrafter(HeadDraft(draft.eval(), target, width))
     draft_width = logits_width(draft)
     if draft_width < vocab_len:
         raise VocabularyMismatch(

@@ -6,7 +6,8 @@ A drafter is any object with ``propose``. Each draft token comes from one source
   spelled by greedy longest match;
 - "lookup": the continuation of an earlier occurrence of the text's last bytes (prompt lookup),
   cut at the first token the automaton rejects;
-- "model": sampled from a draft model's masked policy q (greedy: its masked argmax).
+- "model": sampled from a draft model's (or trained head's) masked policy q (greedy: its
+  masked argmax).
 Forced, grammar and lookup tokens are deterministic: verified as one-hot q. Choosing the source per
 position from the prefix alone keeps the rule exact, since each position is verified against
 the q it was actually drawn from.
@@ -124,9 +125,19 @@ class CompositeDrafter:
     # a model keeps its habits (SmolLM2 writes `{` `"` rather than `{"`).
     target_tokens: set[int] = field(default_factory=set)
 
-    def observe(self, committed: list[int]) -> None:
-        """Learn from the tokens the target committed this round."""
+    @property
+    def uses_features(self) -> bool:
+        """Whether the decode loop must pass the target's features (a trained draft head)."""
+        return getattr(self.model, "uses_features", False)
+
+    def begin(self, prompt: list[int], features) -> None:
+        self.model.begin(prompt, features)
+
+    def observe(self, committed: list[int], features=None) -> None:
+        """Learn from the tokens the target committed this round (and its features there)."""
         self.target_tokens.update(committed)
+        if self.uses_features:
+            self.model.observe(committed, features)
 
     def propose(self, tokens, state, constraint, k, sampling, generator):
         context, rows, sources, model_steps = list(tokens), [], [], 0
@@ -140,6 +151,8 @@ class CompositeDrafter:
                 step = [(t, None, "lookup") for t in ids]
             elif self.model is not None and model_steps < k:
                 token, q = self.model.next_token(context, state, constraint, sampling, generator)
+                if token is None:  # the model has no legal proposal here
+                    break
                 step, model_steps = [(token, q, "model")], model_steps + 1
             else:
                 break

@@ -27,3 +27,7 @@ class GenerationInputError(ValueError):
 
 class VocabularyMismatch(ValueError):
     """The draft model does not share the target's vocabulary."""
+
+
+class DraftHeadError(ValueError):
+    """The trained draft head's weight file is missing, corrupt or does not fit the target."""

@@ -11,7 +11,8 @@ import torch
 from scipy.stats import chisquare
 
 from constrained_spec import Generator, SamplingConfig
-from constrained_spec.draft import CompositeDrafter
+from constrained_spec.draft import CompositeDrafter, logits_width
+from constrained_spec.head import DraftHead
 from constrained_spec.sample import policy
 
 REGEX = "(ab|ba|yes|no){1,2}"
@@ -78,6 +79,9 @@ def drafter_for(kind, target, draft):
         return anti
     if kind == "lookup+forced":  # deterministic drafts only (one-hot q)
         return CompositeDrafter(model=None)
+    if kind == "head":  # a random draft head over a sub-vocabulary (q = 0 on odd ids)
+        torch.manual_seed(0)
+        return DraftHead.for_target(target, torch.arange(0, logits_width(target), 2)).eval()
     return draft
 
 
@@ -90,8 +94,10 @@ def drafter_for(kind, target, draft):
          prompt=LOOKUP_PROMPT, drafter="lookup+forced"),
     dict(temperature=1.0, num_draft_tokens=4, adaptive_k=True, regex=FORCED_REGEX,
          prompt=LOOKUP_PROMPT, drafter="anti"),
+    dict(temperature=1.0, num_draft_tokens=3, regex=FORCED_REGEX, prompt=LOOKUP_PROMPT,
+         drafter="head"),
 ], ids=["T1", "T0.7-top_p", "anti-draft", "model+lookup+forced", "lookup+forced-top_k",
-        "adaptive-k-anti"])
+        "adaptive-k-anti", "head+lookup+forced"])
 def test_speculative_sampling_is_exact(case, tiny_target, tiny_draft, tiny_tokenizer):
     case = dict(case)
     draft = drafter_for(case.pop("drafter", None), tiny_target, tiny_draft)
@@ -105,6 +111,8 @@ def test_speculative_sampling_is_exact(case, tiny_target, tiny_draft, tiny_token
     assert_same_distribution(gen, exact, case)
     if case.get("regex") == FORCED_REGEX:
         assert {"forced", "lookup"} <= set(sources), f"sources exercised: {set(sources)}"
+    if draft is not None and not isinstance(draft, CompositeDrafter):
+        assert "model" in sources, f"the draft model never drafted: {set(sources)}"
 
 
 def test_the_statistical_test_has_power(tiny_target, tiny_draft, tiny_tokenizer):

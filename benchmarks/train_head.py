@@ -1,0 +1,308 @@
+"""Train the draft head (constrained_spec/head.py) for the default model, on this CPU, seeded.
+
+    python benchmarks/train_head.py --out constrained_spec/heads/smollm2-135m-instruct.safetensors
+
+1. Data: chat prompts from JSONSchemaBench-dev (the two benchmark prompt forms, extract and
+   generate) answered with a valid instance of the schema. Files the benchmark may draw its
+   requests from (the first --reserve files of its seeded order) are left out; the rest split
+   by file name into train and validation.
+2. Features: the target's LM-head inputs over each whole sequence (teacher forcing), kept fp16.
+3. Training: the head reads (f_i, embedding of x_{i+1}) and predicts f_{i+1}; loss = smooth-L1
+   feature regression + distillation of the target's next-token distribution over the
+   sub-vocabulary (its logits are W_sub f_{i+1}: no need to store them), on every position
+   (--loss-on answer: answers only; that overfits: 0.81 top-1 agreement on train, 0.49 on
+   validation).
+   The decoder layer starts as a copy of the target's last layer. Noise on the input features
+   stands in for the head's own, imperfect, predictions it reads when drafting several tokens.
+4. Report: on validation, how often the head's top token (sub-vocabulary) is the target's top
+   token after 1, 2 and 3 draft steps, and the cost of one draft step vs one target step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+from constrained_spec import cache as kv  # noqa: E402
+from constrained_spec.head import DraftHead  # noqa: E402
+from constrained_spec.models import load_model  # noqa: E402
+from constrained_spec.vocab import token_vocabulary  # noqa: E402
+from workloads import DATA, compact, is_valid, messages_for  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="weights path (.safetensors; card .json)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--data", type=Path, default=DATA)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reserve", type=int, default=400,
+                   help="first files of the benchmark's seeded order, left out of training")
+    p.add_argument("--train-tokens", type=int, default=200_000, help="target tokens to encode")
+    p.add_argument("--val-tokens", type=int, default=20_000)
+    p.add_argument("--max-schema-chars", type=int, default=1000)
+    p.add_argument("--max-answer-chars", type=int, default=800)
+    p.add_argument("--sub-vocab", type=int, default=8192, help="draft sub-vocabulary size")
+    p.add_argument("--minutes", type=float, default=12.0, help="training time budget")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--cls-weight", type=float, default=1.0)
+    p.add_argument("--noise", type=float, default=0.1, help="input feature noise, × feature std")
+    p.add_argument("--loss-on", choices=("all", "answer"), default="all",
+                   help="positions that carry the loss: every one (prompts are JSON Schemas and "
+                   "records: more data in the same domain) or the answers only")
+    p.add_argument("--features", type=Path, default=None,
+                   help="cache file for the collected features (reused when present)")
+    return p.parse_args(argv)
+
+
+# --- 1. data -------------------------------------------------------------------------------------
+
+def dataset_files(args) -> tuple[list[Path], list[Path]]:
+    files = sorted(args.data.glob("*.json"))
+    order = files[:]
+    random.Random(0).shuffle(order)  # the benchmark's order (workloads.select_requests, seed 0)
+    reserved = {p.name for p in order[:args.reserve]}
+    rest = [p for p in files if p.name not in reserved]
+    val = [p for p in rest if int(hashlib.sha256(p.name.encode()).hexdigest(), 16) % 10 == 0]
+    train = [p for p in rest if p not in set(val)]
+    random.Random(args.seed).shuffle(train)
+    return train, val
+
+
+def sequences(files: list[Path], tokenizer, args, budget: int):
+    """(token ids, index of the first answer token) until ``budget`` tokens."""
+    total = 0
+    for path in files:
+        try:
+            entry = json.loads(path.read_text())
+        except ValueError:
+            continue
+        schema = entry.get("schema")
+        if not isinstance(schema, dict) or len(compact(schema)) > args.max_schema_chars:
+            continue
+        answers = [t["data"] for t in entry.get("tests", []) if t.get("valid")
+                   and 2 <= len(compact(t["data"])) <= args.max_answer_chars]
+        answers = [a for a in answers if is_valid(schema, a)]
+        if not answers:
+            continue
+        answer = max(answers, key=lambda a: len(compact(a)))  # longest: most answer positions
+        workload = ("extract", "generate")[int(hashlib.sha256(path.name.encode()).hexdigest(), 16) % 2]
+        text = tokenizer.apply_chat_template(messages_for(workload, schema, answer),
+                                             add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        ids = prompt + tokenizer.encode(compact(answer), add_special_tokens=False) + \
+            [tokenizer.eos_token_id]
+        if len(ids) > 1500:
+            continue
+        yield ids, len(prompt)
+        total += len(ids)
+        if total >= budget:
+            return
+
+
+@torch.inference_mode()
+def collect(target, tokenizer, files, args, budget, say):
+    """Target features (fp16) for each sequence: [(ids, answer start, features (n, d))]."""
+    out, tokens, t0 = [], 0, time.perf_counter()
+    decoder = target.get_decoder()
+    for ids, start in sequences(files, tokenizer, args, budget):
+        x = torch.tensor([ids])
+        h = decoder(input_ids=x).last_hidden_state[0]  # = the LM head's input (checked below)
+        if not out:
+            _, hooked = kv.forward(target, kv.new_cache(target), ids, "cpu", features=True)
+            assert torch.allclose(h, hooked, atol=1e-4), "decoder output is not the LM head input"
+        out.append((ids, start, h.half()))
+        tokens += len(ids)
+        if len(out) % 50 == 0:
+            say(f"  {len(out)} sequences, {tokens} tokens, {tokens / (time.perf_counter() - t0):.0f} tok/s")
+    return out
+
+
+# --- 3. training ---------------------------------------------------------------------------------
+
+def sub_vocabulary(target, data, size: int) -> torch.Tensor:
+    """The tokens the target most often puts first at answer positions (plus EOS)."""
+    counts = torch.zeros(target.get_output_embeddings().weight.shape[0])
+    W = target.get_output_embeddings().weight
+    with torch.inference_mode():
+        for ids, start, h in data:
+            top = (h[start - 1:].float() @ W.T).argmax(-1)
+            counts += torch.bincount(top, minlength=len(counts)).float()
+            counts[torch.tensor(ids[start:])] += 1
+    return counts.argsort(descending=True)[:size].sort().values
+
+
+def head_inputs(embed, ids, h, start):
+    """Pairs (f_i, e(x_{i+1})) for i < n-1, targets f_{i+1}; the loss covers pairs whose
+    prediction is for an answer token: i + 2 >= start."""
+    f = h.float()
+    e = embed(torch.tensor(ids[1:])).float()
+    return f[:-1], e, f[1:], max(start - 2, 0)
+
+
+def train(head, target, data, args, say):
+    embed = target.get_input_embeddings()
+    rows = target.get_output_embeddings().weight.detach()[head.draft_ids].float()  # (N, d)
+    std = torch.cat([h[:, :].float() for _, _, h in data[:50]]).std().item()
+    params = [p for n, p in head.named_parameters() if "embed_tokens" not in n]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    deadline = time.perf_counter() + 60 * args.minutes
+    rng, step, order = random.Random(args.seed), 0, []
+    est_steps = None
+    t0 = time.perf_counter()
+    while time.perf_counter() < deadline:
+        if not order:
+            order = list(range(len(data)))
+            rng.shuffle(order)
+        ids, start, h = data[order.pop()]
+        f_in, e, f_next, first = head_inputs(embed, ids, h, start)
+        first = first if args.loss_on == "answer" else 0
+        f_next = f_next[first:-1]  # the last pair would predict past EOS
+        with torch.no_grad():
+            f_in = f_in + args.noise * std * torch.randn_like(f_in)
+            p = F.softmax(f_next @ rows.T, dim=-1)
+        pred = head(f_in[None], e[None])[0][first:-1]
+        reg = F.smooth_l1_loss(pred, f_next)
+        cls = -(p * F.log_softmax(pred @ rows.T, dim=-1)).sum(-1).mean()
+        loss = reg + args.cls_weight * cls
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        elapsed = time.perf_counter() - t0
+        frac = min(elapsed / (60 * args.minutes), 1.0)
+        for g in opt.param_groups:  # warm-up then cosine, over the time budget
+            g["lr"] = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
+        opt.step()
+        step += 1
+        if step % 100 == 0:
+            say(f"  step {step} ({elapsed / 60:.1f} min): reg {reg.item():.3f} cls {cls.item():.3f}")
+    return step
+
+
+# --- 4. evaluation -------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def agreement(head, target, data, steps: int = 3, per_seq: int = 24, seed: int = 0):
+    """Share of answer positions where the head's top sub-vocabulary token is the target's top
+    token, at draft step 1 (true features) and steps 2..n (reading its own predicted features,
+    fed the target's tokens) — unmasked, so a lower bound for masked agreement — and the share
+    of target top tokens inside the sub-vocabulary (an upper bound)."""
+    embed = target.get_input_embeddings()
+    W = target.get_output_embeddings().weight
+    rows = W[head.draft_ids].float()
+    hits, seen, covered, total = [0] * steps, [0] * steps, 0, 0
+    in_sub = torch.zeros(W.shape[0], dtype=torch.bool)
+    in_sub[head.draft_ids] = True
+    rng = random.Random(seed)
+    for ids, start, h in data:
+        f = h.float()
+        top = (f @ W.T).argmax(-1)  # top[i]: the target's choice for token i+1
+        covered += int(in_sub[top[start - 1:-1]].sum())
+        total += len(ids) - start
+        e = embed(torch.tensor(ids[1:])).float()
+        for i in rng.sample(range(max(start - 2, 0), len(ids) - 1 - steps),
+                            k=min(per_seq, max(len(ids) - 1 - steps - max(start - 2, 0), 0))):
+            cache = kv.new_cache(head.decoder)
+            out = head(f[None, :i + 1], e[None, :i + 1], cache)[0, -1]  # predicts f_{i+1}
+            for s in range(steps):
+                choice = int(head.draft_ids[(rows @ out).argmax()])
+                seen[s] += 1
+                hits[s] += choice == int(top[i + 1 + s])
+                if i + 2 + s >= len(ids):
+                    break
+                out = head(out[None, None], e[None, i + 1 + s:i + 2 + s], cache)[0, -1]
+    return {"top1_by_step": [round(h / max(n, 1), 4) for h, n in zip(hits, seen)],
+            "positions_by_step": seen, "sub_vocab_coverage": round(covered / max(total, 1), 4)}
+
+
+@torch.inference_mode()
+def step_costs(head, target, context_len: int = 400, reps: int = 20) -> dict:
+    """ms of one target decode step and of one head draft step (one pair + sub-vocab logits),
+    each after ``context_len`` cached positions."""
+    ids = list(range(100, 100 + context_len))
+    cache, head_cache = kv.new_cache(target), kv.new_cache(head.decoder)
+    _, f = kv.forward(target, cache, ids, "cpu", features=True)
+    e = target.get_input_embeddings()(torch.tensor(ids[1:] + [7]))
+    head(f[None], e[None], head_cache)
+    rows = target.get_output_embeddings().weight[head.draft_ids].float()
+
+    def target_step():
+        kv.forward(target, cache, [5], "cpu")
+        kv.crop(cache, context_len)
+
+    def head_step():
+        rows @ head(f[None, -1:], e[None, -1:], head_cache)[0, -1]
+        kv.crop(head_cache, context_len)
+
+    def timed(fn):
+        fn()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return 1e3 * (time.perf_counter() - t) / reps
+
+    target_ms, head_ms = timed(target_step), timed(head_step)
+    return {"target_step_ms": round(target_ms, 2), "head_step_ms": round(head_ms, 2),
+            "cost_ratio": round(head_ms / target_ms, 4)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    say = lambda *a: print(*a, flush=True)
+    torch.manual_seed(args.seed)
+    target, tokenizer = load_model(args.model)
+    target.eval().requires_grad_(False)
+    train_files, val_files = dataset_files(args)
+    say(f"files: {len(train_files)} train, {len(val_files)} validation ({args.reserve} reserved)")
+    if args.features is not None and args.features.is_file():
+        train_data, val_data = torch.load(args.features)
+        say(f"features from {args.features}")
+    else:
+        t = time.perf_counter()
+        train_data = collect(target, tokenizer, train_files, args, args.train_tokens, say)
+        val_data = collect(target, tokenizer, val_files, args, args.val_tokens, say)
+        say(f"collected {len(train_data)} + {len(val_data)} sequences in {time.perf_counter() - t:.0f} s")
+        if args.features is not None:
+            torch.save((train_data, val_data), args.features)
+    count = lambda data: (sum(len(i) for i, _, _ in data), sum(len(i) - s for i, s, _ in data))
+    head = DraftHead.for_target(target, sub_vocabulary(target, train_data, args.sub_vocab))
+    last = target.get_decoder().layers[-1]
+    head.decoder.layers[0].load_state_dict(last.state_dict())  # warm start: the last layer
+    head.decoder.norm.load_state_dict(target.get_decoder().norm.state_dict())
+    before = agreement(head.eval(), target, val_data)
+    say(f"validation before training: {before}")
+    t = time.perf_counter()
+    steps = train(head.train(), target, train_data, args, say)
+    train_s = time.perf_counter() - t
+    head.eval()
+    metrics = {"validation": agreement(head, target, val_data),
+               "validation_before_training": before, **step_costs(head, target)}
+    say(json.dumps(metrics, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    card = {"command": "python benchmarks/train_head.py " + " ".join(argv or sys.argv[1:]),
+            "model": args.model, "vocab_fingerprint": token_vocabulary(tokenizer).fingerprint,
+            "seed": args.seed, "train_sequences": len(train_data), "val_sequences": len(val_data),
+            "train_tokens_and_answer_tokens": count(train_data),
+            "val_tokens_and_answer_tokens": count(val_data), "steps": steps,
+            "train_minutes": round(train_s / 60, 1), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "args": {k: str(v) for k, v in vars(args).items()},
+            "metrics": metrics}
+    head.save(args.out, card)
+    say(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB) and {args.out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

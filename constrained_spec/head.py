@@ -1,0 +1,197 @@
+"""A trained draft head (EAGLE, Li et al. 2024): one decoder layer that reads the target's own
+features, so drafting costs a small fraction of a target step.
+
+Feature f_i = the input of the target's LM head at position i (what turns into its logits for
+token i+1). The head reads the pair (f_i, embedding of token i+1) at position i and predicts
+f_{i+1}; the target's LM head rows for a frequent-token sub-vocabulary turn that into draft logits.
+q = 0 outside the sub-vocabulary is still exact: those tokens are only ever reached through the
+target's residual. Committed positions use the target's true features (from its verify passes);
+positions drafted this round use the head's own prediction, and are dropped at the next round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import DynamicCache, LlamaConfig, LlamaModel
+
+from . import cache as kv
+from .errors import DraftHeadError, VocabularyMismatch
+from .sample import policy
+
+HEADS = Path(__file__).parent / "heads"  # shipped weights: <name>.safetensors + <name>.json card
+# The target's config fields the head's decoder layer copies (width, attention shape, RoPE).
+_LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
+                 "hidden_act")
+
+
+class DraftHead(nn.Module):
+    def __init__(self, layer_config: dict, draft_ids: torch.Tensor):
+        super().__init__()
+        config = LlamaConfig(**layer_config, num_hidden_layers=1, vocab_size=1, pad_token_id=None,
+                             bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
+        width = config.hidden_size
+        self.layer_config = dict(layer_config)
+        self.fuse = nn.Linear(2 * width, width)   # (feature, token embedding) → layer input
+        self.decoder = LlamaModel(config)         # one layer, RoPE, its own KV cache, final norm
+        self.register_buffer("draft_ids", draft_ids.long().clone())  # the sub-vocabulary
+
+    @classmethod
+    def for_target(cls, target, draft_ids: torch.Tensor) -> "DraftHead":
+        fields = {k: getattr(target.config, k) for k in _LAYER_FIELDS
+                  if getattr(target.config, k, None) is not None}
+        return cls(fields, draft_ids)
+
+    def forward(self, features: torch.Tensor, embeddings: torch.Tensor,
+                cache: DynamicCache | None = None) -> torch.Tensor:
+        """(B, n, d) features and next-token embeddings → (B, n, d) predicted next features."""
+        x = self.fuse(torch.cat([features, embeddings], dim=-1))
+        return self.decoder(inputs_embeds=x, cache=cache, use_cache=cache is not None).last_hidden_state
+
+    def save(self, path: str | Path, card: dict) -> None:
+        """fp16 safetensors (the embedding stub of the 1-layer LlamaModel left out) + a JSON card
+        with the layer config, the weights' sha256 and whatever the trainer reports."""
+        path = Path(path)
+        tensors = {k: (v.half() if v.is_floating_point() else v).contiguous()
+                   for k, v in self.state_dict().items() if "embed_tokens" not in k}
+        save_file(tensors, path)
+        card = {**card, "layer_config": self.layer_config,
+                "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+        path.with_suffix(".json").write_text(json.dumps(card, indent=1) + "\n")
+
+
+def shipped_head(model_name: str) -> Path:
+    """The weights trained here for a built-in model, or a clear error (before any model work)."""
+    path = HEADS / f"{model_name}.safetensors"
+    if not path.is_file():
+        have = sorted(p.stem for p in HEADS.glob("*.safetensors")) or ["none"]
+        raise DraftHeadError(f"no trained draft head ships for {model_name!r} (heads: "
+                             f"{', '.join(have)}): pass a head file path as draft=, train one with "
+                             "`python benchmarks/train_head.py --model ... --out ...`, or use "
+                             "draft='lookup'.")
+    return path
+
+
+def load_head(target, vocab, path: str | Path) -> DraftHead:
+    """A trained head for ``target``, checked: file present and intact, same tokenizer, same width."""
+    path = Path(path)
+    card_path = path.with_suffix(".json")
+    if not path.is_file() or not card_path.is_file():
+        raise DraftHeadError(f"draft head weights not found: {path} and {card_path.name} are both "
+                             "needed. Reinstall constrained_spec, or retrain with "
+                             "`python benchmarks/train_head.py`.")
+    card = json.loads(card_path.read_text())
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != card.get("sha256"):
+        raise DraftHeadError(f"draft head weights {path} are corrupt (sha256 {digest[:12]}… ≠ "
+                             f"{str(card.get('sha256'))[:12]}… in {card_path.name}): reinstall or "
+                             "retrain them.")
+    if card.get("vocab_fingerprint") not in (None, vocab.fingerprint):
+        raise VocabularyMismatch(f"the draft head {path.name} was trained for another tokenizer: "
+                                 "use it with the model it was trained on, or retrain it.")
+    width = target.get_output_embeddings().weight.shape[1]
+    if card["layer_config"].get("hidden_size") != width:
+        raise VocabularyMismatch(f"the draft head {path.name} reads {card['layer_config']['hidden_size']}"
+                                 f"-wide features but the target's are {width}-wide: it belongs "
+                                 "to another model.")
+    tensors = load_file(path)
+    head = DraftHead(card["layer_config"], tensors["draft_ids"])
+    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    if unexpected or [k for k in missing if "embed_tokens" not in k]:
+        raise DraftHeadError(f"draft head weights {path} do not fit the head's layout "
+                             f"(missing {missing}, unexpected {unexpected}): retrain them.")
+    return head.float().eval()
+
+
+class HeadDraft:
+    """The head as a drafter's model: ``next_token`` like DraftModel, fed the target's features
+    through ``begin`` (after prefill) and ``observe`` (after each round) by the decode loop.
+
+    Invariant: ``features`` holds the target's features for every committed token but the last
+    (as the target's KV cache holds them); the head cache holds pairs 0..n-1 for tokens ``ids``."""
+
+    uses_features = True
+
+    def __init__(self, head: DraftHead, target, width: int):
+        self.head, self.width = head, width
+        self.device = next(target.parameters()).device
+        self.head.to(self.device)
+        self.embed = target.get_input_embeddings()
+        lm_head = target.get_output_embeddings().weight.detach()
+        self.rows = lm_head[head.draft_ids.to(lm_head.device)].float().to(self.device)  # (N, d)
+        self.draft_ids = head.draft_ids.to(self.device)
+        self.cache = DynamicCache(config=head.decoder.config)
+        self.features = torch.empty(0, self.rows.shape[1], device=self.device)
+        self.ids: list[int] = []   # pair i in the cache = (feature i, embedding of ids[i + 1])
+        self.true_pairs = 0        # cached pairs built from the target's features, not the head's
+        self.last: torch.Tensor | None = None  # head output at the last cached pair
+
+    def begin(self, prompt: list[int], features: torch.Tensor) -> None:
+        """A new request: the target's features over ``prompt[:-1]`` (its prefill)."""
+        self.features = features.float().reshape(-1, self.rows.shape[1])
+        self._drop_to(0)
+
+    def observe(self, committed: list[int], features: torch.Tensor) -> None:
+        """The round committed ``committed``; ``features``: the target's features over the
+        positions fed this round that are now committed (the previous last token + accepted)."""
+        self._drop_to(self.true_pairs)  # pairs built from predicted features are stale now
+        self.features = torch.cat([self.features, features.float()])
+
+    @torch.inference_mode()
+    def next_token(self, context: list[int], state: int, constraint, sampling, generator):
+        """(token, q row | None) drawn from the head's masked policy after ``context``; None for
+        the token when it cannot draft (no legal token in its sub-vocabulary)."""
+        self._sync(context)
+        if self.last is None:
+            return None, None
+        logits = self.rows @ self.last  # (N,)
+        mask = constraint.mask(state, self.device)[self.draft_ids]  # (N,)
+        if sampling.greedy:
+            best = int(logits.masked_fill(~mask, float("-inf")).argmax())
+            return (int(self.draft_ids[best]), None) if mask[best] else (None, None)
+        if not mask.any():
+            return None, None
+        q_sub = policy(logits, mask, sampling)
+        pick = int(torch.multinomial(q_sub, 1, generator=generator))  # host sync: the automaton
+        # needs the token to give the next position's mask
+        q = torch.zeros(self.width, device=self.device).index_put_((self.draft_ids,), q_sub)
+        return int(self.draft_ids[pick]), q
+
+    def _sync(self, context: list[int]) -> None:
+        """Feed the head every pair of ``context`` it has not seen: true features in one pass,
+        then one step per drafted position (its feature is the head's previous output)."""
+        pairs = kv.cached_length(self.cache)
+        same = next((i for i, (a, b) in enumerate(zip(self.ids, context)) if a != b),
+                    min(len(self.ids), len(context)))
+        if same - 1 < pairs:  # the context left the cached path: back to the last true pair
+            pairs = self._drop_to(max(min(same - 1, self.true_pairs), 0))
+        end, known = len(context) - 1, len(self.features)
+        if self.last is None and pairs >= min(end, known) and pairs > 0:
+            pairs = self._drop_to(pairs - 1)  # refeed one pair to get the head's output back
+        self.ids = list(context)
+        if pairs < min(end, known):
+            b = min(end, known)
+            out = self._step(self.features[pairs:b], context[pairs + 1:b + 1])
+            self.last, self.true_pairs, pairs = out[-1], b, b
+        for i in range(pairs, end):
+            if self.last is None:  # no feature at all (a one-token prompt): nothing to read
+                return
+            self.last = self._step(self.last[None], context[i + 1:i + 2])[-1]
+
+    def _step(self, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.head(features[None], self.embed(ids)[None].float(), self.cache)[0]
+
+    def _drop_to(self, pairs: int) -> int:
+        pairs = min(pairs, kv.cached_length(self.cache))
+        kv.crop(self.cache, pairs)
+        self.true_pairs = min(self.true_pairs, pairs)
+        self.ids = self.ids[:pairs + 1] if pairs else []
+        self.last = None
+        return pairs

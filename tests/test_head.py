@@ -1,0 +1,131 @@
+"""The trained-draft-head drafter on tiny models (random heads: the plumbing, not the quality):
+greedy identity, feature bookkeeping and head-cache rollback, weight files and their errors.
+Its sampling exactness is in test_exactness.py; the shipped head on the real model in
+test_models.py."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from constrained_spec import Generator
+from constrained_spec import cache as kv
+from constrained_spec.draft import CompositeDrafter, logits_width
+from constrained_spec.errors import DraftHeadError, VocabularyMismatch
+from constrained_spec.head import DraftHead, HeadDraft, load_head, shipped_head
+from constrained_spec.vocab import token_vocabulary
+
+from test_engine import NEAR_TIE, PERSON, first_divergence_gap
+
+
+def random_head(target, seed=0):
+    torch.manual_seed(seed)
+    width = logits_width(target)
+    return DraftHead.for_target(target, torch.arange(0, width, 2)).eval()  # q = 0 on odd ids
+
+
+@pytest.mark.parametrize("prompt", ["hello", '{"name": "Alice", "age": 30}'])
+def test_greedy_with_a_head_equals_the_masked_baseline(prompt, tiny_target, tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer, draft=random_head(tiny_target), cache_dir=None)
+    base = gen.generate(prompt, schema=PERSON, speculative=False, max_new_tokens=80)
+    spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=4, max_new_tokens=80)
+    if spec.token_ids != base.token_ids:
+        gap = first_divergence_gap(tiny_target, gen.compile(schema=PERSON),
+                                   tiny_tokenizer.encode(prompt), base.token_ids, spec.token_ids)
+        assert gap < NEAR_TIE, f"greedy outputs diverge at a clear decision (gap {gap})"
+    assert spec.stats.drafted_by_source.get("model", 0) > 0, "the head never drafted"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_head_reads_the_true_features_and_its_cache_rolls_back(temperature, tiny_target,
+                                                               tiny_tokenizer):
+    """After every round: the head holds the target's features of every committed token but the
+    last (equal to a fresh forward), and its cache + the pending pairs give the same output as a
+    fresh pass of the head over all pairs; some rounds rejected a head-drafted token."""
+    gen = Generator(tiny_target, tiny_tokenizer, draft=random_head(tiny_target), cache_dir=None)
+    drafter: HeadDraft = gen.drafter.model
+    committed, rejected = tiny_tokenizer.encode("hello"), []
+
+    @torch.no_grad()
+    def check(rnd):
+        committed.extend(rnd.committed)
+        _, fresh = kv.forward(tiny_target, kv.new_cache(tiny_target), committed[:-1], "cpu",
+                              features=True)
+        torch.testing.assert_close(drafter.features, fresh, atol=1e-4, rtol=1e-4)
+        pairs = kv.cached_length(drafter.cache)
+        assert pairs == drafter.true_pairs <= len(fresh)
+        embeds = tiny_target.get_input_embeddings()(torch.tensor(committed[1:]))
+        cache = copy.deepcopy(drafter.cache)
+        resumed = drafter.head(fresh[None, pairs:], embeds[None, pairs:], cache)[0, -1]
+        full = drafter.head(fresh[None], embeds[None])[0, -1]
+        torch.testing.assert_close(resumed, full, atol=1e-4, rtol=1e-4)
+        model_tokens = [i for i, s in enumerate(rnd.sources) if s == "model"]
+        rejected.append(any(i >= rnd.accepted for i in model_tokens))
+
+    gen.generate("hello", schema=PERSON, temperature=temperature, seed=3, max_new_tokens=60,
+                 on_round=check)
+    assert any(rejected), "no head-drafted token was rejected: the rollback was not exercised"
+
+
+def saved_head(tmp_path, target, tokenizer):
+    head = random_head(target, seed=1)
+    path = tmp_path / "tiny.safetensors"
+    head.save(path, {"vocab_fingerprint": token_vocabulary(tokenizer).fingerprint})
+    return head, path
+
+
+def test_saved_head_loads_back(tmp_path, tiny_target, tiny_tokenizer):
+    head, path = saved_head(tmp_path, tiny_target, tiny_tokenizer)
+    loaded = load_head(tiny_target, token_vocabulary(tiny_tokenizer), path)
+    assert torch.equal(loaded.draft_ids, head.draft_ids)
+    x = torch.randn(1, 5, tiny_target.config.hidden_size)
+    torch.testing.assert_close(loaded(x, x), head(x, x), atol=2e-2, rtol=2e-2)  # fp16 on disk
+    gen = Generator(tiny_target, tiny_tokenizer, draft=loaded, cache_dir=None)
+    assert gen.generate("hello", regex="(ab|ba)+", max_new_tokens=6).text
+
+
+def test_missing_corrupt_or_foreign_head_files_are_clear_errors(tmp_path, tiny_target,
+                                                                 tiny_tokenizer):
+    vocab = token_vocabulary(tiny_tokenizer)
+    with pytest.raises(DraftHeadError, match="not found"):
+        load_head(tiny_target, vocab, tmp_path / "absent.safetensors")
+    _, path = saved_head(tmp_path, tiny_target, tiny_tokenizer)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(DraftHeadError, match="corrupt"):
+        load_head(tiny_target, vocab, path)
+    _, path = saved_head(tmp_path, tiny_target, tiny_tokenizer)
+    card = json.loads(path.with_suffix(".json").read_text())
+    path.with_suffix(".json").write_text(json.dumps({**card, "vocab_fingerprint": "other"}))
+    with pytest.raises(VocabularyMismatch, match="another tokenizer"):
+        load_head(tiny_target, vocab, path)
+    with pytest.raises(DraftHeadError, match="no trained draft head ships for 'nope'"):
+        shipped_head("nope")
+
+
+def test_unknown_head_fails_before_loading_a_model(monkeypatch):
+    import constrained_spec.models as models
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    with pytest.raises(DraftHeadError, match="no trained draft head"):
+        Generator.from_pretrained("some/other-model", draft="head")
+
+
+@pytest.mark.real_model
+def test_shipped_head_on_the_default_model():
+    """The shipped head loads (file intact, same tokenizer), drafts, and greedy decoding with it
+    gives the masked baseline's tokens."""
+    gen = Generator.from_pretrained(draft="head")
+    messages = [{"role": "user", "content": "Extract as JSON: Alice is 30 years old."}]
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    base = gen.generate(messages, schema=schema, speculative=False, max_new_tokens=24)
+    spec = gen.generate(messages, schema=schema, max_new_tokens=24)
+    if spec.token_ids != base.token_ids:
+        gap = first_divergence_gap(gen.target, gen.compile(schema=schema),
+                                   gen.encode_prompt(messages), base.token_ids, spec.token_ids)
+        assert gap < 1e-3, f"greedy outputs diverge at a clear decision (gap {gap})"
+    assert spec.stats.drafted_by_source.get("model", 0) > 0
+    assert spec.stats.target_calls < base.stats.target_calls
