@@ -192,7 +192,7 @@ def predictions(summary: dict, configs: list, calibration: dict | None = None) -
         if config["drafter"] not in ("int8", "head"):  # k bounds model tokens only: α from τ
             alpha = c_cal_row = v = None                # means nothing with free drafts mixed in
         else:
-            c_cal_row = c_cal if config["drafter"] == "int8" else None
+            c_cal_row = c_cal if config["drafter"] == "int8" else None  # the head: c (loop)
         table.append({"config": config["name"], "drafter": config["drafter"], "k": k,
                       "alpha": alpha, "cost_ratio": c, "tokens_per_call": s["tokens_per_call"],
                       "predicted": predicted_speedup(alpha, k, c)
@@ -201,8 +201,9 @@ def predictions(summary: dict, configs: list, calibration: dict | None = None) -
                       "predicted_calibrated": predicted_speedup(alpha, k, c_cal_row)
                       if c_cal_row is not None else None,
                       "verify_cost": v,
-                      "predicted_with_verify_cost": s["tokens_per_call"] / (k * c_cal_row + v)
-                      if c_cal_row is not None and v is not None else None,
+                      "predicted_with_verify_cost": s["tokens_per_call"] / (k * c_draft + v)
+                      if (c_draft := c_cal_row if c_cal_row is not None else c) is not None
+                      and v is not None and alpha is not None else None,
                       "measured": s["speedup"], "measured_decode": s.get("decode_speedup")})
     return table
 
@@ -408,10 +409,10 @@ def _prediction_section(preds: list[dict]) -> list[str]:
             "the draft model's prompt prefill and Python overhead) ÷ the baseline's time per "
             "target step; c (bare) = one int8 step ÷ one target step from the calibration. The "
             "formula assumes a verify costs one step; '+verify cost' divides tokens per call by "
-            "k·c + (verify of k+1 tokens ÷ one step) instead. Measured includes prompt prefill, "
-            "which speculation cannot shorten; 'excl. prefill' leaves it out. int8+lookup rows: "
-            "measured only (lookup and grammar drafts are not bounded by k, so the i.i.d. "
-            "model does not apply).", ""]
+            "k·c + (verify of k+1 tokens ÷ one step) instead (c bare for int8, c loop for the "
+            "head). Measured includes prompt prefill, which speculation cannot shorten; 'excl. "
+            "prefill' leaves it out. +lookup rows: measured only (lookup and grammar drafts are "
+            "not bounded by k, so the i.i.d. model does not apply).", ""]
 
 
 def _errors_section(summary: dict) -> list[str]:

@@ -220,6 +220,9 @@ class Bench:
             self.int8 = quantize_int8(model)  # before the meter's hook, which a copy would inherit
         self.bf16 = copy.deepcopy(model).to(torch.bfloat16) \
             if any(c.drafter == "bf16+lookup" for c in configs) else None  # before the hook too
+        if args.skinny_matmul:  # after the draft copies: they keep their own kernels
+            from constrained_spec.models import skinny_matmul
+            skinny_matmul(model)
         self.head = self._head(args, model) if any(
             (c.drafter or "").startswith("head") for c in configs) else None
         self.meter = Meter(model)
@@ -614,6 +617,9 @@ def parse_args(argv=None):
                         "2-core machine 2 threads can be 10x slower than 1: check first")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="skip measuring target/draft forward costs (a few seconds)")
+    p.add_argument("--skinny-matmul", action="store_true",
+                   help="the target computes 2-32-token inputs as W·xᵀ (models.SkinnyLinear): "
+                        "cheaper verify passes on CPU; the baseline uses the same model")
     p.add_argument("--quick", action="store_true", help="tiny random model, a few requests")
     p.add_argument("--report-only", action="store_true", help="rebuild report from results.json")
     args = p.parse_args(argv)

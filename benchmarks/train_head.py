@@ -113,14 +113,17 @@ def sequences(files: list[Path], tokenizer, args, budget: int):
 
 
 @torch.inference_mode()
-def collect(target, tokenizer, files, args, budget, say):
-    """Target features (fp16) for each sequence: [(ids, answer start, features (n, d))]."""
+def collect(target, tokenizer, files, args, budget, say, skip: int = 0):
+    """Target features (fp16) for each sequence after the first ``skip`` (already collected):
+    [(ids, answer start, features (n, d))]."""
     out, tokens, t0 = [], 0, time.perf_counter()
     decoder = target.get_decoder()
-    for ids, start in sequences(files, tokenizer, args, budget):
+    for i, (ids, start) in enumerate(sequences(files, tokenizer, args, budget)):
+        if i < skip:
+            continue
         x = torch.tensor([ids])
         h = decoder(input_ids=x).last_hidden_state[0]  # = the LM head's input (checked below)
-        if not out:
+        if i == skip:
             _, hooked = kv.forward(target, kv.new_cache(target), ids, "cpu", features=True)
             assert torch.allclose(h, hooked, atol=1e-4), "decoder output is not the LM head input"
         out.append((ids, start, h.half()))
@@ -266,13 +269,15 @@ def main(argv=None) -> int:
     target.eval().requires_grad_(False)
     train_files, val_files = dataset_files(args)
     say(f"files: {len(train_files)} train, {len(val_files)} validation ({args.reserve} reserved)")
-    if args.features is not None and args.features.is_file():
+    train_data, val_data = [], []
+    if args.features is not None and args.features.is_file():  # reused, extended if too short
         train_data, val_data = torch.load(args.features)
-        say(f"features from {args.features}")
-    else:
-        t = time.perf_counter()
-        train_data = collect(target, tokenizer, train_files, args, args.train_tokens, say)
-        val_data = collect(target, tokenizer, val_files, args, args.val_tokens, say)
+        say(f"features from {args.features}: {len(train_data)} + {len(val_data)} sequences")
+    t, before = time.perf_counter(), (len(train_data), len(val_data))
+    train_data += collect(target, tokenizer, train_files, args, args.train_tokens, say,
+                          skip=len(train_data))
+    val_data += collect(target, tokenizer, val_files, args, args.val_tokens, say, skip=len(val_data))
+    if (len(train_data), len(val_data)) != before:
         say(f"collected {len(train_data)} + {len(val_data)} sequences in {time.perf_counter() - t:.0f} s")
         if args.features is not None:
             torch.save((train_data, val_data), args.features)

@@ -209,17 +209,23 @@ class Generator:
 
     @classmethod
     def from_pretrained(cls, target: str = "smollm2-135m-instruct", draft: str | None = "auto",
-                        dtype: torch.dtype = torch.float32, **kwargs) -> "Generator":
+                        dtype: torch.dtype = torch.float32, skinny_matmul: bool = True,
+                        **kwargs) -> "Generator":
         """Load a built-in model name, a local path or a hub id. ``draft``: one of DRAFTS (no
-        extra download) or a draft model name/path sharing the target's tokenizer."""
-        from .models import load_model  # keeps `import constrained_spec` light
+        extra download), a draft head file (.safetensors) or a draft model name/path sharing
+        the target's tokenizer. ``skinny_matmul``: on the CPU, verify passes (2–32 tokens) use
+        models.SkinnyLinear, measured cheaper (README); one-token steps are unchanged."""
+        from .models import load_model, skinny_matmul as use_skinny  # keeps the import light
 
         head = shipped_head(target) if draft == "head" else draft if _is_head_file(draft) else None
         model, tokenizer = load_model(target, dtype)
         if head is not None:
-            return cls(model, tokenizer, draft=load_head(model, token_vocabulary(tokenizer), head),
-                       **kwargs)
-        return cls(model, tokenizer, draft=_named_draft(draft, model, dtype), **kwargs)
+            draft = load_head(model, token_vocabulary(tokenizer), head)
+        else:
+            draft = _named_draft(draft, model, dtype)  # copies of the target first: int8
+        if skinny_matmul and next(model.parameters()).device.type == "cpu":  # quantizes only
+            use_skinny(model)                                               # plain nn.Linear
+        return cls(model, tokenizer, draft=draft, **kwargs)
 
     def compile(self, schema=None, regex: str | None = None) -> Constraint:
         """The compiled constraint for this tokenizer: a JSON Schema or a regex, exactly one."""

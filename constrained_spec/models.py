@@ -401,3 +401,31 @@ def quantize_int8(model: nn.Module, keep_float: tuple[str, ...] = ("down_proj",)
         # The kernels take float32 in and out, so a bf16/fp16 target gets a float32 draft.
         draft = quantize_dynamic(copy.deepcopy(model).float(), qconfigs)
     return draft.eval()
+
+
+# --- short-input matmul -----------------------------------------------------------------------
+
+
+class SkinnyLinear(nn.Linear):
+    """nn.Linear that computes a 2–32-token input on the CPU as W·xᵀ instead of x·Wᵀ.
+
+    A verify pass feeds k+1 tokens. For x·Wᵀ with a short x, the CPU BLAS packs the weight
+    (reading it more than once); W·xᵀ streams it once. Same values up to float rounding; one
+    token (the baseline's step) and long inputs (prefill) take the usual path."""
+
+    MAX_TOKENS = 32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[:-1].numel()
+        if not 1 < n <= self.MAX_TOKENS or x.device.type != "cpu":
+            return super().forward(x)
+        y = torch.mm(self.weight, x.reshape(n, -1).T).T.reshape(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+def skinny_matmul(model: nn.Module) -> nn.Module:
+    """Switch ``model``'s plain nn.Linear layers to SkinnyLinear, in place (weights shared)."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = SkinnyLinear
+    return model

@@ -308,3 +308,14 @@ def test_real_default_model():
     with torch.no_grad():
         logits = model(ids).logits[0, -1]
     assert logits.shape == (49152,) and torch.isfinite(logits).all()
+
+
+def test_skinny_linear_matches_linear_and_keeps_weights():
+    torch.manual_seed(0)
+    layer = nn.Linear(24, 40)
+    x = {n: torch.randn(1, n, 24) for n in (1, 2, 5, 33)}
+    expected = {n: layer(v) for n, v in x.items()}
+    model = models.skinny_matmul(nn.Sequential(layer))
+    assert type(model[0]) is models.SkinnyLinear and model[0].weight is layer.weight
+    for n, v in x.items():
+        torch.testing.assert_close(model(v), expected[n], atol=1e-5, rtol=1e-5)
