@@ -67,6 +67,8 @@ BAD = [
     (["--regex", "(ab"], "invalid regex"),
     (["--regex", "a", "--model", "no-such-model"], "built-in models are smollm2-135m-instruct"),
     (["--regex", "a", "--draft", "no-such-draft"], "--draft 'no-such-draft'"),
+    (["--regex", "a", "--model", "owner/model", "--draft", "head"],
+     "no trained draft head ships for 'owner/model'"),
     (["--regex", "a", "--temperature", "-1"], "--temperature -1.0 must be >= 0"),
     (["--regex", "a", "--top-p", "1.5", "--top-k", "0"], "--top-k 0 must be >= 1; --top-p 1.5"),
     (["--regex", "a", "--max-new-tokens", "0"], "--max-new-tokens 0 must be >= 1"),
