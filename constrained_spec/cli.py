@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                      f"id (default: {DEFAULT_MODEL})")
     gen.add_argument("--draft", default="auto", metavar="DRAFT",
                      help="drafter: " + "; ".join(f"'{k}' = {v}" for k, v in DRAFTS.items())
-                     + "; or a draft model name/path sharing the target's tokenizer (default: auto)")
+                     + "; or a trained head's .safetensors file, or a draft model name/path "
+                     "sharing the target's tokenizer (default: auto)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                      help="target weights dtype; the baseline uses the same (default: float32)")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
