@@ -11,7 +11,7 @@ import torch
 
 from constrained_spec import Generator
 from constrained_spec import cache as kv
-from constrained_spec.draft import CompositeDrafter, logits_width
+from constrained_spec.draft import logits_width
 from constrained_spec.errors import DraftHeadError, VocabularyMismatch
 from constrained_spec.head import DraftHead, HeadDraft, load_head, shipped_head
 from constrained_spec.vocab import token_vocabulary
