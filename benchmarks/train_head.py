@@ -137,8 +137,8 @@ def collect(target, tokenizer, files, args, budget, say, skip: int = 0):
 
 def sub_vocabulary(target, data, size: int) -> torch.Tensor:
     """The tokens the target most often puts first at answer positions (plus EOS)."""
-    counts = torch.zeros(target.get_output_embeddings().weight.shape[0])
     W = target.get_output_embeddings().weight
+    counts = torch.zeros(W.shape[0])
     with torch.inference_mode():
         for ids, start, h in data:
             top = (h[start - 1:].float() @ W.T).argmax(-1)
@@ -158,7 +158,7 @@ def head_inputs(embed, ids, h, start):
 def train(head, target, data, args, say):
     embed = target.get_input_embeddings()
     rows = target.get_output_embeddings().weight.detach()[head.draft_ids].float()  # (N, d)
-    std = torch.cat([h[:, :].float() for _, _, h in data[:50]]).std().item()
+    std = torch.cat([h.float() for _, _, h in data[:50]]).std().item()
     params = [p for n, p in head.named_parameters() if "embed_tokens" not in n]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     deadline = time.perf_counter() + 60 * args.minutes

@@ -194,8 +194,8 @@ class Generator:
     def __init__(self, target, tokenizer, draft=None, *, whitespace: str = "",
                  cache_dir: str | Path | None = None):
         """``draft``: a transformers causal LM sharing the target's vocabulary, a trained
-        DraftHead, any object with a ``propose`` method (a Drafter), or None (masked baseline). ``whitespace``: regex
-        allowed between JSON tokens; the default "" emits compact JSON."""
+        DraftHead, any object with a ``propose`` method (a Drafter), or None (masked baseline).
+        ``whitespace``: regex allowed between JSON tokens; the default "" emits compact JSON."""
         self.target, self.tokenizer = target.eval(), tokenizer
         self.vocab = token_vocabulary(tokenizer)
         self.width = logits_width(target)  # may be padded above len(tokenizer)
