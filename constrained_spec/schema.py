@@ -2,16 +2,20 @@
 
 Sound means: every text the regex matches is JSON that jsonschema (with its format checker)
 accepts. The translation honours a keyword exactly, or emits a subset of its instances (a fixed
-property order, no exponents in bounded numbers, ASCII-only ``\\d``, bounded nesting of free-form
-values and of recursive ``$ref``s), or refuses the schema with ``UnsupportedSchemaError`` naming
-the keyword and its JSON pointer. It never lets in an instance the schema rejects.
+property order, no exponents in bounded numbers, no \\uXXXX escapes beyond control characters,
+bounded nesting of free-form values and of recursive ``$ref``s, only the types a type-less
+schema's keywords are about, one chosen way of failing a ``not``), or refuses the schema with
+``UnsupportedSchemaError`` naming the keyword and its JSON pointer. It never lets in an instance
+the schema rejects.
 
 How: a schema node is the conjunction of its *parts* (the node, its ``allOf`` members and ``$ref``
-targets, flattened). ``anyOf`` (and ``oneOf`` whose branches are provably disjoint) is
-distributed over the parts. ``enum``/``const`` candidates are kept iff jsonschema validates them
-against all parts. Otherwise the regex is the union, over the types the parts allow, of that
-type's regex under the parts' keywords for it. Keywords JSON Schema does not define are
-annotations (jsonschema ignores them), and so are ``nullable`` (OpenAPI) and unknown formats.
+targets, flattened). ``enum``/``const`` candidates are kept iff jsonschema validates them against
+all parts. Otherwise ``anyOf`` is distributed over the parts; ``oneOf`` too, each branch with
+the others negated; a dependency splits into "trigger absent" and "trigger present with what it
+needs"; a ``not`` becomes conjuncts under which its schema fails. What is left is the union, over
+the types the parts allow, of that type's regex under the parts' keywords for it. Keywords JSON
+Schema does not define are annotations (jsonschema ignores them), and so are ``nullable``
+(OpenAPI) and unknown formats.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ import jsonschema
 
 from .errors import ConstraintError, SchemaTooComplex, UnsupportedSchemaError
 from .schema_regex import (FORMATS, KNOWN_FORMATS, STRING_CHAR, PatternError, alternation,
-                           format_body, integer_range, json_string, literal, number_range,
-                           pattern_body, repeat)
+                           format_body, integer_range, json_string, json_string_except, literal,
+                           number_range, pattern_body, repeat)
 
-MAX_REF_DEPTH = 3        # a recursive $ref is expanded this many times, then treated as empty
-ANY_DEPTH = 2            # nesting allowed inside free-form values ({} / true schemas)
+# (times a recursive $ref is expanded before it counts as false, nesting allowed inside
+# free-form values ({} / true schemas)), tried in order until the regex fits MAX_REGEX_CHARS
+NESTING = ((3, 2), (2, 1), (1, 0))
 MAX_BRANCHES = 256       # anyOf combinations distributed over one node
 MAX_REGEX_CHARS = 2_000_000
 MAX_NUMBER_BOUND = 10**9  # |minimum|, |maximum| for non-integer numbers (float rounding)
@@ -53,7 +58,20 @@ HANDLED = {"type", "enum", "const", "maximum", "exclusiveMaximum", "minimum", "e
            "additionalItems", "maxItems", "minItems", "uniqueItems", "maxProperties",
            "minProperties", "required", "properties", "patternProperties",
            "additionalProperties", "dependencies", "dependentRequired", "propertyNames",
-           "allOf", "anyOf", "oneOf", "$ref", "unevaluatedProperties", "multipleOf"}
+           "allOf", "anyOf", "oneOf", "not", "$ref", "unevaluatedProperties", "multipleOf",
+           "dependentSchemas"}
+DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
+# Keywords that only constrain one JSON type: where a schema has no ``type``, they say which
+# types it is about (see _types).
+TYPE_KEYWORDS = {
+    "object": {"properties", "required", "additionalProperties", "patternProperties",
+               "minProperties", "maxProperties", "propertyNames", "unevaluatedProperties",
+               *DEPENDENCIES},
+    "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems",
+              "contains", "unevaluatedItems"},
+    "string": {"minLength", "maxLength", "pattern", "format"},
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+}
 
 
 def load_schema(schema: Any) -> dict:
@@ -89,13 +107,22 @@ def check_schema(schema: dict) -> None:
 
 
 def schema_to_regex(schema: dict, whitespace: str = "") -> str:
-    """The regex of JSON texts the schema accepts; ``whitespace`` is allowed between tokens."""
+    """The regex of JSON texts the schema accepts; ``whitespace`` is allowed between tokens.
+    Where the regex would exceed MAX_REGEX_CHARS, recursive ``$ref``s and free-form values are
+    nested less deeply (fewer instances, all still valid) before giving up."""
     ctx = _Context.for_schema(schema, whitespace)
-    regex = _node([(schema, "", ())], ctx)
+    for ref_depth, any_depth in NESTING:
+        ctx.ref_depth, ctx.any_depth, ctx.truncated, ctx.nested = ref_depth, any_depth, False, False
+        try:
+            regex = _node([(schema, "", ())], ctx)
+            break
+        except SchemaTooComplex:
+            if not ctx.nested or ref_depth == NESTING[-1][0]:
+                raise
     if regex is None:
         raise UnsupportedSchemaError("$ref" if ctx.truncated else "type", "", (
-            f"no instance fits within {MAX_REF_DEPTH} levels of recursion; raise "
-            "constrained_spec.schema.MAX_REF_DEPTH." if ctx.truncated else
+            f"no instance fits within {ctx.ref_depth} levels of recursion; raise "
+            "constrained_spec.schema.NESTING." if ctx.truncated else
             "the schema accepts no instance at all (contradictory keywords)."))
     return regex
 
@@ -108,6 +135,7 @@ class Part(NamedTuple):
     refs: tuple
     group: int
     head: bool
+    added: bool = False  # written by the translation (in 2020-12 terms), not by the user
 
 
 @dataclass
@@ -117,7 +145,10 @@ class _Context:
     validator: Any  # jsonschema validator over root, with the format checker
     draft4: bool
     has_refs: bool
-    truncated: bool = False
+    truncated: bool = False  # a recursive $ref was cut at ref_depth
+    nested: bool = False     # a recursive $ref or a nested free-form value was expanded
+    ref_depth: int = NESTING[0][0]
+    any_depth: int = NESTING[0][1]
     groups: int = 0
 
     @classmethod
@@ -157,7 +188,9 @@ def _node(subs: list, ctx: _Context) -> str | None:
         if flat is None:
             return None
         parts += flat
-    regex = _from_parts(parts, ctx) if parts else _any(ANY_DEPTH, ctx.ws)
+    if not parts:
+        ctx.nested |= ctx.any_depth > 0
+    regex = _from_parts(parts, ctx) if parts else _any(ctx.any_depth, ctx.ws)
     if regex is not None and len(regex) > MAX_REGEX_CHARS:
         raise SchemaTooComplex(f"the regex for {subs[0][1] or '/'} exceeds {MAX_REGEX_CHARS:,} "
                                "characters: simplify the schema (fewer optional properties, "
@@ -177,9 +210,10 @@ def _flatten(schema, ptr, ctx, refs, group, head=True) -> list[Part] | None:
                   group, head)]
     if "$ref" in schema:
         ref = schema["$ref"]
-        if refs.count(ref) >= MAX_REF_DEPTH:
+        if refs.count(ref) >= ctx.ref_depth:
             ctx.truncated = True
             return None
+        ctx.nested |= ref in refs
         target, target_ptr = _resolve(ref, ptr, ctx)
         sub = _flatten(target, target_ptr, ctx, refs + (ref,), group, False)
         if sub is None:
@@ -213,74 +247,243 @@ def _resolve(ref: str, ptr: str, ctx: _Context) -> tuple[Any, str]:
 
 
 def _from_parts(parts: list[Part], ctx: _Context) -> str | None:
+    if any("enum" in p.schema or "const" in p.schema for p in parts):
+        return _candidates(parts, ctx)  # jsonschema checks each candidate against every keyword
     for i, part in enumerate(parts):
         for key in ("anyOf", "oneOf"):
             if key in part.schema:
                 return _distribute(parts, i, key, ctx)
+        for key in DEPENDENCIES:
+            if part.schema.get(key):
+                return _split_dependency(parts, i, key, ctx)
+    parts = _apply_nots(parts, ctx)
+    if parts is None:
+        return None
     _refuse_unhandled(parts, ctx)
-    if any("enum" in p.schema or "const" in p.schema for p in parts):
-        return _candidates(parts, ctx)
     alts = [r for r in (_EMITTERS[t](parts, ctx) for t in _types(parts)) if r is not None]
+    if not alts:  # e.g. a recursion cut short: the types inference left out may still fit
+        alts = [r for r in (_EMITTERS[t](parts, ctx) for t in _types(parts, infer=False)
+                            if t not in _types(parts)) if r is not None]
     return alternation(alts) if alts else None
 
 
+def _without(part: Part, key: str) -> Part:
+    return part._replace(schema={k: v for k, v in part.schema.items() if k != key})
+
+
+def _extra_part(part: Part, schema: dict) -> Part:
+    """A conjunct the translation adds on behalf of ``part`` (same place, refs and group)."""
+    return Part(schema, part.ptr, part.refs, part.group, False, True)
+
+
 def _distribute(parts, i, key, ctx) -> str | None:
+    """anyOf: the union of the branches. oneOf: the union over branches of "this branch and
+    none of the others", each other branch excluded as a ``not`` would be (refused where no
+    exclusion can be expressed)."""
     part = parts[i]
     branches = part.schema[key]
-    if key == "oneOf" and not _disjoint(branches, part.ptr, ctx):
-        raise UnsupportedSchemaError("oneOf", part.ptr, "its branches may overlap, so 'exactly "
-                                     "one' cannot be checked by the automaton; use anyOf if the "
-                                     "branches are exclusive, or give them distinct types or "
-                                     "const discriminator properties.")
     if len(branches) > MAX_BRANCHES:
         raise SchemaTooComplex(f"{key} at {part.ptr or '/'} has {len(branches)} branches.")
     rest = list(parts)
-    rest[i] = part._replace(schema={k: v for k, v in part.schema.items() if k != key})
+    rest[i] = _without(part, key)
     alts = []
     for j, branch in enumerate(branches):
         sub = _flatten(branch, f"{part.ptr}/{key}/{j}", ctx, part.refs, part.group, False)
-        regex = None if sub is None else _from_parts(rest + sub, ctx)
+        if sub is None:
+            continue
+        mine = rest + sub
+        if key == "oneOf":
+            for m, other in enumerate(branches):
+                if m != j and mine is not None:
+                    mine = _exclude(mine, (other, f"{part.ptr}/oneOf/{m}", part.refs), ctx,
+                                    part.ptr, "oneOf")
+        regex = None if mine is None else _from_parts(mine, ctx)
         if regex is not None and regex not in alts:
             alts.append(regex)
     return alternation(alts) if alts else None
 
 
-def _disjoint(branches, ptr, ctx) -> bool:
-    """oneOf branches are pairwise exclusive: distinct types, or a required property whose
-    const/enum values differ between every two branches."""
-    flats = [_flatten(b, ptr, ctx, (), 0) or [] for b in branches]
-    types = [_branch_types(f) for f in flats]
-    if all(not (a & b) for i, a in enumerate(types) for b in types[i + 1:]):
-        return True
-    keys = [_discriminators(f) for f in flats]
-    for name in set.intersection(*[set(k) for k in keys]):
-        vals = [k[name] for k in keys]
-        if all(not (a & b) for i, a in enumerate(vals) for b in vals[i + 1:]):
-            return True
-    return False
+def _split_dependency(parts, i, key, ctx) -> str | None:
+    """One dependency, exactly: the trigger property is absent, or present with what it needs
+    (required names, or a schema the whole object must satisfy)."""
+    part = parts[i]
+    deps = dict(part.schema[key])
+    trigger, need = deps.popitem()
+    rest = list(parts)
+    rest[i] = part._replace(schema={**part.schema, key: deps})
+    absent = rest + [_extra_part(part, {"properties": {trigger: False}})]
+    present = rest + [_extra_part(part, {"required": [trigger]})]
+    if isinstance(need, list):
+        present.append(_extra_part(part, {"required": need}))
+    else:
+        sub = _flatten(need, f"{part.ptr}/{key}/{_escape(trigger)}", ctx, part.refs, part.group,
+                       False)
+        present = None if sub is None else present + sub
+    alts = []
+    for branch in (absent, present):
+        regex = None if branch is None else _from_parts(branch, ctx)
+        if regex is not None and regex not in alts:
+            alts.append(regex)
+    return alternation(alts) if alts else None
 
 
-def _branch_types(parts: list[Part]) -> set:
-    if any("anyOf" in p.schema or "oneOf" in p.schema for p in parts):
-        return set(TYPES)
+def _apply_nots(parts, ctx) -> list[Part] | None:
+    """Replace each ``not`` by conjuncts that make the negated schema fail (None: nothing is
+    left). Those conjuncts may be stricter than the ``not`` (sound), never looser."""
+    positive = [p if p.added else _without(p, "not") for p in parts]
     for p in parts:
-        if "enum" in p.schema or "const" in p.schema:
-            values = p.schema.get("enum", [p.schema.get("const")])
-            return {_json_type(v) for v in values}
-    types = set(_types(parts))
-    return types | {"number", "integer"} if types & {"number", "integer"} else types
+        if "not" in p.schema and not p.added and positive is not None:
+            positive = _exclude(positive, (p.schema["not"], p.ptr + "/not", p.refs), ctx,
+                                p.ptr + "/not", "not")
+    return positive
 
 
-def _discriminators(parts: list[Part]) -> dict:
-    """Required properties with const/enum values: name -> set of canonical JSON values."""
-    required = {n for p in parts for n in p.schema.get("required", []) if isinstance(n, str)}
-    out = {}
+class _Facts(NamedTuple):
+    """What a conjunction of parts says through its simple keywords (combinators ignored, so
+    every fact is implied by the parts)."""
+    types: set      # JSON types it allows (integer listed with number)
+    required: set
+    forbidden: set  # property names it rejects outright (false subschema, closed object)
+    closed: list    # declared-name sets of parts with additionalProperties: false
+    values: dict    # property -> canonical JSON of the const/enum values it allows
+
+
+def _facts(parts: list[Part]) -> _Facts:
+    types, required, forbidden, closed, values = set(TYPES), set(), set(), [], {}
     for p in parts:
-        for name, sub in p.schema.get("properties", {}).items():
-            if name in required and isinstance(sub, dict) and ("const" in sub or "enum" in sub):
-                values = sub.get("enum", [sub.get("const")])
-                out[name] = {json.dumps(v, sort_keys=True) for v in values}
-    return out
+        s = p.schema
+        if "type" in s:
+            ts = {s["type"]} if isinstance(s["type"], str) else set(s["type"])
+            if "any" not in ts:
+                types &= ts | ({"integer"} if "number" in ts else set())
+        if "enum" in s or "const" in s:
+            vals = s["enum"] if "enum" in s else [s["const"]]
+            kinds = {_json_type(v) for v in vals}
+            types &= kinds | ({"integer"} if "number" in kinds else set())
+        if isinstance(s.get("required"), list):
+            required |= set(s["required"])
+        props = s.get("properties", {})
+        forbidden |= {k for k, v in props.items() if v is False}
+        if s.get("additionalProperties") is False and not s.get("patternProperties"):
+            closed.append(set(props))
+        for k, v in props.items():
+            if isinstance(v, dict) and ("enum" in v or "const" in v):
+                vals = {json.dumps(x, sort_keys=True) for x in v.get("enum", [v.get("const")])}
+                values[k] = values[k] & vals if k in values else vals
+    return _Facts(types, required, forbidden, closed, values)
+
+
+def _rejects(facts: _Facts, name: str) -> bool:
+    return name in facts.forbidden or any(name not in declared for declared in facts.closed)
+
+
+def _exclude(parts, negated, ctx, ptr, keyword) -> list[Part] | None:
+    """``parts`` plus conjuncts under which the ``negated`` (schema, ptr, refs) fails; None when
+    nothing can satisfy both. Failing any one conjunct of the negated schema is enough, so the
+    first that applies is taken (sound; it may leave out instances that fail it another way):
+    the parts already exclude it; it only constrains types we do not emit (then it holds);
+    a ``not`` inside it (then its operand is required); a JSON type it rejects; a property it
+    requires (left out), forbids (required), or limits to const/enum values (others required);
+    a numeric, length or item-count bound (the complement); each of its anyOf branches.
+    Refused by ``keyword`` when none applies."""
+    schema, nptr, refs = negated
+    anchor = parts[0]
+    if any("enum" in p.schema or "const" in p.schema for p in parts):  # jsonschema decides
+        return parts + [Part({"not": schema}, nptr, refs, anchor.group, False)]
+    flat = _flatten(schema, nptr, ctx, refs, ctx.new_group(), False)
+    if flat is None:
+        return parts  # not false: no constraint
+    keys = {k for q in flat for k in q.schema if k in VALIDATION}
+    emitted = set(_types(parts))
+    pos, neg = _facts(parts), _facts(flat)
+    outside = {t for t in emitted if t not in neg.types
+               and not (t == "number" and "integer" in neg.types)}
+    if outside == emitted:
+        return parts
+    if keys <= set().union(*[TYPE_KEYWORDS.get(_kind(t), set()) for t in TYPES if t not in emitted
+                             and _kind(t) not in {_kind(e) for e in emitted}] or [set()]):
+        return None  # the negated schema accepts every instance we would emit
+    if emitted == {"object"} and (
+            any(_rejects(neg, k) for k in pos.required)
+            or any(_rejects(pos, k) for k in neg.required)
+            or any(k in neg.values and not (pos.values[k] & neg.values[k])
+                   for k in pos.required & set(pos.values))):
+        return parts
+
+    def add(kind: str, schema: dict) -> list[Part]:
+        keep = sorted(outside | {t for t in emitted if _kind(t) == kind})
+        return parts + [_extra_part(anchor, {"type": keep, **schema})]
+
+    for q in flat:
+        if "not" in q.schema:  # not (X and not Y): require Y
+            sub = _flatten(q.schema["not"], q.ptr + "/not", ctx, q.refs, anchor.group, False)
+            return None if sub is None else parts + sub
+    if outside:
+        return parts + [_extra_part(anchor, {"type": sorted(outside)})]
+    if "object" in emitted:
+        declared = {k for q in parts for k in q.schema.get("properties", {})}
+        for k in sorted(neg.required - pos.required):
+            return add("object", {"properties": {k: False}})
+        for k in sorted(declared - pos.required):
+            if _rejects(neg, k) and not _rejects(pos, k):
+                return add("object", {"required": [k]})
+        for k in sorted(set(neg.values) & set(pos.values)):
+            if pos.values[k] - neg.values[k]:
+                values = [json.loads(v) for v in sorted(neg.values[k])]
+                return add("object", {"required": [k], "properties": {k: {"not": {"enum": values}}}})
+    values = [q.schema["enum"] if "enum" in q.schema else [q.schema["const"]] for q in flat
+              if "enum" in q.schema or "const" in q.schema]
+    plain = not any(k in q.schema for q in parts for k in TYPE_KEYWORDS["string"])
+    if values and emitted - outside == {"string"} and plain:  # a string outside the values
+        return add("string", {"not": {"enum": sorted(v for v in values[0] if isinstance(v, str))}})
+    complement = _complement_bound(flat, emitted)
+    if complement:
+        return add(*complement)
+    branches = [(b, f"{q.ptr}/anyOf/{j}", q.refs) for q in flat
+                for j, b in enumerate(q.schema.get("anyOf", []))]
+    if branches:  # not (X and anyOf B): every branch of B fails
+        for branch in branches:
+            parts = _exclude(parts, branch, ctx, ptr, keyword)
+            if parts is None:
+                return None
+        return parts
+    hint = ("its branches may overlap, and no type, property, const value or bound tells them "
+            "apart; use anyOf if they are exclusive, or give each branch a distinct type or "
+            "const discriminator property." if keyword == "oneOf" else
+            "the automaton can exclude JSON types, properties, const/enum values and bounds, "
+            "not this schema; rewrite the 'not' in those terms.")
+    raise UnsupportedSchemaError(keyword, ptr, hint)
+
+
+def _kind(t: str) -> str:
+    return "number" if t == "integer" else t
+
+
+_BOUND_COMPLEMENTS = (  # keyword -> (kind, the keyword and value an instance needs to fail it)
+    ("minLength", "string", lambda n: ("maxLength", n - 1) if n > 0 else None),
+    ("maxLength", "string", lambda n: ("minLength", n + 1)),
+    ("minItems", "array", lambda n: ("maxItems", n - 1) if n > 0 else None),
+    ("maxItems", "array", lambda n: ("minItems", n + 1)),
+)
+
+
+def _complement_bound(flat, emitted) -> tuple | None:
+    """(kind, keywords) under which an instance of that kind fails one of the bounds in
+    ``flat``; None if it has none we can complement for a kind we emit."""
+    kinds = {_kind(t) for t in emitted}
+    if "number" in kinds:
+        lower, upper = _bounds(flat)
+        if lower is not None:
+            return "number", ({"exclusiveMaximum": lower[0]} if not lower[1] else
+                              {"maximum": lower[0]})
+        if upper is not None:
+            return "number", ({"exclusiveMinimum": upper[0]} if not upper[1] else
+                              {"minimum": upper[0]})
+    for key, kind, complement in _BOUND_COMPLEMENTS:
+        for q in flat:
+            if kind in kinds and isinstance(q.schema.get(key), int) and complement(q.schema[key]):
+                return kind, dict([complement(q.schema[key])])
+    return None
 
 
 def _json_type(v) -> str:
@@ -299,10 +502,14 @@ def _refuse_unhandled(parts, ctx) -> None:
                                              "$ref resolves; remove it or inline the references.")
 
 
+_ADDED_VALIDATOR = jsonschema.Draft202012Validator({})
+
+
 def _candidates(parts, ctx) -> str | None:
     first = next(p.schema for p in parts if "enum" in p.schema or "const" in p.schema)
     values = first["enum"] if "enum" in first else [first["const"]]
-    kept = [v for v in values if ctx.valid(v, [p.schema for p in parts])]
+    kept = [v for v in values if ctx.valid(v, [p.schema for p in parts if not p.added])
+            and all(_ADDED_VALIDATOR.evolve(schema=p.schema).is_valid(v) for p in parts if p.added)]
     alts = list(dict.fromkeys(_literal_value(v, ctx.ws) for v in kept))
     return alternation(alts) if alts else None
 
@@ -316,17 +523,18 @@ def _literal_value(v, ws: str) -> str:
     return json_string(v) if isinstance(v, str) else literal(json.dumps(v))
 
 
-def _types(parts) -> list[str]:
-    allowed = set(TYPES)
+def _types(parts, infer: bool = True) -> list[str]:
+    """The JSON types we emit: those ``type`` allows or, where no part says, those the parts'
+    keywords are about (a schema with only ``properties`` is generated as an object; its other
+    instances, like ``null``, are valid but never generated)."""
     for part in parts:
         t = part.schema.get("type")
-        if t is None:
-            continue
-        ts = {t} if isinstance(t, str) else set(t)
-        if not all(isinstance(x, str) for x in ts):
+        if t is not None and not all(isinstance(x, str) for x in ([t] if isinstance(t, str) else t)):
             raise UnsupportedSchemaError("type", part.ptr, "schemas inside 'type' (draft 3).")
-        if "any" not in ts:
-            allowed &= ts | ({"integer"} if "number" in ts else set())
+    allowed = _facts(parts).types
+    if infer and not any("type" in p.schema for p in parts):
+        hinted = {t for t, keys in TYPE_KEYWORDS.items() if any(keys & p.schema.keys() for p in parts)}
+        allowed &= hinted | ({"integer"} if "number" in hinted else set()) or allowed
     if "number" in allowed:
         allowed.discard("integer")  # the number regex covers integers
     return [t for t in TYPES if t in allowed]
@@ -365,6 +573,9 @@ def _any(depth: int, ws: str) -> str:
 # --- strings --------------------------------------------------------------------------------
 
 def _string(parts, ctx) -> str | None:
+    excluded = {v for p in parts if p.added and "not" in p.schema for v in p.schema["not"]["enum"]}
+    if excluded:  # only on plain strings (see _exclude)
+        return json_string_except(excluded)
     lo = max([v for v, _ in _get(parts, "minLength")], default=0)
     his = [v for v, _ in _get(parts, "maxLength")]
     hi = min(his) if his else None
@@ -433,12 +644,12 @@ def _number(parts, ctx) -> str | None:
     if lower is None and upper is None:
         return NUMBER
     for bound in (lower, upper):
-        if bound is not None and (bound[0] != int(bound[0]) or abs(bound[0]) > MAX_NUMBER_BOUND):
+        if bound is not None and abs(bound[0]) > MAX_NUMBER_BOUND:
             raise UnsupportedSchemaError(bound[3], bound[2], "a bound on a non-integer number "
-                                         "must be a whole number within ±1e9; use type: integer "
-                                         "or round the bound.")
-    return number_range(None if lower is None else int(lower[0]), bool(lower and lower[1]),
-                        None if upper is None else int(upper[0]), bool(upper and upper[1]))
+                                         "must lie within ±1e9 (beyond, float rounding could let "
+                                         "in values past it); use type: integer.")
+    return number_range(None if lower is None else lower[0], bool(lower and lower[1]),
+                        None if upper is None else upper[0], bool(upper and upper[1]))
 
 
 # --- arrays ---------------------------------------------------------------------------------
@@ -457,8 +668,8 @@ def _array(parts, ctx) -> str | None:
         n_prefix = min(n_prefix, hi)
 
     def element(i: int | None) -> str | None:  # None: the items after the prefix
-        subs = [_sub(p, *(prefix[i] if i is not None and i < len(prefix) else rest))
-                for p, (prefix, rest) in zip(parts, layouts)]
+        picked = [prefix[i] if i is not None and i < len(prefix) else rest for prefix, rest in layouts]
+        subs = [_sub(p, schema, *path) for p, (schema, path) in zip(parts, picked)]
         return _node(subs, ctx)
 
     elements = [element(i) for i in range(n_prefix)]
@@ -504,7 +715,6 @@ def _object(parts, ctx) -> str | None:
     declared = {n for p in parts for n in p.schema.get("properties", {})}
     names = list(dict.fromkeys([n for p in parts for n in p.schema.get("properties", {})]
                                + sorted(required)))
-    _check_dependencies(parts, names, required)
     entries = []
     for name in names:
         value = _node(_property_subs(name, parts, declared), ctx) \
@@ -539,23 +749,6 @@ def _required(parts) -> set:
             raise UnsupportedSchemaError("required", ptr, "a boolean 'required' (draft 3).")
         out |= set(names)
     return out
-
-
-def _check_dependencies(parts, names, required) -> None:
-    for p in parts:
-        deps = dict(p.schema.get("dependentRequired", {}))
-        for trigger, dep in p.schema.get("dependencies", {}).items():
-            if not isinstance(dep, list) and trigger in names:
-                raise UnsupportedSchemaError("dependencies", p.ptr, "schema dependencies of an "
-                                             f"emittable property ({trigger!r}).")
-            deps[trigger] = dep if isinstance(dep, list) else []
-        for trigger, dep in deps.items():
-            if trigger in required:
-                required |= set(dep)  # exact: the trigger is always present
-            elif trigger in names and not set(dep) <= required:
-                key = "dependentRequired" if "dependentRequired" in p.schema else "dependencies"
-                raise UnsupportedSchemaError(key, p.ptr, f"{trigger!r} is optional and requires "
-                                             f"{sorted(set(dep) - required)}; make them required.")
 
 
 def _property_subs(name: str, parts, declared: set) -> list:

@@ -12,8 +12,10 @@ inside the pattern, flags) raise ``PatternError`` naming the feature.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from decimal import Decimal
 
 try:  # Python >= 3.11
     from re import _constants as C
@@ -23,12 +25,11 @@ except ImportError:  # pragma: no cover
     import sre_parse
 
 MAX_CODEPOINT = 0x10FFFF
-_HEX = "[0-9a-fA-F]"
-# One decoded character of a JSON string, in any JSON spelling except lone surrogate escapes
-# (a surrogate pair counts as one character, as Python's len() counts it after json.loads).
-STRING_CHAR = (r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]'
-               rf"|\\u(?:[0-9a-cA-Ce-fE-F]{_HEX}{{3}}|[dD][0-7]{_HEX}{{2}})"
-               rf"|\\u[dD][89abAB]{_HEX}{{2}}\\u[dD][c-fC-F]{_HEX}{{2}})")
+# One character of a JSON string as we write it: the character itself, a short escape, or
+# \u00XX for the control characters that have no short escape. Other \uXXXX spellings (and
+# surrogate pairs) are valid JSON for the same strings but are never generated: they cost the
+# automaton about twice the states per string and the index build time with them.
+STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u00[01][0-9a-fA-F])'
 _META = set("\\.+*?()|[]{}^$#&-~")
 _CATEGORY = {C.CATEGORY_DIGIT: r"\d", C.CATEGORY_NOT_DIGIT: r"\D", C.CATEGORY_SPACE: r"\s",
              C.CATEGORY_NOT_SPACE: r"\S", C.CATEGORY_WORD: r"\w", C.CATEGORY_NOT_WORD: r"\W"}
@@ -47,6 +48,54 @@ def json_string(value: str) -> str:
     """Regex of the JSON text of ``value`` (quotes included), raw UTF-8 or \\u-escaped."""
     forms = {json.dumps(value, ensure_ascii=False), json.dumps(value)}
     return alternation(sorted(literal(f) for f in forms))
+
+
+_SHORT_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "\b": "b", "\f": "f", "\n": "n", "\r": "r",
+                  "\t": "t"}
+
+
+def json_string_except(excluded: set[str]) -> str:
+    """Regex of the JSON strings (quotes included, spelled as STRING_CHAR spells them) whose
+    value is none of ``excluded``: a walk down the trie of the excluded values, leaving it
+    at any character it does not continue with."""
+    trie: dict = {}
+    for value in excluded:
+        node = trie
+        for ch in value:
+            node = node.setdefault(ch, {})
+        node[None] = {}  # an excluded value ends here
+
+    def unicode_escape(code: int) -> str:  # \u00XX, hex digits in either case
+        return "\\\\u00" + "".join(f"[{h}{h.upper()}]" if h.isalpha() else h
+                                   for h in f"{code:02x}")
+
+    def spell(ch: str) -> str:  # every spelling STRING_CHAR has for ``ch``
+        forms = [literal(ch)] if ch >= " " and ch not in '"\\' else []
+        if ch in _SHORT_ESCAPES:
+            forms.append("\\\\" + literal(_SHORT_ESCAPES[ch]))
+        if ch < " ":
+            forms.append(unicode_escape(ord(ch)))
+        return alternation(forms)
+
+    def other(children: set[str]) -> str:  # one character (any spelling) not in ``children``
+        forms = ['[^"\\\\\\x00-\\x1f' + "".join(literal(c) for c in sorted(children) if c >= " ")
+                 + "]"]
+        short = [literal(e) for c, e in _SHORT_ESCAPES.items() if c not in children]
+        if short:
+            forms.append("\\\\[" + "".join(short) + "]")
+        if any(c < " " for c in children):
+            forms += [unicode_escape(i) for i in range(32) if chr(i) not in children]
+        else:
+            forms.append("\\\\u00[01][0-9a-fA-F]")
+        return alternation(forms)
+
+    def walk(node: dict) -> str:
+        alts = [] if None in node else ['"']
+        alts += [spell(ch) + walk(child) for ch, child in node.items() if ch is not None]
+        alts.append(other({ch for ch in node if ch is not None}) + STRING_CHAR + '*"')
+        return alternation(alts)
+
+    return '"' + walk(trie)
 
 
 def alternation(alts: list[str]) -> str:
@@ -244,7 +293,7 @@ def format_body(name: str, min_len: int = 0, max_len: int | None = None) -> str:
 # --- numbers --------------------------------------------------------------------------------
 # Integers: exact digit-range regexes. Non-integers with bounds: at most FRACTION_DIGITS digits
 # after the point and no exponent, so that json.loads' float rounding (~1e-7 at 1e9) cannot move
-# a value across an integer bound (values are >= 1e-6 away from it, or exactly on it).
+# a value across a bound (values are >= 1e-6 away from it, or exactly on it).
 FRACTION_DIGITS = 6
 
 
@@ -293,29 +342,79 @@ def _same_length(a: str, b: str) -> str:
     return "(?:" + "|".join(alts) + ")"
 
 
-def number_range(lo: int | None, lo_ex: bool, hi: int | None, hi_ex: bool) -> str | None:
-    """Regex of decimal numbers x with lo <(=) x <(=) hi, integer bounds (None: unbounded)."""
+def number_range(lo, lo_ex: bool, hi, hi_ex: bool) -> str | None:
+    """Regex of decimal numbers x with lo <(=) x <(=) hi (int or float bounds, compared as the
+    shortest decimal that reads back as the same float; None: unbounded)."""
+    lo = None if lo is None else Decimal(repr(lo))
+    hi = None if hi is None else Decimal(repr(hi))
     alts = []
     if hi is None or hi > 0 or (hi == 0 and not hi_ex):  # x >= 0
-        pos_lo, pos_ex = (lo, lo_ex) if lo is not None and lo >= 0 else (0, False)
+        pos_lo, pos_ex = (lo, lo_ex) if lo is not None and lo >= 0 else (Decimal(0), False)
         alts += _magnitudes(pos_lo, pos_ex, hi, hi_ex)
     if lo is None or lo < 0:  # x < 0, as m = -x > 0
-        neg_lo, neg_ex = (-hi, hi_ex) if hi is not None and hi < 0 else (0, True)
+        neg_lo, neg_ex = (-hi, hi_ex) if hi is not None and hi < 0 else (Decimal(0), True)
         mags = _magnitudes(neg_lo, neg_ex, None if lo is None else -lo, lo_ex)
         if mags:
             alts.append("-" + alternation(mags))
     return alternation(alts) if alts else None
 
 
-def _magnitudes(lo: int, lo_ex: bool, hi: int | None, hi_ex: bool) -> list[str]:
-    frac = rf"\.[0-9]{{1,{FRACTION_DIGITS}}}"
+def _magnitudes(lo: Decimal, lo_ex: bool, hi: Decimal | None, hi_ex: bool) -> list[str]:
+    """Unsigned decimals m with lo <(=) m <(=) hi, as integer part + fraction: any fraction
+    strictly between the bounds' integer parts, a bounded fraction on them."""
+    a, fa = _split(lo)
+    b, fb = (None, None) if hi is None else _split(hi)
+    if b is not None and b < a:
+        return []
     alts = []
-    any_lo, any_hi = lo + 1 if lo_ex else lo, None if hi is None else hi - 1
-    ints = integer_range(any_lo, any_hi) if any_hi is None or any_lo <= any_hi else None
-    if ints:  # i + f lies in [any_lo, any_hi + 1) for every fraction f
-        alts.append(f"{ints}(?:{frac})?")
-    if hi is not None and not hi_ex and (hi > lo or (hi == lo and not lo_ex)):
-        alts.append(f"{hi}(?:\\.0{{1,{FRACTION_DIGITS}}})?")  # exactly on the upper bound
-    if lo_ex and (hi is None or lo + 1 <= hi):  # just above an exclusive lower bound
-        alts.append(f"{lo}\\.[0-9]{{0,{FRACTION_DIGITS - 1}}}[1-9]")
+    if b is None or a + 1 <= b - 1:
+        alts.append(integer_range(a + 1, None if b is None else b - 1) + _fraction("", False, None, False))
+    on_a = _fraction(fa, lo_ex, fb if b == a else None, hi_ex and b == a)
+    if on_a is not None:
+        alts.append(f"{a}{on_a}")
+    on_b = None if b is None or b == a else _fraction("", False, fb, hi_ex)
+    if on_b is not None:
+        alts.append(f"{b}{on_b}")
     return alts
+
+
+def _split(d: Decimal) -> tuple[int, str]:
+    """(integer part, fraction digits without trailing zeros) of a non-negative decimal."""
+    whole, _, frac = f"{d:f}".partition(".")
+    return int(whole), frac.rstrip("0")
+
+
+def _fraction(lo: str, lo_ex: bool, hi: str | None, hi_ex: bool) -> str | None:
+    """Regex of the optional ".digits" whose value f satisfies 0.lo <(=) f <(=) 0.hi (hi None:
+    below 1); None if no fraction fits."""
+    digits = _digits(lo, lo_ex, hi, hi_ex, FRACTION_DIGITS)
+    bare = _zero_fits(lo, lo_ex, hi, hi_ex)  # no fraction at all means f = 0
+    if digits is None:
+        return "" if bare else None
+    return f"(?:\\.{digits})?" if bare else f"\\.{digits}"
+
+
+def _zero_fits(lo: str, lo_ex: bool, hi: str | None, hi_ex: bool) -> bool:
+    return lo == "" and not lo_ex and (hi is None or hi != "" or not hi_ex)
+
+
+@functools.lru_cache(maxsize=4096)
+def _digits(lo: str, lo_ex: bool, hi: str | None, hi_ex: bool, n: int) -> str | None:
+    """Regex of 1..n digits d1 d2 ... whose value 0.d1d2... lies within (lo, hi) as in
+    _fraction, built digit by digit: only digits equal to a bound's digit carry a bound on."""
+    if n == 0:
+        return None
+    if (lo, lo_ex, hi) == ("", False, None):
+        return f"[0-9]{{1,{n}}}"
+    tails: dict[str, list[int]] = {}
+    for d in range(int(lo[:1] or 0), (int(hi[:1] or 0) if hi is not None else 9) + 1):
+        sub_lo = (lo[1:], lo_ex) if lo and d == int(lo[0]) else ("", lo_ex and not lo and d == 0)
+        sub_hi = (hi[1:], hi_ex) if hi is not None and d == int(hi[:1] or 0) else (None, False)
+        rest, stop = _digits(*sub_lo, *sub_hi, n - 1), _zero_fits(*sub_lo, *sub_hi)
+        if rest is not None or stop:
+            tail = "" if rest is None else (f"(?:{rest})?" if stop else rest)
+            tails.setdefault(tail, []).append(d)
+    alts = [(str(ds[0]) if len(ds) == 1 else f"[{ds[0]}-{ds[-1]}]"
+             if ds[-1] - ds[0] == len(ds) - 1 else f"[{''.join(map(str, ds))}]") + tail
+            for tail, ds in tails.items()]
+    return alternation(alts) if alts else None

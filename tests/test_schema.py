@@ -98,6 +98,23 @@ def test_recursive_ref_is_bounded(build):
     check(build, tree, [{}, {"kids": [{"kids": []}]}], [deep, {"kids": [1]}], wrap=False)
 
 
+def test_recursion_is_shallower_when_the_regex_would_be_too_big(build, monkeypatch):
+    import constrained_spec.schema as schema_mod
+    tree = {"$defs": {"t": {"type": "object", "properties": {"kids": {
+        "type": "array", "items": {"$ref": "#/$defs/t"}}}, "additionalProperties": False}},
+        "$ref": "#/$defs/t"}
+    sizes = {}
+    for depth in (1, 3):
+        monkeypatch.setattr(schema_mod, "NESTING", ((depth, 0),))
+        sizes[depth] = len(schema_to_regex(tree))
+    monkeypatch.setattr(schema_mod, "NESTING", ((3, 0), (2, 0), (1, 0)))
+    monkeypatch.setattr(schema_mod, "MAX_REGEX_CHARS", sizes[1] + 1)
+    check(build, tree, [{}, {"kids": []}], [{"kids": [{}]}], wrap=False)
+    monkeypatch.setattr(schema_mod, "MAX_REGEX_CHARS", sizes[1] - 1)
+    with pytest.raises(SchemaTooComplex):
+        schema_to_regex(tree)
+
+
 def test_required_recursion_is_refused_by_name():
     schema = {"$defs": {"a": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}},
                               "required": ["a"]}}, "$ref": "#/$defs/a"}
@@ -146,8 +163,96 @@ def test_oneof_with_const_discriminator(build):
           wrap=False)
 
 
+def test_overlapping_oneof_branches_exclude_each_other(build):
+    """Branch i is generated with every other branch made to fail: here by leaving out the
+    property the other branch requires, or by a closed object that forbids it."""
+    props = {p: {"type": "string"} for p in ("name", "url", "file")}
+    check(build, {"type": "object", "properties": props, "additionalProperties": False,
+                  "oneOf": [{"required": ["url"]}, {"required": ["file"]}]},
+          [{"url": "x"}, {"name": "n", "file": "y"}], [{"url": "x", "file": "y"}, {}], wrap=False)
+    closed = {"oneOf": [
+        {"additionalProperties": False, "required": ["kind", "path"],
+         "properties": {"kind": {"enum": ["asset", "file"]}, "path": {"type": "string"}}},
+        {"additionalProperties": False, "required": ["style"],
+         "properties": {"style": {"type": "string"}, "family": {"type": "string"}}}],
+        "type": "object"}
+    check(build, closed, [{"kind": "file", "path": "p"}, {"style": "s"}],
+          [{"kind": "file", "path": "p", "style": "s"}], wrap=False)
+
+
+def test_oneof_exclusions_by_bounds_values_and_negation(build):
+    check(build, {"oneOf": [{"maximum": 2}, {"maximum": 5}]}, [3, 5, 2.5], [1, 2, 6])
+    check(build, {"type": "string", "oneOf": [{"maxLength": 0}, {"minLength": 1}]}, ["", "a"])
+    choices = {"type": "object", "oneOf": [
+        {"additionalProperties": False, "properties": {"foo": {"type": "string"}}},
+        {"additionalProperties": False, "properties": {"bar": {"type": "string"}}}]}
+    check(build, choices, [{"foo": "x"}, {"bar": "y"}], [{}], wrap=False)
+    kinds = {"type": "object", "oneOf": [{"properties": {"kind": {"enum": ["cb"]}}},
+                                         {"properties": {"kind": {"enum": ["field", "value"]}}}]}
+    check(build, kinds, [{"kind": "cb"}, {"kind": "field"}], [{}], wrap=False)
+    car = {"type": "object", "properties": {"kind": {"const": "car"}, "wheels": {"type": "integer"}},
+           "oneOf": [{"not": {"required": ["kind"]}}, {"required": ["kind", "wheels"]}]}
+    check(build, car, [{}, {"wheels": 1}, {"kind": "car", "wheels": 4}], [{"kind": "car"}],
+          wrap=False)
+    check(build, {"oneOf": [{"type": "string"}, {"enum": ["auto", "none"]}]}, ["x", "autos"],
+          ["auto", "none"])
+    check(build, {"type": "string", "oneOf": [{"enum": ["all", "some"]}, {"enum": ["none"]}]},
+          ["all", "none"], ["x"])
+    # every string matches both branches (the first has only object keywords): none is valid
+    union = {"oneOf": [{"properties": {"a": {"type": "integer"}}}, {"type": "string"}]}
+    check(build, union, [{"a": 1}], ["x"], wrap=False)
+
+
+def test_oneof_over_enum_candidates_is_exact(build):
+    # 2 matches both branches; "x" matches only the second (minimum ignores strings)
+    check(build, {"enum": [1, 2, "x"], "oneOf": [{"type": "integer"}, {"minimum": 2}]},
+          [1, "x"], [2])
+
+
+def test_not(build):
+    check(build, {"type": ["string", "null"], "not": {"type": "null"}}, ["x"], [None])
+    check(build, {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
+                  "not": {"type": "object"}}, ["x", ["y"]], [{}])
+    kinds = {"type": "object", "properties": {"kind": {"enum": ["a", "b", "c"]}},
+             "required": ["kind"], "not": {"properties": {"kind": {"const": "b"}}}}
+    check(build, kinds, [{"kind": "a"}, {"kind": "c"}], [{"kind": "b"}], wrap=False)
+    # not (a and b): generated without a (sound, stricter than the schema)
+    both = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "not": {"required": ["a", "b"]}}
+    check(build, both, [{"b": 1}, {}], [{"a": 1, "b": 2}], wrap=False)
+    check(build, {"type": "object", "properties": {"a": {"not": {}}}}, [{}], [{"a": 1}],
+          wrap=False)
+    check(build, {"not": {"anyOf": [{"type": "string"}, {"type": "object"}]}}, [1, None],
+          ["x", {}])
+    names = {"type": "string", "not": {"enum": ["", "a", "ab", "x/y", "\n", 'q"']}}
+    check(build, names, ["b", "abc", "aa", "x/", "x/yz", "q", 'q""', "\t"],
+          ["", "a", "ab", "x/y", "\n", 'q"'])
+    c = build({"type": "array", "items": names})
+    assert not c.accepts('["x\\/y"]') and not c.accepts('["\\u000a"]')  # other spellings
+
+
+def test_dependencies_are_split_exactly(build):
+    props = {"card": {"type": "string"}, "billing": {"type": "string"}}
+    check(build, {"type": "object", "properties": props, "dependencies": {"card": ["billing"]}},
+          [{}, {"billing": "b"}, {"card": "1", "billing": "b"}], [{"card": "1"}], wrap=False)
+    check(build, {"type": "object", "properties": {"foo": {"type": "boolean"},
+                                                    "n": {"type": "integer", "minimum": 0}},
+                  "dependentSchemas": {"foo": {"required": ["n"],
+                                               "properties": {"n": {"minimum": 7}}}}},
+          [{"n": 1}, {"foo": True, "n": 7}], [{"foo": True}, {"foo": True, "n": 1}], wrap=False)
+
+
+def test_missing_type_is_inferred_from_keywords(build):
+    # null and [] are valid instances too, but a schema made of object keywords means an object
+    check(build, {"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+          [{"a": 1}], [None, [], "a"], wrap=False)
+    check(build, {"maxLength": 2}, ["ab"], [1, None])
+    check(build, {"minimum": 2}, [2, 2.5], ["x"])
+    check(build, {"description": "free"}, [1, "x", None, [1], {"a": 1}])
+
+
 @pytest.mark.parametrize("keyword, schema", [
-    ("not", {"not": {"type": "string"}}),
+    ("not", {"type": "string", "not": {"pattern": "^a"}}),
     ("if", {"if": {"type": "string"}, "then": {"minLength": 2}}),
     ("contains", {"type": "array", "contains": {"type": "integer"}}),
     ("uniqueItems", {"type": "array", "uniqueItems": True}),
@@ -180,8 +285,8 @@ def test_string_lengths_count_code_points(build):
     check(build, {"type": "string", "minLength": 2, "maxLength": 3},
           ["ab", "abc", "Zoë", "東京"], ["a", "abcd", ""])
     c = build({"type": "array", "items": {"type": "string", "minLength": 2}})
-    assert not c.accepts('["\\ud83d\\ude00"]')  # one code point, written as a surrogate pair
-    assert c.accepts('["\\ud83d\\ude00x"]')
+    assert not c.accepts('["😀"]') and c.accepts('["😀x"]')  # one code point, four bytes
+    assert c.accepts('["\\u0001x"]') and not c.accepts('["\\ud83d\\ude00x"]')  # see STRING_CHAR
 
 
 @pytest.mark.parametrize("fmt, good, bad", [
@@ -214,7 +319,18 @@ def test_integer_bounds_are_exact(build):
 def test_number_bounds(build):
     check(build, {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
           [0.5, 10, 3], [0, -1, 10.5, 11])
-    refused({"type": "number", "minimum": 0.5}, "minimum")
+    refused({"type": "number", "minimum": 1e10}, "minimum")  # past float precision
+
+
+def test_fractional_number_bounds_are_exact(build):
+    check(build, {"type": "number", "minimum": 0.5}, [0.5, 0.75, 1, 12.5], [0.49, 0, -1])
+    check(build, {"type": "number", "exclusiveMaximum": 2.25}, [2.249, 2.2, -5, 0],
+          [2.25, 2.2500001, 2.3, 3])
+    check(build, {"type": "number", "minimum": 0.25, "maximum": 0.75}, [0.25, 0.5, 0.75],
+          [0.2, 0.8, 1, 0])
+    check(build, {"type": "number", "minimum": -1.5, "exclusiveMaximum": -0.5}, [-1.5, -1, -0.51],
+          [-0.5, -0.4, -1.6, 0])
+    check(build, {"type": "number", "exclusiveMinimum": 0.1}, [0.100001, 0.2, 5], [0.1, 0.05])
 
 
 def test_draft4_exclusive_minimum(build):
