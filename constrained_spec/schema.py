@@ -430,7 +430,8 @@ def _exclude(parts, negated, ctx, ptr, keyword) -> list[Part] | None:
         for k in sorted(set(neg.values) & set(pos.values)):
             if pos.values[k] - neg.values[k]:
                 values = [json.loads(v) for v in sorted(neg.values[k])]
-                return add("object", {"required": [k], "properties": {k: {"not": {"enum": values}}}})
+                return add("object", {"required": [k],
+                                      "properties": {k: {"not": {"enum": values}}}})
     values = [q.schema["enum"] if "enum" in q.schema else [q.schema["const"]] for q in flat
               if "enum" in q.schema or "const" in q.schema]
     plain = not any(k in q.schema for q in parts for k in TYPE_KEYWORDS["string"])
@@ -529,11 +530,13 @@ def _types(parts, infer: bool = True) -> list[str]:
     instances, like ``null``, are valid but never generated)."""
     for part in parts:
         t = part.schema.get("type")
-        if t is not None and not all(isinstance(x, str) for x in ([t] if isinstance(t, str) else t)):
+        if t is not None and not all(isinstance(x, str) for x in ([t] if isinstance(t, str)
+                                                                  else t)):
             raise UnsupportedSchemaError("type", part.ptr, "schemas inside 'type' (draft 3).")
     allowed = _facts(parts).types
     if infer and not any("type" in p.schema for p in parts):
-        hinted = {t for t, keys in TYPE_KEYWORDS.items() if any(keys & p.schema.keys() for p in parts)}
+        hinted = {t for t, keys in TYPE_KEYWORDS.items()
+                  if any(keys & p.schema.keys() for p in parts)}
         allowed &= hinted | ({"integer"} if "number" in hinted else set()) or allowed
     if "number" in allowed:
         allowed.discard("integer")  # the number regex covers integers
@@ -668,7 +671,8 @@ def _array(parts, ctx) -> str | None:
         n_prefix = min(n_prefix, hi)
 
     def element(i: int | None) -> str | None:  # None: the items after the prefix
-        picked = [prefix[i] if i is not None and i < len(prefix) else rest for prefix, rest in layouts]
+        picked = [prefix[i] if i is not None and i < len(prefix) else rest
+                  for prefix, rest in layouts]
         subs = [_sub(p, schema, *path) for p, (schema, path) in zip(parts, picked)]
         return _node(subs, ctx)
 
@@ -725,21 +729,16 @@ def _object(parts, ctx) -> str | None:
             entries.append((f"{json_string(name)}{ctx.ws}:{ctx.ws}{value}", name in required))
     extra = _extra_member(parts, ctx)
     n_req = sum(r for _, r in entries)
-    for m, ptr in _get(parts, "minProperties"):
-        if m > n_req and (extra is not None or m <= len(entries)):
-            raise UnsupportedSchemaError("minProperties", ptr, "more properties than are "
-                                         "required: list them in 'required' instead.")
-        if m > len(entries) and extra is None:
-            return None
-    max_extra = None
-    for m, ptr in _get(parts, "maxProperties"):
-        if n_req > m:
-            return None
-        if len(entries) > m or (extra is not None and entries):
-            raise UnsupportedSchemaError("maxProperties", ptr, "fewer properties than are "
-                                         "declared: remove the optional ones instead.")
-        max_extra = m if max_extra is None else min(max_extra, m)
-    return rf"\{{{ctx.ws}{_members(entries, extra, max_extra, ctx.ws)}{ctx.ws}\}}"
+    least = max([m for m, _ in _get(parts, "minProperties")], default=0)
+    most = min([m for m, _ in _get(parts, "maxProperties")], default=None)
+    if (most is not None and max(n_req, least) > most) or (extra is None and least > len(entries)):
+        return None
+    if extra is not None and least > max(n_req, 1 if not entries else 0):
+        raise UnsupportedSchemaError("minProperties", _get(parts, "minProperties")[0][1],
+                                     "more properties than are required, on an object with "
+                                     "undeclared properties (a repeated key would count once); "
+                                     "list them in 'required' instead.")
+    return rf"\{{{ctx.ws}{_members(entries, extra, least, most, ctx.ws)}{ctx.ws}\}}"
 
 
 def _required(parts) -> set:
@@ -801,15 +800,42 @@ def _extra_member(parts, ctx) -> str | None:
     return None if value is None or key is None else f"{key}{ctx.ws}:{ctx.ws}{value}"
 
 
-def _members(entries, extra, max_extra, ws) -> str:
-    """Members in declared order; optional ones may be absent; commas only between members."""
+def _members(entries, extra, least, most, ws) -> str:
+    """Members in declared order, optional ones possibly absent, then undeclared ones (only
+    where all declared ones are required); ``least`` to ``most`` members in all. Past ``most``,
+    the later optional members are left out; for ``least``, the first optional ones become
+    required but one, then at least one of the others is present (fewer instances, sound)."""
     sep = f"{ws},{ws}"
     if extra is not None:  # entries are all required here
         head = sep.join(kv for kv, _ in entries)
-        if not head:
-            more = repeat(sep + extra, 0, None if max_extra is None else max_extra - 1)
-            return f"(?:{extra}{more})?" if max_extra != 0 else ""
-        return head + f"(?:{sep}{extra})*"
+        spare = None if most is None else most - len(entries)
+        if head:
+            return head + repeat(sep + extra, 0, spare)
+        if spare == 0:
+            return ""
+        body = extra + repeat(sep + extra, 0, None if spare is None else spare - 1)
+        return body if least else f"(?:{body})?"
+    n_req = sum(req for _, req in entries)
+    spare = None if most is None else most - n_req
+    promote = max(least - n_req - 1, 0)
+    kept = []
+    for kv, req in entries:
+        if not req and spare is not None:
+            if spare == 0:
+                continue
+            spare -= 1
+        if not req and promote:
+            req, promote = True, promote - 1
+        kept.append((kv, req))
+    if least <= sum(req for _, req in kept):
+        return _sequence(kept, sep)
+    optional = [i for i, (_, req) in enumerate(kept) if not req]  # which one is the first present
+    return alternation([_sequence([(kv, req or i == j) for i, (kv, req) in enumerate(kept)
+                                   if req or i >= j], sep) for j in optional])
+
+
+def _sequence(entries, sep) -> str:
+    """Members in order, the optional ones possibly absent, commas only between members."""
     first_req = next((i for i, (_, req) in enumerate(entries) if req), None)
     if first_req is not None:  # linear: optional members before the first required one
         before = "".join(f"(?:{kv}{sep})?" for kv, _ in entries[:first_req])

@@ -368,7 +368,8 @@ def _magnitudes(lo: Decimal, lo_ex: bool, hi: Decimal | None, hi_ex: bool) -> li
         return []
     alts = []
     if b is None or a + 1 <= b - 1:
-        alts.append(integer_range(a + 1, None if b is None else b - 1) + _fraction("", False, None, False))
+        whole = integer_range(a + 1, None if b is None else b - 1)
+        alts.append(whole + _fraction("", False, None, False))
     on_a = _fraction(fa, lo_ex, fb if b == a else None, hi_ex and b == a)
     if on_a is not None:
         alts.append(f"{a}{on_a}")

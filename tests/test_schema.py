@@ -190,7 +190,8 @@ def test_oneof_exclusions_by_bounds_values_and_negation(build):
     kinds = {"type": "object", "oneOf": [{"properties": {"kind": {"enum": ["cb"]}}},
                                          {"properties": {"kind": {"enum": ["field", "value"]}}}]}
     check(build, kinds, [{"kind": "cb"}, {"kind": "field"}], [{}], wrap=False)
-    car = {"type": "object", "properties": {"kind": {"const": "car"}, "wheels": {"type": "integer"}},
+    car = {"type": "object",
+           "properties": {"kind": {"const": "car"}, "wheels": {"type": "integer"}},
            "oneOf": [{"not": {"required": ["kind"]}}, {"required": ["kind", "wheels"]}]}
     check(build, car, [{}, {"wheels": 1}, {"kind": "car", "wheels": 4}], [{"kind": "car"}],
           wrap=False)
@@ -257,7 +258,7 @@ def test_missing_type_is_inferred_from_keywords(build):
     ("contains", {"type": "array", "contains": {"type": "integer"}}),
     ("uniqueItems", {"type": "array", "uniqueItems": True}),
     ("multipleOf", {"type": "integer", "multipleOf": 3}),
-    ("minProperties", {"type": "object", "properties": {"a": {}}, "minProperties": 1}),
+    ("minProperties", {"type": "object", "required": ["a"], "minProperties": 2}),
 ])
 def test_unsupported_keywords_are_refused_by_name(keyword, schema):
     e = refused(schema, keyword)
@@ -355,6 +356,26 @@ def test_additional_properties(build):
           [{"x": 1, "y": 2}, {}], [{"x": "s"}], wrap=False)
     check(build, {"type": "object", "additionalProperties": True, "maxProperties": 1},
           [{"x": [1, "a"]}], [{"x": 1, "y": 2}], wrap=False)
+
+
+def test_min_and_max_properties(build):
+    three = {k: {"type": "integer"} for k in "abc"}
+    check(build, {"type": "object", "properties": three, "minProperties": 1},
+          [{"a": 1}, {"b": 1, "c": 2}], [{}], wrap=False)
+    check(build, {"type": "object", "properties": three, "required": ["b"], "minProperties": 2},
+          [{"a": 1, "b": 2}, {"b": 1, "c": 1}], [{"b": 1}], wrap=False)
+    four = {k: {"type": "integer"} for k in "abcd"}  # a, b become required; then c or d
+    check(build, {"type": "object", "properties": four, "minProperties": 3},
+          [{"a": 1, "b": 1, "c": 1}, {"a": 1, "b": 1, "d": 1}],
+          [{"a": 1, "b": 1}, {"b": 1, "c": 1, "d": 1}],
+          wrap=False)
+    check(build, {"type": "object", "properties": three, "maxProperties": 1},  # only a is kept
+          [{"a": 1}, {}], [{"a": 1, "b": 2}, {"b": 1}], wrap=False)
+    check(build, {"type": "object", "minProperties": 1,
+                  "additionalProperties": {"type": "integer"}},
+          [{"x": 1}, {"x": 1, "y": 2}], [{}], wrap=False)
+    check(build, {"type": "object", "required": ["a"], "maxProperties": 2},
+          [{"a": 1, "x": 2}, {"a": 1}], [{"a": 1, "x": 2, "y": 3}], wrap=False)
 
 
 def test_required_and_optional_properties(build):
