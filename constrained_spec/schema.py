@@ -59,7 +59,7 @@ HANDLED = {"type", "enum", "const", "maximum", "exclusiveMaximum", "minimum", "e
            "minProperties", "required", "properties", "patternProperties",
            "additionalProperties", "dependencies", "dependentRequired", "propertyNames",
            "allOf", "anyOf", "oneOf", "not", "$ref", "unevaluatedProperties", "multipleOf",
-           "dependentSchemas"}
+           "dependentSchemas", "if", "then", "else"}
 DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
 # Keywords that only constrain one JSON type: where a schema has no ``type``, they say which
 # types it is about (see _types).
@@ -256,6 +256,8 @@ def _from_parts(parts: list[Part], ctx: _Context) -> str | None:
         for key in DEPENDENCIES:
             if part.schema.get(key):
                 return _split_dependency(parts, i, key, ctx)
+        if "if" in part.schema:
+            return _split_conditional(parts, i, ctx)
     parts = _apply_nots(parts, ctx)
     if parts is None:
         return None
@@ -321,6 +323,26 @@ def _split_dependency(parts, i, key, ctx) -> str | None:
         present = None if sub is None else present + sub
     alts = []
     for branch in (absent, present):
+        regex = None if branch is None else _from_parts(branch, ctx)
+        if regex is not None and regex not in alts:
+            alts.append(regex)
+    return alternation(alts) if alts else None
+
+
+def _split_conditional(parts, i, ctx) -> str | None:
+    """if/then/else, exactly: (if and then) or (else, with the ``if`` failing as a ``not``)."""
+    part = parts[i]
+    s = part.schema
+    rest = list(parts)
+    rest[i] = part._replace(schema={k: v for k, v in s.items() if k not in ("if", "then", "else")})
+    cond, then, other = (_flatten(s.get(key, True), f"{part.ptr}/{key}", ctx, part.refs,
+                                  part.group, False) for key in ("if", "then", "else"))
+    branches = [None if cond is None or then is None else rest + cond + then,
+                None if other is None else
+                _exclude(rest + other, (s["if"], f"{part.ptr}/if", part.refs), ctx,
+                         f"{part.ptr}/if", "if")]
+    alts = []
+    for branch in branches:
         regex = None if branch is None else _from_parts(branch, ctx)
         if regex is not None and regex not in alts:
             alts.append(regex)
@@ -507,12 +529,16 @@ _ADDED_VALIDATOR = jsonschema.Draft202012Validator({})
 
 
 def _candidates(parts, ctx) -> str | None:
+    alts = list(dict.fromkeys(_literal_value(v, ctx.ws) for v in _candidate_values(parts, ctx)))
+    return alternation(alts) if alts else None
+
+
+def _candidate_values(parts, ctx) -> list:
+    """The first const/enum's values that every part accepts."""
     first = next(p.schema for p in parts if "enum" in p.schema or "const" in p.schema)
     values = first["enum"] if "enum" in first else [first["const"]]
-    kept = [v for v in values if ctx.valid(v, [p.schema for p in parts if not p.added])
+    return [v for v in values if ctx.valid(v, [p.schema for p in parts if not p.added])
             and all(_ADDED_VALIDATOR.evolve(schema=p.schema).is_valid(v) for p in parts if p.added)]
-    alts = list(dict.fromkeys(_literal_value(v, ctx.ws) for v in kept))
-    return alternation(alts) if alts else None
 
 
 def _literal_value(v, ws: str) -> str:
@@ -661,11 +687,10 @@ def _array(parts, ctx) -> str | None:
     lo = max([v for v, _ in _get(parts, "minItems")], default=0)
     his = [v for v, _ in _get(parts, "maxItems")]
     hi = min(his) if his else None
+    layouts = [_item_layout(p) for p in parts]
     for unique, ptr in _get(parts, "uniqueItems"):
         if unique and (hi is None or hi > 1):
-            raise UnsupportedSchemaError("uniqueItems", ptr, "an automaton cannot check that "
-                                         "items differ; drop it or set maxItems: 1.")
-    layouts = [_item_layout(p) for p in parts]
+            return _distinct_items(parts, layouts, lo, hi, ptr, ctx)
     n_prefix = max([len(prefix) for prefix, _ in layouts], default=0)
     if hi is not None:
         n_prefix = min(n_prefix, hi)
@@ -680,6 +705,27 @@ def _array(parts, ctx) -> str | None:
     rest = element(None) if hi is None or hi > n_prefix else None
     body = _items_from(0, elements, rest, lo, None if hi is None else hi - n_prefix, ctx.ws)
     return None if body is None else rf"\[{ctx.ws}{body}{ctx.ws}\]"
+
+
+def _distinct_items(parts, layouts, lo, hi, ptr, ctx) -> str | None:
+    """uniqueItems over items from a finite set of values: each value at most once, in the
+    enum's order (fewer arrays than the schema allows, all valid). Refused otherwise."""
+    subs = [_sub(p, schema, *path) for p, (prefix, (schema, path)) in zip(parts, layouts)]
+    flat = [] if any(prefix for prefix, _ in layouts) else [
+        q for schema, sptr, refs in subs for q in _flatten(schema, sptr, ctx, refs, 0) or []]
+    if not any("enum" in q.schema or "const" in q.schema for q in flat):
+        raise UnsupportedSchemaError("uniqueItems", ptr, "an automaton cannot check that items "
+                                     "differ unless they come from an enum; drop it or set "
+                                     "maxItems: 1.")
+    distinct = []
+    for v in _candidate_values(flat, ctx):
+        if all(_ADDED_VALIDATOR.evolve(schema={"uniqueItems": True}).is_valid([u, v])
+               for u in distinct):
+            distinct.append(v)
+    if len(distinct) < lo:
+        return None
+    entries = [(_literal_value(v, ctx.ws), False) for v in distinct]
+    return rf"\[{ctx.ws}{_members(entries, None, lo, hi, ctx.ws)}{ctx.ws}\]"
 
 
 def _item_layout(part: Part) -> tuple[list, tuple]:

@@ -119,48 +119,102 @@ def pattern_body(pattern: str, min_len: int = 0, max_len: int | None = None) -> 
         raise PatternError(f"{pattern!r} is not a valid regular expression ({e})") from None
     if parsed.state.flags & (re.I | re.M | re.S | re.L | re.A):
         raise PatternError("inline flags such as (?i), (?m), (?s) are not supported")
-    items = list(parsed)
-    while len(items) == 1 and items[0][0] is C.SUBPATTERN and not any(items[0][1][1:3]):
-        items = list(items[0][1][3])  # a group around the whole pattern
-    branches = items[0][1][1] if len(items) == 1 and items[0][0] is C.BRANCH else [items]
+    branches = _alternatives(list(parsed))
     if (min_len, max_len) != (0, None):
-        if len(branches) != 1:
-            raise PatternError("minLength/maxLength together with a pattern that has top-level "
-                               "alternatives; put the length into the pattern instead")
-        return _bounded(list(branches[0]), min_len, max_len)
+        fitted, error = [], None
+        for branch in branches:  # a branch that cannot be fitted is left out (fewer strings)
+            try:
+                fitted.append(_bounded(list(branch), min_len, max_len))
+            except PatternError as e:
+                error = e
+        if not fitted:
+            raise error
+        return alternation(fitted)
     return alternation([_anchored(list(b)) for b in branches])
 
 
+def _alternatives(items: list, limit: int = 256) -> list[list]:
+    """The pattern's top-level alternatives as item lists: groups inlined and alternations
+    multiplied out (sre_parse factors common prefixes such as ^ out of them), so that anchors
+    end up at the ends. Left as one alternative past ``limit``."""
+    for i, (op, av) in enumerate(items):
+        if op is C.SUBPATTERN and not (av[1] or av[2]):
+            return _alternatives(items[:i] + list(av[3]) + items[i + 1:], limit)
+        if op is C.BRANCH:
+            out = [alt for b in av[1]
+                   for alt in _alternatives(items[:i] + list(b) + items[i + 1:], limit)]
+            return out if len(out) <= limit else [items]
+    return [items]
+
+
 def _anchored(items: list) -> str:
-    start = bool(items) and items[0] in ((C.AT, C.AT_BEGINNING), (C.AT, C.AT_BEGINNING_STRING))
-    end = bool(items) and items[-1] in ((C.AT, C.AT_END), (C.AT, C.AT_END_STRING))
-    body = _seq(items[int(start):len(items) - int(end)])
+    start, end, body = _anchors(items)
     # pattern is unanchored (re.search): anything may come before / after the match
-    return ("" if start else f"{STRING_CHAR}*") + body + ("" if end else f"{STRING_CHAR}*")
+    return ("" if start else f"{STRING_CHAR}*") + _seq(body) + ("" if end else f"{STRING_CHAR}*")
+
+
+def _anchors(items: list) -> tuple[bool, bool, list]:
+    start = bool(items) and items[0] in ((C.AT, C.AT_BEGINNING), (C.AT, C.AT_BEGINNING_STRING))
+    end = len(items) > int(start) and items[-1] in ((C.AT, C.AT_END), (C.AT, C.AT_END_STRING))
+    return start, end, items[int(start):len(items) - int(end)]
 
 
 def _bounded(items: list, min_len: int, max_len: int | None) -> str:
-    anchored = (items[:1] in ([(C.AT, C.AT_BEGINNING)], [(C.AT, C.AT_BEGINNING_STRING)])
-                and items[-1:] in ([(C.AT, C.AT_END)], [(C.AT, C.AT_END_STRING)]))
-    if not anchored:
-        raise PatternError("minLength/maxLength together with an unanchored pattern; anchor it "
-                           "(^...$) and put the length into the pattern")
-    body = items[1:-1]
-    lo, hi = sre_parse.SubPattern(sre_parse.State(), body).getwidth()
-    if min_len <= lo and (max_len is None or hi <= max_len):
-        return _seq(body)  # the pattern's own length range is within the bounds
-    reps = [i for i, (op, av) in enumerate(body) if op in (C.MAX_REPEAT, C.MIN_REPEAT)]
+    """Strings of min_len..max_len characters in which the pattern matches. Sound, not exact:
+    the match is the whole string, or (if the pattern is not anchored at that end) the string
+    starts with it and free characters pad it; the pattern's repeats are narrowed to fit."""
+    start, end, body = _anchors(items)
+    if start and end:
+        return _seq(_fit(body, min_len, max_len))
+    body = _fit(body, 0, max_len)
+    lo, hi = _width(body)
+    pad_lo, pad_hi = max(min_len - lo, 0), None if max_len is None else max_len - hi
+    if pad_hi is not None and pad_lo > pad_hi:
+        body, pad_lo, pad_hi = _fit(body, min_len, max_len), 0, 0
+    pad = repeat(STRING_CHAR, pad_lo, pad_hi) if pad_hi != 0 else ""
+    return pad + _seq(body) if end else _seq(body) + pad
+
+
+def _width(items: list) -> tuple[int, int | None]:
+    lo, hi = sre_parse.SubPattern(sre_parse.State(), list(items)).getwidth()
+    return lo, None if hi >= C.MAXREPEAT else hi
+
+
+def _fit(body: list, min_len: int, max_len: int | None) -> list:
+    """``body`` with its top-level repeats narrowed so that every match has min_len..max_len
+    characters: the spare length above their minimum is shared out, then minimums raised."""
+    lo, hi = _width(body)
+    if min_len <= lo and (max_len is None or (hi is not None and hi <= max_len)):
+        return body
+    reps = {i: list(av) for i, (op, av) in enumerate(body) if op in (C.MAX_REPEAT, C.MIN_REPEAT)
+            and _width(av[2])[0] >= 1 and _width(av[2])[1] is not None}
     rest = [x for i, x in enumerate(body) if i not in reps]
-    fixed_lo, fixed_hi = sre_parse.SubPattern(sre_parse.State(), rest).getwidth()
-    if len(reps) != 1 or fixed_lo != fixed_hi or len(body[reps[0]][1][2]) != 1 \
-            or body[reps[0]][1][2].getwidth() != (1, 1):
-        raise PatternError("minLength/maxLength together with this pattern; put the length "
-                           "into the pattern (e.g. ^[a-z]{3,8}$)")
-    r_lo, r_hi, sub = body[reps[0]][1]
-    new_lo = max(r_lo, min_len - fixed_lo)
-    new_hi = r_hi if max_len is None else min(r_hi, max_len - fixed_lo)
-    body = body[:reps[0]] + [(C.MAX_REPEAT, (new_lo, new_hi, sub))] + body[reps[0] + 1:]
-    return _seq(body) if new_lo <= new_hi else "[^\\x{0}-\\x{10FFFF}]"
+    rest_lo, rest_hi = _width(rest)
+    if max_len is not None:
+        spare = None if rest_hi is None else max_len - rest_hi - sum(
+            r_lo * _width(sub)[1] for r_lo, _, sub in reps.values())
+        if spare is None or spare < 0 or not reps:
+            raise PatternError("minLength/maxLength together with this pattern: its repeats "
+                               "cannot be narrowed to fit; put the length into the pattern "
+                               "(e.g. ^[a-z]{3,8}$)")
+        for r in reps.values():
+            r[1] = min(r[1], r[0] + spare // (len(reps) * _width(r[2])[1]))
+    need = min_len - rest_lo - sum(r_lo * _width(sub)[0] for r_lo, _, sub in reps.values())
+    for r in reps.values():
+        step = _width(r[2])[0]
+        more = min(r[1] - r[0], -(-max(need, 0) // step))
+        r[0], need = r[0] + more, need - more * step
+    if need > 0:
+        raise PatternError("minLength/maxLength together with this pattern: it cannot be "
+                           "lengthened to minLength; put the length into the pattern "
+                           "(e.g. ^[a-z]{3,8}$)")
+    fitted = [(C.MAX_REPEAT, tuple(reps[i])) if i in reps else x for i, x in enumerate(body)]
+    lo, hi = _width(fitted)
+    if lo < min_len or (max_len is not None and (hi is None or hi > max_len)):
+        raise PatternError("minLength/maxLength together with this pattern: its repeats "
+                           "cannot be narrowed to fit; put the length into the pattern "
+                           "(e.g. ^[a-z]{3,8}$)")
+    return fitted
 
 
 def _seq(items) -> str:
@@ -174,7 +228,7 @@ def _item(op, av) -> str:
         return _charset_regex(_charset(op, av))
     if op in (C.MAX_REPEAT, C.MIN_REPEAT):  # laziness does not change a full-match language
         lo, hi, sub = av
-        return repeat(_seq(sub), lo, None if hi is C.MAXREPEAT else hi)
+        return repeat(_seq(sub), lo, None if hi >= C.MAXREPEAT else hi)
     if op is C.SUBPATTERN:
         if av[1] or av[2]:
             raise PatternError("scoped inline flags (?i:...) are not supported")

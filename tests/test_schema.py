@@ -243,6 +243,24 @@ def test_dependencies_are_split_exactly(build):
           [{"n": 1}, {"foo": True, "n": 7}], [{"foo": True}, {"foo": True, "n": 1}], wrap=False)
 
 
+def test_if_then_else_is_split_exactly(build):
+    schema = {"type": "object", "required": ["country"],
+              "properties": {"country": {"enum": ["US", "CA"]}, "postal": {"type": "string"}},
+              "if": {"properties": {"country": {"const": "US"}}},
+              "then": {"required": ["postal"]},
+              "else": {"properties": {"postal": {"maxLength": 3}}}}
+    check(build, schema, [{"country": "US", "postal": "12345"}, {"country": "CA"},
+                          {"country": "CA", "postal": "abc"}],
+          [{"country": "US"}, {"country": "CA", "postal": "abcd"}], wrap=False)
+
+
+def test_unique_items_from_an_enum(build):
+    # each value at most once, in the enum's order (["b", "a"] is valid but not generated)
+    check(build, {"type": "array", "items": {"enum": ["a", "b", "c", 1, 1.0]}, "uniqueItems": True,
+                  "minItems": 1}, [["a"], ["a", "c"], ["a", "b", "c", 1]],
+          [["a", "a"], [], ["b", "a"], [1, 1.0]], wrap=False)
+
+
 def test_missing_type_is_inferred_from_keywords(build):
     # null and [] are valid instances too, but a schema made of object keywords means an object
     check(build, {"properties": {"a": {"type": "integer"}}, "required": ["a"]},
@@ -254,7 +272,7 @@ def test_missing_type_is_inferred_from_keywords(build):
 
 @pytest.mark.parametrize("keyword, schema", [
     ("not", {"type": "string", "not": {"pattern": "^a"}}),
-    ("if", {"if": {"type": "string"}, "then": {"minLength": 2}}),
+    ("if", {"type": "string", "if": {"pattern": "^a"}, "else": {"minLength": 2}}),
     ("contains", {"type": "array", "contains": {"type": "integer"}}),
     ("uniqueItems", {"type": "array", "uniqueItems": True}),
     ("multipleOf", {"type": "integer", "multipleOf": 3}),
@@ -396,6 +414,18 @@ def test_pattern_is_unanchored_and_escaped(build):
           ["abcd", "Ab", ""])
     check(build, {"type": "string", "pattern": '^"\\d+$'}, ['"12'], ["12", '"1a', '"١'])
     check(build, {"type": "string", "pattern": "^(?:ab|cd)$"}, ["ab", "cd"], ["abcd", "a"])
+    check(build, {"type": "string", "pattern": "^ab$|^cd$"}, ["ab", "cd"], ["abcd", "xab"])
+
+
+def test_pattern_with_lengths_narrows_its_repeats(build):
+    email = {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.[a-z]{2,}$", "minLength": 8,
+             "maxLength": 12}  # repeats narrowed to 3..3, 1..3, 2..4 characters
+    check(build, email, ["abc@d.ef", "abc@def.ghij"], ["abc@d.e", "abcdefgh@x.yz", "ab@cd.ef"])
+    # unanchored: the string starts with the match and is padded to the lengths
+    check(build, {"type": "string", "pattern": "id", "minLength": 4, "maxLength": 6},
+          ["idab", "idxyzw"], ["id", "idabcde", "xid"])
+    check(build, {"type": "string", "pattern": "^a+$|^b+$", "maxLength": 2}, ["aa", "b"],
+          ["aaa", "ab", ""])
 
 
 @pytest.mark.parametrize("pattern, feature", [
