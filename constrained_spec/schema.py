@@ -38,6 +38,7 @@ from .schema_regex import (FORMATS, KNOWN_FORMATS, STRING_CHAR, PatternError, al
 # (times a recursive $ref is expanded before it counts as false, nesting allowed inside
 # free-form values ({} / true schemas)), tried in order until the regex fits MAX_REGEX_CHARS
 NESTING = ((3, 2), (2, 1), (1, 0))
+NESTING_BUDGET = 50_000  # regex characters; ~1-5 s of index build with a 49k-token vocabulary
 MAX_BRANCHES = 256       # anyOf combinations distributed over one node
 MAX_REGEX_CHARS = 2_000_000
 MAX_NUMBER_BOUND = 10**9  # |minimum|, |maximum| for non-integer numbers (float rounding)
@@ -108,23 +109,32 @@ def check_schema(schema: dict) -> None:
 
 def schema_to_regex(schema: dict, whitespace: str = "") -> str:
     """The regex of JSON texts the schema accepts; ``whitespace`` is allowed between tokens.
-    Where the regex would exceed MAX_REGEX_CHARS, recursive ``$ref``s and free-form values are
-    nested less deeply (fewer instances, all still valid) before giving up."""
+    Recursive ``$ref``s and free-form values are nested as deeply as NESTING allows while the
+    regex stays within NESTING_BUDGET characters (shallower: fewer instances, all still valid;
+    a smaller automaton, built in seconds rather than minutes)."""
     ctx = _Context.for_schema(schema, whitespace)
+    best = None
     for ref_depth, any_depth in NESTING:
         ctx.ref_depth, ctx.any_depth, ctx.truncated, ctx.nested = ref_depth, any_depth, False, False
         try:
             regex = _node([(schema, "", ())], ctx)
-            break
         except SchemaTooComplex:
-            if not ctx.nested or ref_depth == NESTING[-1][0]:
-                raise
-    if regex is None:
+            if not ctx.nested or (ref_depth, any_depth) == NESTING[-1]:
+                if best is None:
+                    raise
+                break
+            continue
+        if regex is None:
+            break
+        best = regex
+        if len(regex) <= NESTING_BUDGET or not ctx.nested:
+            break
+    if best is None:
         raise UnsupportedSchemaError("$ref" if ctx.truncated else "type", "", (
             f"no instance fits within {ctx.ref_depth} levels of recursion; raise "
             "constrained_spec.schema.NESTING." if ctx.truncated else
             "the schema accepts no instance at all (contradictory keywords)."))
-    return regex
+    return best
 
 
 class Part(NamedTuple):
@@ -875,9 +885,9 @@ def _members(entries, extra, least, most, ws) -> str:
         kept.append((kv, req))
     if least <= sum(req for _, req in kept):
         return _sequence(kept, sep)
-    optional = [i for i, (_, req) in enumerate(kept) if not req]  # which one is the first present
+    optional = [i for i, (_, req) in enumerate(kept) if not req]  # which one is the last present
     return alternation([_sequence([(kv, req or i == j) for i, (kv, req) in enumerate(kept)
-                                   if req or i >= j], sep) for j in optional])
+                                   if req or i <= j], sep) for j in optional])
 
 
 def _sequence(entries, sep) -> str:
@@ -888,8 +898,10 @@ def _sequence(entries, sep) -> str:
         after = "".join(f"(?:{sep}{kv})" + ("" if req else "?")
                         for kv, req in entries[first_req + 1:])
         return before + entries[first_req][0] + after
-    alts = [kv + "".join(f"(?:{sep}{kv2})?" for kv2, _ in entries[i + 1:])
-            for i, (kv, _) in enumerate(entries)]  # which member comes first
+    # which member comes last: alternatives that differ only at their end determinize into
+    # one chain of automaton states ("which comes first" would need a chain per member)
+    alts = ["".join(f"(?:{kv2}{sep})?" for kv2, _ in entries[:i]) + kv
+            for i, (kv, _) in enumerate(entries)]
     return f"(?:{'|'.join(alts)})?" if alts else ""
 
 

@@ -113,6 +113,11 @@ def test_recursion_is_shallower_when_the_regex_would_be_too_big(build, monkeypat
     monkeypatch.setattr(schema_mod, "MAX_REGEX_CHARS", sizes[1] - 1)
     with pytest.raises(SchemaTooComplex):
         schema_to_regex(tree)
+    monkeypatch.setattr(schema_mod, "MAX_REGEX_CHARS", 10**6)
+    monkeypatch.setattr(schema_mod, "NESTING_BUDGET", sizes[1])  # past the budget: shallower
+    assert len(schema_to_regex(tree)) == sizes[1]
+    monkeypatch.setattr(schema_mod, "NESTING_BUDGET", sizes[3])
+    assert len(schema_to_regex(tree)) == sizes[3]
 
 
 def test_required_recursion_is_refused_by_name():
