@@ -129,11 +129,13 @@ def schema_to_regex(schema: dict, whitespace: str = "") -> str:
         best = regex
         if len(regex) <= NESTING_BUDGET or not ctx.nested:
             break
+    if best is None and ctx.truncated:
+        raise UnsupportedSchemaError("$ref", "", f"no instance fits within {ctx.ref_depth} "
+                                     "levels of recursion; raise constrained_spec.schema.NESTING.")
     if best is None:
-        raise UnsupportedSchemaError("$ref" if ctx.truncated else "type", "", (
-            f"no instance fits within {ctx.ref_depth} levels of recursion; raise "
-            "constrained_spec.schema.NESTING." if ctx.truncated else
-            "the schema accepts no instance at all (contradictory keywords)."))
+        raise ConstraintError("the schema accepts no instance at all: its keywords contradict "
+                              "each other (e.g. a required property whose schema is false, or "
+                              "oneOf branches that all match or all fail); fix the schema.")
     return best
 
 
@@ -435,6 +437,9 @@ def _exclude(parts, negated, ctx, ptr, keyword) -> list[Part] | None:
     if keys <= set().union(*[TYPE_KEYWORDS.get(_kind(t), set()) for t in TYPES if t not in emitted
                              and _kind(t) not in {_kind(e) for e in emitted}] or [set()]):
         return None  # the negated schema accepts every instance we would emit
+    if emitted == {"object"} and keys <= {"required", "type"} and neg.required <= pos.required \
+            and "object" in neg.types:
+        return None  # the negated schema holds for every object we would emit
     if emitted == {"object"} and (
             any(_rejects(neg, k) for k in pos.required)
             or any(_rejects(pos, k) for k in neg.required)

@@ -126,6 +126,15 @@ def test_required_recursion_is_refused_by_name():
     assert "recursion" in str(refused(schema, "$ref"))
 
 
+def test_a_schema_without_instances_is_an_error():
+    with pytest.raises(ConstraintError, match="accepts no instance"):
+        schema_to_regex({"type": "object", "required": ["a"], "properties": {"a": False}})
+    # every branch is excluded by the other: an object with a and b matches both
+    with pytest.raises(ConstraintError, match="accepts no instance"):
+        schema_to_regex({"type": "object", "required": ["a", "b"],
+                         "oneOf": [{"required": ["a"]}, {"required": ["b"]}]})
+
+
 def test_remote_ref_is_refused():
     refused({"$ref": "https://example.com/schema.json"}, "$ref")
 
