@@ -62,6 +62,8 @@ HANDLED = {"type", "enum", "const", "maximum", "exclusiveMaximum", "minimum", "e
            "allOf", "anyOf", "oneOf", "not", "$ref", "unevaluatedProperties", "multipleOf",
            "dependentSchemas", "if", "then", "else"}
 DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
+# Keywords _from_parts resolves before it emits: by candidates, distribution or exclusion.
+SPLIT = {"enum", "const", "anyOf", "oneOf", "if", "not", *DEPENDENCIES}
 # Keywords that only constrain one JSON type: where a schema has no ``type``, they say which
 # types it is about (see _types).
 TYPE_KEYWORDS = {
@@ -273,6 +275,8 @@ def _from_parts(parts: list[Part], ctx: _Context) -> str | None:
     parts = _apply_nots(parts, ctx)
     if parts is None:
         return None
+    if any(not p.added and (SPLIT & p.schema.keys()) for p in parts):
+        return _from_parts(parts, ctx)  # an excluded not brought in its operand's combinators
     _refuse_unhandled(parts, ctx)
     alts = [r for r in (_EMITTERS[t](parts, ctx) for t in _types(parts)) if r is not None]
     if not alts:  # e.g. a recursion cut short: the types inference left out may still fit
@@ -324,7 +328,10 @@ def _split_dependency(parts, i, key, ctx) -> str | None:
     deps = dict(part.schema[key])
     trigger, need = deps.popitem()
     rest = list(parts)
-    rest[i] = part._replace(schema={**part.schema, key: deps})
+    schema = {k: v for k, v in part.schema.items() if k != key}
+    if deps:
+        schema[key] = deps
+    rest[i] = part._replace(schema=schema)
     absent = rest + [_extra_part(part, {"properties": {trigger: False}})]
     present = rest + [_extra_part(part, {"required": [trigger]})]
     if isinstance(need, list):

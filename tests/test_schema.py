@@ -239,6 +239,11 @@ def test_not(build):
           wrap=False)
     check(build, {"not": {"anyOf": [{"type": "string"}, {"type": "object"}]}}, [1, None],
           ["x", {}])
+    # a double negation requires its operand, combinators included
+    check(build, {"type": "string", "not": {"not": {"enum": ["x", "y"]}}}, ["x", "y"], ["z"])
+    check(build, {"type": "string", "not": {"not": {"anyOf": [{"pattern": "^a"},
+                                                                {"pattern": "^b"}]}}},
+          ["ab", "b"], ["c", "ca"])
     names = {"type": "string", "not": {"enum": ["", "a", "ab", "x/y", "\n", 'q"']}}
     check(build, names, ["b", "abc", "aa", "x/", "x/yz", "q", 'q""', "\t"],
           ["", "a", "ab", "x/y", "\n", 'q"'])
