@@ -176,7 +176,10 @@ class _Context:
             pointer = "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in e.path)
             raise ConstraintError(f"not a valid JSON Schema at {pointer or '/'}: {e.message}"
                                   " (checked against its meta-schema).") from None
-        draft4 = vcls in (jsonschema.Draft3Validator, jsonschema.Draft4Validator)
+        if vcls is jsonschema.Draft3Validator:  # required/not/enum checks mean other things
+            raise UnsupportedSchemaError("$schema", "", "draft-03 schemas are not supported; "
+                                         "declare draft-04 or later (required as a list).")
+        draft4 = vcls is jsonschema.Draft4Validator
         has_refs = '"$ref"' in json.dumps(schema)
         return cls(schema, ws, vcls(schema, format_checker=vcls.FORMAT_CHECKER), draft4, has_refs)
 

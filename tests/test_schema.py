@@ -135,6 +135,10 @@ def test_a_schema_without_instances_is_an_error():
                          "oneOf": [{"required": ["a"]}, {"required": ["b"]}]})
 
 
+def test_draft3_is_refused():
+    refused({"$schema": "http://json-schema.org/draft-03/schema#", "type": "string"}, "$schema")
+
+
 def test_remote_ref_is_refused():
     refused({"$ref": "https://example.com/schema.json"}, "$ref")
 
