@@ -278,7 +278,8 @@ def _from_parts(parts: list[Part], ctx: _Context) -> str | None:
     parts = _apply_nots(parts, ctx)
     if parts is None:
         return None
-    if any(not p.added and (SPLIT & p.schema.keys()) for p in parts):
+    if any(not p.added and any(k in p.schema and (p.schema[k] or k not in DEPENDENCIES)
+                               for k in SPLIT) for p in parts):
         return _from_parts(parts, ctx)  # an excluded not brought in its operand's combinators
     _refuse_unhandled(parts, ctx)
     alts = [r for r in (_EMITTERS[t](parts, ctx) for t in _types(parts)) if r is not None]

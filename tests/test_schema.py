@@ -259,6 +259,8 @@ def test_dependencies_are_split_exactly(build):
     props = {"card": {"type": "string"}, "billing": {"type": "string"}}
     check(build, {"type": "object", "properties": props, "dependencies": {"card": ["billing"]}},
           [{}, {"billing": "b"}, {"card": "1", "billing": "b"}], [{"card": "1"}], wrap=False)
+    check(build, {"type": "object", "dependencies": {}, "not": {"required": ["a"]}}, [{}],
+          [{"a": 1}], wrap=False)
     check(build, {"type": "object", "properties": {"foo": {"type": "boolean"},
                                                     "n": {"type": "integer", "minimum": 0}},
                   "dependentSchemas": {"foo": {"required": ["n"],
