@@ -277,21 +277,25 @@ def write_report(records: list[dict], command: str, out_dir: Path = OUT) -> None
              "| | ours | raw outlines-core |", "|---|---|---|"]
     translated = [("translated (regex only, --translate-only)", "translated")] \
         if ours["status"].get("translated") or raw["status"].get("translated") else []
-    for label, key in translated + [("compiled", "compiled"), ("refused (named keyword)", "refused"),
+    for label, key in translated + [("compiled", "compiled")] * (not translated) + [
+                       ("refused (named keyword)", "refused"),
                        ("too complex (bound hit)", "too_complex"),
                        ("invalid schema (meta-schema)", "invalid_schema"), ("other errors", "error")]:
         lines.append(f"| {label} | {_rate(ours, key)} | {_rate(raw, key)} |")
-    for label, key in [("**invalidation errors** (invalid accepted)", "invalidation_errors"),
-                       ("schemas with invalidation errors", "schemas_with_invalidation_errors"),
-                       ("invalid instances rejected", "invalid_rejected"),
-                       ("validation errors (valid rejected)", "validation_errors"),
-                       ("valid instances accepted", "valid_accepted"),
-                       ("fuzz texts / invalid among them", None)]:
+    checked = [] if translated else [
+        ("**invalidation errors** (invalid accepted)", "invalidation_errors"),
+        ("schemas with invalidation errors", "schemas_with_invalidation_errors"),
+        ("invalid instances rejected", "invalid_rejected"),
+        ("validation errors (valid rejected)", "validation_errors"),
+        ("valid instances accepted", "valid_accepted"),
+        ("fuzz texts / invalid among them", None)]
+    for label, key in checked:
         val = (lambda s: f"{s['fuzz_texts']} / {s['fuzz_invalid']}") if key is None \
             else (lambda s: str(s[key]))
         lines.append(f"| {label} | {val(ours)} | {val(raw)} |")
-    for label, key, sub in [("compile s p50 / p90 / max", "compile_s", ("p50", "p90", "max")),
-                            ("mask build ms p50 / p99", "mask_ms", ("p50", "p99"))]:
+    for label, key, sub in [] if translated else [
+            ("compile s p50 / p90 / max", "compile_s", ("p50", "p90", "max")),
+            ("mask build ms p50 / p99", "mask_ms", ("p50", "p99"))]:
         fmt = lambda s: " / ".join(f"{s[key][k]:.3g}" for k in sub)  # noqa: E731
         lines.append(f"| {label} | {fmt(ours)} | {fmt(raw)} |")
     lines += ["", "Refusals by keyword (ours): " + ", ".join(
@@ -300,7 +304,7 @@ def write_report(records: list[dict], command: str, out_dir: Path = OUT) -> None
         f"{k} {v}" for k, v in ours["too_complex_by_cause"].items()),
         "", "Too complex by cause (raw): " + ", ".join(
         f"{k} {v}" for k, v in raw["too_complex_by_cause"].items()), ""]
-    lines += source_table(records)
+    lines += source_table(records, bool(translated))
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
 
 
@@ -309,9 +313,12 @@ def _rate(s, key):
     return f"{n} ({100 * n / max(s['files'], 1):.1f}%)"
 
 
-def source_table(records) -> list[str]:
-    lines = ["| source | files | ours compiled | raw compiled | ours inval. err | raw inval. err "
-             "| ours valid. err | raw valid. err |", "|---|---|---|---|---|---|---|---|"]
+def source_table(records, translated: bool = False) -> list[str]:
+    if translated:
+        lines = ["| source | files | ours translated | raw translated |", "|---|---|---|---|"]
+    else:
+        lines = ["| source | files | ours compiled | raw compiled | ours inval. err | raw inval. "
+                 "err | ours valid. err | raw valid. err |", "|---|---|---|---|---|---|---|---|"]
     by = collections.defaultdict(list)
     for r in records:
         by[r["source"].split("---")[0] if r["source"].startswith("Glaive") else r["source"]].append(r)
@@ -319,9 +326,10 @@ def source_table(records) -> list[str]:
         rs = [r for r in by[src] if "ours" in r]
         c = lambda w: sum(r[w]["status"] in ("compiled", "translated") for r in rs)  # noqa: E731
         e = lambda w, k: sum(r[w].get(k, 0) for r in rs)  # noqa: E731
-        lines.append(f"| {src} | {len(rs)} | {c('ours')} | {c('raw')} | "
-                     f"{e('ours', 'invalid_accepted')} | {e('raw', 'invalid_accepted')} | "
-                     f"{e('ours', 'valid_rejected')} | {e('raw', 'valid_rejected')} |")
+        counts = f"| {src} | {len(rs)} | {c('ours')} | {c('raw')} |"
+        lines.append(counts if translated else counts + (
+            f" {e('ours', 'invalid_accepted')} | {e('raw', 'invalid_accepted')} | "
+            f"{e('ours', 'valid_rejected')} | {e('raw', 'valid_rejected')} |"))
     return lines
 
 
