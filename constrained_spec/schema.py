@@ -135,9 +135,11 @@ def schema_to_regex(schema: dict, whitespace: str = "") -> str:
         raise UnsupportedSchemaError("$ref", "", f"no instance fits within {ctx.ref_depth} "
                                      "levels of recursion; raise constrained_spec.schema.NESTING.")
     if best is None:
-        raise ConstraintError("the schema accepts no instance at all: its keywords contradict "
+        raise ConstraintError("no instance can be generated: the schema's keywords contradict "
                               "each other (e.g. a required property whose schema is false, or "
-                              "oneOf branches that all match or all fail); fix the schema.")
+                              "oneOf branches that all match or all fail), or they leave nothing "
+                              "in the subset this compiler generates (see constrained_spec."
+                              "schema); fix or simplify the schema.")
     return best
 
 
@@ -859,16 +861,29 @@ def _name_allowed(name: str, parts, ctx) -> bool:
 
 def _extra_member(parts, ctx) -> str | None:
     """Regex of one undeclared ``"key":value`` member, or None if we emit none: only where no
-    part declares properties (a key regex cannot exclude the declared names)."""
-    if any(p.schema.get("properties") or p.schema.get("patternProperties")
-           or "unevaluatedProperties" in p.schema for p in parts):
+    part declares properties (a key regex cannot exclude the declared names). Under one
+    ``patternProperties`` pattern, keys are drawn from that pattern (a subset of the keys
+    allowed, whose values are all checked by its schema)."""
+    if any(p.schema.get("properties") or "unevaluatedProperties" in p.schema for p in parts):
+        return None
+    patterned = [(p, pat) for p in parts for pat in p.schema.get("patternProperties", {})]
+    if len(patterned) > 1 or (patterned and any("propertyNames" in p.schema for p in parts)):
         return None
     values = [_sub(p, p.schema["additionalProperties"], "additionalProperties")
-              for p in parts if "additionalProperties" in p.schema]
-    keys = [_sub(p, p.schema["propertyNames"], "propertyNames")
-            for p in parts if "propertyNames" in p.schema]
+              for p in parts if "additionalProperties" in p.schema
+              and not (patterned and p is patterned[0][0])]
+    if patterned:
+        owner, pat = patterned[0]
+        values.append(_sub(owner, owner.schema["patternProperties"][pat], "patternProperties", pat))
+        try:
+            key = f'"{pattern_body(pat)}"'
+        except PatternError:
+            return None
+    else:
+        keys = [_sub(p, p.schema["propertyNames"], "propertyNames")
+                for p in parts if "propertyNames" in p.schema]
+        key = _node(keys + [({"type": "string"}, "", ())], ctx)
     value = _node(values, ctx)
-    key = _node(keys + [({"type": "string"}, "", ())], ctx)
     return None if value is None or key is None else f"{key}{ctx.ws}:{ctx.ws}{value}"
 
 
