@@ -14,6 +14,8 @@ parsed and validated as well (fuzz). The same is done for raw outlines-core
 
     python benchmarks/coverage.py --sample 400            # stratified sample, to iterate
     python benchmarks/coverage.py                         # all 5,197 files (hours on 2 cores)
+    python benchmarks/coverage.py --translate-only --out benchmarks/results/coverage-translate \
+        --results all.jsonl                               # every file, translation only (~10 min)
     python benchmarks/coverage.py --report-only           # rebuild report.md from results
 """
 

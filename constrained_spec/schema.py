@@ -917,6 +917,8 @@ def _members(entries, extra, least, most, ws) -> str:
     if least <= sum(req for _, req in kept):
         return _sequence(kept, sep)
     optional = [i for i, (_, req) in enumerate(kept) if not req]  # which one is the last present
+    if len(_sequence(kept, sep)) * len(optional) > MAX_REGEX_CHARS // 20:  # big members: linear
+        return _sequence([(kv, req or i == optional[0]) for i, (kv, req) in enumerate(kept)], sep)
     return alternation([_sequence([(kv, req or i == j) for i, (kv, req) in enumerate(kept)
                                    if req or i <= j], sep) for j in optional])
 
@@ -930,10 +932,15 @@ def _sequence(entries, sep) -> str:
                         for kv, req in entries[first_req + 1:])
         return before + entries[first_req][0] + after
     # which member comes last: alternatives that differ only at their end determinize into
-    # one chain of automaton states ("which comes first" would need a chain per member)
-    alts = ["".join(f"(?:{kv2}{sep})?" for kv2, _ in entries[:i]) + kv
-            for i, (kv, _) in enumerate(entries)]
-    return f"(?:{'|'.join(alts)})?" if alts else ""
+    # one chain of automaton states ("which comes first" needs a chain per member), but repeat
+    # the early members; where those are big, the shorter text wins
+    last = "|".join("".join(f"(?:{kv2}{sep})?" for kv2, _ in entries[:i]) + kv
+                    for i, (kv, _) in enumerate(entries))
+    if len(last) > MAX_REGEX_CHARS // 20:
+        first = "|".join(kv + "".join(f"(?:{sep}{kv2})?" for kv2, _ in entries[i + 1:])
+                         for i, (kv, _) in enumerate(entries))
+        last = min(last, first, key=len)
+    return f"(?:{last})?" if entries else ""
 
 
 _EMITTERS = {"null": lambda parts, ctx: "null", "boolean": lambda parts, ctx: "(?:true|false)",

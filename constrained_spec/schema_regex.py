@@ -134,13 +134,13 @@ def pattern_body(pattern: str, min_len: int = 0, max_len: int | None = None) -> 
 
 
 def _alternatives(items: list, limit: int = 256) -> list[list]:
-    """The pattern's top-level alternatives as item lists: groups inlined and alternations
-    multiplied out (sre_parse factors common prefixes such as ^ out of them), so that anchors
-    end up at the ends. Left as one alternative past ``limit``."""
+    """The pattern's top-level alternatives as item lists: groups inlined, and alternations
+    with anchors multiplied out (sre_parse factors common prefixes such as ^ out of them), so
+    that anchors end up at the ends. Left as one alternative past ``limit``."""
     for i, (op, av) in enumerate(items):
         if op is C.SUBPATTERN and not (av[1] or av[2]):
             return _alternatives(items[:i] + list(av[3]) + items[i + 1:], limit)
-        if op is C.BRANCH:
+        if op is C.BRANCH and any(b and C.AT in (b[0][0], b[-1][0]) for b in map(list, av[1])):
             out = [alt for b in av[1]
                    for alt in _alternatives(items[:i] + list(b) + items[i + 1:], limit)]
             return out if len(out) <= limit else [items]
