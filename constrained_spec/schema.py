@@ -631,8 +631,9 @@ def _any(depth: int, ws: str) -> str:
 
 def _string(parts, ctx) -> str | None:
     excluded = {v for p in parts if p.added and "not" in p.schema for v in p.schema["not"]["enum"]}
-    if excluded:  # only on plain strings (see _exclude)
-        return json_string_except(excluded)
+    if excluded:  # added on plain strings only (see _exclude); a later bound cannot join it
+        plain = not any(k in p.schema for p in parts for k in TYPE_KEYWORDS["string"])
+        return json_string_except(excluded) if plain else None
     lo = max([v for v, _ in _get(parts, "minLength")], default=0)
     his = [v for v, _ in _get(parts, "maxLength")]
     hi = min(his) if his else None

@@ -243,6 +243,9 @@ def test_not(build):
           wrap=False)
     check(build, {"not": {"anyOf": [{"type": "string"}, {"type": "object"}]}}, [1, None],
           ["x", {}])
+    # excluded values, then a length bound from a second not: no string is generated (sound)
+    check(build, {"anyOf": [{"type": "null"}, {"type": "string", "allOf": [
+        {"not": {"enum": ["a"]}}, {"not": {"maxLength": 3}}]}]}, [None], ["a", "b", "abcd"])
     # a double negation requires its operand, combinators included
     check(build, {"type": "string", "not": {"not": {"enum": ["x", "y"]}}}, ["x", "y"], ["z"])
     check(build, {"type": "string", "not": {"not": {"anyOf": [{"pattern": "^a"},
