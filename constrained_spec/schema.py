@@ -310,18 +310,24 @@ def _distribute(parts, i, key, ctx) -> str | None:
         raise SchemaTooComplex(f"{key} at {part.ptr or '/'} has {len(branches)} branches.")
     rest = list(parts)
     rest[i] = _without(part, key)
-    alts = []
-    for j, branch in enumerate(branches):
+
+    def branch_parts(j: int, branch) -> list[Part] | None:
         sub = _flatten(branch, f"{part.ptr}/{key}/{j}", ctx, part.refs, part.group, False)
-        if sub is None:
-            continue
-        mine = rest + sub
-        if key == "oneOf":
-            for m, other in enumerate(branches):
-                if m != j and mine is not None:
-                    mine = _exclude(mine, (other, f"{part.ptr}/oneOf/{m}", part.refs), ctx,
-                                    part.ptr, "oneOf")
-        regex = None if mine is None else _from_parts(mine, ctx)
+        mine = None if sub is None else rest + sub
+        for m, other in enumerate(branches if key == "oneOf" else []):
+            if m != j and mine is not None:
+                mine = _exclude(mine, (other, f"{part.ptr}/oneOf/{m}", part.refs), ctx,
+                                part.ptr, "oneOf")
+        return mine
+
+    return _union([branch_parts(j, b) for j, b in enumerate(branches)], ctx)
+
+
+def _union(branches: list, ctx) -> str | None:
+    """The alternation of the branches' regexes (part lists; None adds nothing)."""
+    alts = []
+    for branch in branches:
+        regex = None if branch is None else _from_parts(branch, ctx)
         if regex is not None and regex not in alts:
             alts.append(regex)
     return alternation(alts) if alts else None
@@ -346,12 +352,7 @@ def _split_dependency(parts, i, key, ctx) -> str | None:
         sub = _flatten(need, f"{part.ptr}/{key}/{_escape(trigger)}", ctx, part.refs, part.group,
                        False)
         present = None if sub is None else present + sub
-    alts = []
-    for branch in (absent, present):
-        regex = None if branch is None else _from_parts(branch, ctx)
-        if regex is not None and regex not in alts:
-            alts.append(regex)
-    return alternation(alts) if alts else None
+    return _union([absent, present], ctx)
 
 
 def _split_conditional(parts, i, ctx) -> str | None:
@@ -366,12 +367,7 @@ def _split_conditional(parts, i, ctx) -> str | None:
                 None if other is None else
                 _exclude(rest + other, (s["if"], f"{part.ptr}/if", part.refs), ctx,
                          f"{part.ptr}/if", "if")]
-    alts = []
-    for branch in branches:
-        regex = None if branch is None else _from_parts(branch, ctx)
-        if regex is not None and regex not in alts:
-            alts.append(regex)
-    return alternation(alts) if alts else None
+    return _union(branches, ctx)
 
 
 def _apply_nots(parts, ctx) -> list[Part] | None:
