@@ -62,8 +62,6 @@ HANDLED = {"type", "enum", "const", "maximum", "exclusiveMaximum", "minimum", "e
            "allOf", "anyOf", "oneOf", "not", "$ref", "unevaluatedProperties", "multipleOf",
            "dependentSchemas", "if", "then", "else"}
 DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
-# Keywords _from_parts resolves before it emits: by candidates, distribution or exclusion.
-SPLIT = {"enum", "const", "anyOf", "oneOf", "if", "not", *DEPENDENCIES}
 # Keywords that only constrain one JSON type: where a schema has no ``type``, they say which
 # types it is about (see _types).
 TYPE_KEYWORDS = {
@@ -277,12 +275,9 @@ def _from_parts(parts: list[Part], ctx: _Context) -> str | None:
                 return _split_dependency(parts, i, key, ctx)
         if "if" in part.schema:
             return _split_conditional(parts, i, ctx)
-    parts = _apply_nots(parts, ctx)
-    if parts is None:
-        return None
-    if any(not p.added and any(k in p.schema and (p.schema[k] or k not in DEPENDENCIES)
-                               for k in SPLIT) for p in parts):
-        return _from_parts(parts, ctx)  # an excluded not brought in its operand's combinators
+    if any("not" in p.schema and not p.added for p in parts):
+        parts = _apply_nots(parts, ctx)  # may bring in combinators (a double negation's operand)
+        return None if parts is None else _from_parts(parts, ctx)
     _refuse_unhandled(parts, ctx)
     alts = [r for r in (_EMITTERS[t](parts, ctx) for t in _types(parts)) if r is not None]
     if not alts:  # e.g. a recursion cut short: the types inference left out may still fit
@@ -291,8 +286,13 @@ def _from_parts(parts: list[Part], ctx: _Context) -> str | None:
     return alternation(alts) if alts else None
 
 
-def _without(part: Part, key: str) -> Part:
-    return part._replace(schema={k: v for k, v in part.schema.items() if k != key})
+def _without(part: Part, *keys: str) -> Part:
+    return part._replace(schema={k: v for k, v in part.schema.items() if k not in keys})
+
+
+def _rest(parts: list[Part], i: int, *keys: str) -> list[Part]:
+    """``parts`` with ``keys`` taken out of part i (the keyword being resolved)."""
+    return parts[:i] + [_without(parts[i], *keys)] + parts[i + 1:]
 
 
 def _extra_part(part: Part, schema: dict) -> Part:
@@ -308,8 +308,7 @@ def _distribute(parts, i, key, ctx) -> str | None:
     branches = part.schema[key]
     if len(branches) > MAX_BRANCHES:
         raise SchemaTooComplex(f"{key} at {part.ptr or '/'} has {len(branches)} branches.")
-    rest = list(parts)
-    rest[i] = _without(part, key)
+    rest = _rest(parts, i, key)
 
     def branch_parts(j: int, branch) -> list[Part] | None:
         sub = _flatten(branch, f"{part.ptr}/{key}/{j}", ctx, part.refs, part.group, False)
@@ -339,11 +338,9 @@ def _split_dependency(parts, i, key, ctx) -> str | None:
     part = parts[i]
     deps = dict(part.schema[key])
     trigger, need = deps.popitem()
-    rest = list(parts)
-    schema = {k: v for k, v in part.schema.items() if k != key}
+    rest = _rest(parts, i, key)
     if deps:
-        schema[key] = deps
-    rest[i] = part._replace(schema=schema)
+        rest[i].schema[key] = deps
     absent = rest + [_extra_part(part, {"properties": {trigger: False}})]
     present = rest + [_extra_part(part, {"required": [trigger]})]
     if isinstance(need, list):
@@ -359,8 +356,7 @@ def _split_conditional(parts, i, ctx) -> str | None:
     """if/then/else, exactly: (if and then) or (else, with the ``if`` failing as a ``not``)."""
     part = parts[i]
     s = part.schema
-    rest = list(parts)
-    rest[i] = part._replace(schema={k: v for k, v in s.items() if k not in ("if", "then", "else")})
+    rest = _rest(parts, i, "if", "then", "else")
     cond, then, other = (_flatten(s.get(key, True), f"{part.ptr}/{key}", ctx, part.refs,
                                   part.group, False) for key in ("if", "then", "else"))
     branches = [None if cond is None or then is None else rest + cond + then,

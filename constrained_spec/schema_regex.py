@@ -180,6 +180,10 @@ def _width(items: list) -> tuple[int, int | None]:
     return lo, None if hi >= C.MAXREPEAT else hi
 
 
+_CANNOT_FIT = ("minLength/maxLength together with this pattern: its repeats cannot be narrowed "
+               "to fit; put the length into the pattern (e.g. ^[a-z]{3,8}$)")
+
+
 def _fit(body: list, min_len: int, max_len: int | None) -> list:
     """``body`` with its top-level repeats narrowed so that every match has min_len..max_len
     characters: the spare length above their minimum is shared out, then minimums raised."""
@@ -194,9 +198,7 @@ def _fit(body: list, min_len: int, max_len: int | None) -> list:
         spare = None if rest_hi is None else max_len - rest_hi - sum(
             r_lo * _width(sub)[1] for r_lo, _, sub in reps.values())
         if spare is None or spare < 0 or not reps:
-            raise PatternError("minLength/maxLength together with this pattern: its repeats "
-                               "cannot be narrowed to fit; put the length into the pattern "
-                               "(e.g. ^[a-z]{3,8}$)")
+            raise PatternError(_CANNOT_FIT)
         for r in reps.values():
             r[1] = min(r[1], r[0] + spare // (len(reps) * _width(r[2])[1]))
     need = min_len - rest_lo - sum(r_lo * _width(sub)[0] for r_lo, _, sub in reps.values())
@@ -211,9 +213,7 @@ def _fit(body: list, min_len: int, max_len: int | None) -> list:
     fitted = [(C.MAX_REPEAT, tuple(reps[i])) if i in reps else x for i, x in enumerate(body)]
     lo, hi = _width(fitted)
     if lo < min_len or (max_len is not None and (hi is None or hi > max_len)):
-        raise PatternError("minLength/maxLength together with this pattern: its repeats "
-                           "cannot be narrowed to fit; put the length into the pattern "
-                           "(e.g. ^[a-z]{3,8}$)")
+        raise PatternError(_CANNOT_FIT)
     return fitted
 
 
