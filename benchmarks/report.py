@@ -263,7 +263,9 @@ def markdown(results: dict, summary: dict, preds: list[dict], plots: list[str]) 
           f"seed {args['seed']}. Machine: {machine.get('cpu', '?')}, {machine.get('cpus')} CPUs, "
           f"torch {machine.get('torch')} ({machine.get('torch_threads')} threads), transformers "
           f"{machine.get('transformers')}, outlines {machine.get('outlines')}, outlines-core "
-          f"{machine.get('outlines_core')}; load average at start "
+          f"{machine.get('outlines_core')}"
+          + (f", llama-cpp-python {machine['llama_cpp_python']}"
+             if machine.get("llama_cpp_python") else "") + "; load average at start "
           f"{_f((machine.get('loadavg_start') or [None])[0])}, at end "
           f"{_f((machine.get('loadavg_end') or [None])[0])}; git "
           f"{(machine.get('git_commit') or '?')[:10]}"
@@ -306,8 +308,10 @@ def markdown(results: dict, summary: dict, preds: list[dict], plots: list[str]) 
            "the prompt (extract only); greedy identity = same token ids as the baseline "
            "(a divergence at a position whose top-2 masked logits differ by < "
            f"{meta['near_tie']:g} is a near-tie); for peers: the same text as the baseline, "
-           "informational (their regex is outlines', not ours). TTFT of peers ≈ time to their "
-           "logits processor's first call.", ""]
+           "informational (their regex is outlines', not ours; llama.cpp's is its own JSON "
+           "Schema grammar, which allows whitespace, and it runs the GGUF's Q4_1 weights, not "
+           "the fp32 copy the others run). TTFT of peers ≈ time to their logits processor's "
+           "first call (llama.cpp: to its first token).", ""]
     md += _source_section(summary) + _phase_section(summary)
     md += _calibration_section(meta.get("calibration")) + _prediction_section(preds)
     md += _errors_section(summary)

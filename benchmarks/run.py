@@ -25,6 +25,9 @@ Configurations (``--configs`` takes names, shell patterns such as 'int8*', or gr
     hf+outlines                  transformers generate with that logits processor
     hf-assisted-lookup+outlines  + prompt_lookup_num_tokens=10
     hf-assisted-int8+outlines    + assistant_model = the int8 copy
+    llama.cpp                    llama-cpp-python on the model's own GGUF (Q4_1 weights: not the
+                                 fp32 copy the others run) with its JSON Schema grammar; optional
+                                 (`pip install llama-cpp-python`, builds from source here)
 Groups: all, engine, peers, greedy, sampled, default (= all).
 Outputs under --out: requests.json, results.jsonl (one line per run, written as it goes),
 results.json (everything, with the command line and machine), report.md, *.png.
@@ -72,7 +75,7 @@ NEAR_TIE = 1e-3  # fp32 logits of a k-token verify and k single steps differ in 
 @dataclass(frozen=True)
 class Config:
     name: str
-    kind: str                  # engine | outlines | hf | hf-assisted
+    kind: str                  # engine | outlines | hf | hf-assisted | llama.cpp
     drafter: str | None = None  # forced | lookup | int8 | int8+lookup (hf-assisted: lookup | int8)
     k: int = 0                 # engine: draft-model tokens per round (k_max when adaptive)
     adaptive: bool = False
@@ -96,7 +99,8 @@ def all_configs() -> list[Config]:
              for d in ("int8", "int8+lookup", "bf16+lookup", "head", "head+lookup")}
     peers = [Config("outlines", "outlines"), Config("hf+outlines", "hf"),
              Config("hf-assisted-lookup+outlines", "hf-assisted", "lookup"),
-             Config("hf-assisted-int8+outlines", "hf-assisted", "int8")]
+             Config("hf-assisted-int8+outlines", "hf-assisted", "int8"),
+             Config("llama.cpp", "llama.cpp")]
     return ([base, forced, lookup, *model["int8"], *model["int8+lookup"], *model["bf16+lookup"],
              *model["head"][:-1], *model["head+lookup"]]
             + [hot(base), hot(lookup), hot(model["int8"][1]), hot(model["int8+lookup"][1]),
@@ -213,6 +217,7 @@ class Bench:
         self.eos = self.gen.vocab.eos_id
         self._outlines = None       # outlines Transformers model, or the exception it raised
         self._indexes: dict = {}    # request id → outlines-core Index, or the exception
+        self._llama = None          # llama_cpp.Llama, or the exception it raised
         self._drafters: dict = {}   # configuration name → its drafter
         self.int8 = None
         if any(c.drafter in ("int8", "int8+lookup") for c in configs):
@@ -258,7 +263,8 @@ class Bench:
                "temperature": config.temperature, "prompt_tokens": request.prompt_tokens,
                "loadavg": os.getloadavg()[0]}
         try:
-            runner = self.run_engine if config.kind == "engine" else self.run_peer
+            runner = {"engine": self.run_engine, "llama.cpp": self.run_llama_cpp}.get(
+                config.kind, self.run_peer)
             row.update(runner(config, request, seed, max_new_tokens))
             row["status"] = row.get("status", "ok")
         except Exception as e:  # a crash is a result, recorded as such
@@ -362,6 +368,58 @@ class Bench:
                 "tpot_s": (wall - ttft) / (n - 1) if n > 1 and ttft is not None else None,
                 "mask_s": processor.seconds, "mask_calls": processor.calls,
                 "target_calls": forwards, "forward_calls": forwards,
+                "committed_tokens": n + stop, "peer_compile_s": compile_s}
+
+    def llama_cpp(self):
+        """The built-in model's own GGUF in llama.cpp, threads as torch's; loaded once."""
+        if self._llama is None:
+            try:
+                from llama_cpp import Llama
+
+                from constrained_spec.models import BUILTIN_MODELS, _verified_gguf, cache_dir
+                gguf = _verified_gguf(BUILTIN_MODELS[self.args.model], cache_dir() / self.args.model)
+                self._llama = Llama(str(gguf), n_ctx=4096, n_threads=torch.get_num_threads(),
+                                    n_threads_batch=torch.get_num_threads(), verbose=False)
+            except (ImportError, KeyError, OSError, ValueError, RuntimeError) as e:
+                self._llama = e
+        if isinstance(self._llama, Exception):
+            raise self._llama
+        return self._llama
+
+    def run_llama_cpp(self, config, request, seed, max_new_tokens) -> dict:
+        try:
+            from llama_cpp import LlamaGrammar
+            llm = self.llama_cpp()
+        except (ImportError, KeyError) as e:
+            return {"status": "unavailable", "error": f"{type(e).__name__}: {e}"}
+        t = time.perf_counter()  # its grammar is built before the clock, like outlines' index
+        grammar = LlamaGrammar.from_json_schema(json.dumps(request.schema), verbose=False)
+        compile_s = time.perf_counter() - t
+        text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
+                                                  tokenize=False)
+        prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the GGUF's own vocabulary
+        sampling = {"temp": 0.0} if config.greedy else {
+            "temp": config.temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+        llm.reset()  # no KV reuse from the previous request: the same footing as the others
+        llm.set_seed(seed)
+        new, ttft = [], None
+        t0 = time.perf_counter()
+        for token in llm.generate(prompt, grammar=grammar, repeat_penalty=1.0, **sampling):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            new.append(token)
+            if token == self.eos or len(new) >= max_new_tokens:
+                break
+        wall = time.perf_counter() - t0
+        stop = self.eos in new
+        ids = new[: new.index(self.eos)] if stop else new
+        n = len(ids)
+        return {"token_ids": ids, "text": self.gen.vocab.decode(ids),
+                "finish_reason": "stop" if stop else "length", "output_tokens": n,
+                "peer_prompt_tokens": len(prompt), "wall_s": wall, "decode_s": wall,
+                "ttft_s": ttft, "gen_s": wall - ttft if ttft is not None else None,
+                "tpot_s": (wall - ttft) / (n - 1) if n > 1 and ttft is not None else None,
+                "target_calls": n + stop, "forward_calls": n + stop,
                 "committed_tokens": n + stop, "peer_compile_s": compile_s}
 
     def _hf_generate(self, request, processor, sampling):
@@ -481,7 +539,7 @@ def machine_info(args) -> dict:
         info["avx512_bf16"] = "avx512_bf16" in cpuinfo
     except (OSError, StopIteration):
         pass
-    for name in ("transformers", "outlines", "outlines_core", "jsonschema"):
+    for name in ("transformers", "outlines", "outlines_core", "jsonschema", "llama_cpp_python"):
         try:
             from importlib.metadata import version
             info[name] = version(name)

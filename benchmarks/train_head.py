@@ -1,19 +1,22 @@
 """Train the draft head (constrained_spec/head.py) for the default model, on this CPU, seeded.
 
-    python benchmarks/train_head.py --out constrained_spec/heads/smollm2-135m-instruct.safetensors
+    python benchmarks/train_head.py --out constrained_spec/heads/smollm2-135m-instruct.safetensors \
+        --answers target --train-steps 3 --minutes 16 --train-tokens 150000
 
 1. Data: chat prompts from JSONSchemaBench-dev (the two benchmark prompt forms, extract and
-   generate) answered with a valid instance of the schema. Files the benchmark may draw its
-   requests from (the first --reserve files of its seeded order) are left out; the rest split
-   by file name into train and validation.
-2. Features: the target's LM-head inputs over each whole sequence (teacher forcing), kept fp16.
+   generate). Files the benchmark may draw its requests from (the first --reserve files of its
+   seeded order) are left out; the rest split by file name into train and validation. Each prompt
+   is answered by the target itself, masked greedy under its schema (--answers target:
+   self-distillation, what the head reads when drafting), or by a valid instance of the schema
+   (--answers dataset).
+2. Features: the target's LM-head inputs over each whole sequence, kept fp16.
 3. Training: the head reads (f_i, embedding of x_{i+1}) and predicts f_{i+1}; loss = smooth-L1
    feature regression + distillation of the target's next-token distribution over the
    sub-vocabulary (its logits are W_sub f_{i+1}: no need to store them), on every position
-   (--loss-on answer: answers only; that overfits: 0.81 top-1 agreement on train, 0.49 on
-   validation).
+   (--loss-on answer: answers only; that overfits). --train-steps unrolls several draft steps,
+   each reading the previous step's outputs (EAGLE-3's training-time test).
    The decoder layer starts as a copy of the target's last layer. Noise on the input features
-   stands in for the head's own, imperfect, predictions it reads when drafting several tokens.
+   stands in for the head's own, imperfect, predictions.
 4. Report: on validation, how often the head's top token (sub-vocabulary) is the target's top
    token after 1, 2 and 3 draft steps, and the cost of one draft step vs one target step.
 """
@@ -24,13 +27,16 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import random
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
@@ -58,12 +64,23 @@ def parse_args(argv=None):
     p.add_argument("--minutes", type=float, default=12.0, help="training time budget")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--cls-weight", type=float, default=1.0)
+    p.add_argument("--train-steps", type=int, default=1,
+                   help="draft steps unrolled in training, each reading the previous step's "
+                   "output (1 = EAGLE-1: true features only)")
     p.add_argument("--noise", type=float, default=0.1, help="input feature noise, × feature std")
     p.add_argument("--loss-on", choices=("all", "answer"), default="all",
                    help="positions that carry the loss: every one (prompts are JSON Schemas and "
                    "records: more data in the same domain) or the answers only")
     p.add_argument("--features", type=Path, default=None,
                    help="cache file for the collected features (reused when present)")
+    p.add_argument("--answers", choices=("dataset", "target"), default="dataset",
+                   help="answer each prompt with a valid instance from the dataset, or with the "
+                   "target's own masked greedy output (self-distillation: what the head reads "
+                   "when drafting)")
+    p.add_argument("--batch", type=int, default=16, help="--answers target: prompts per batch")
+    p.add_argument("--max-new-tokens", type=int, default=192, help="--answers target: answer cap")
+    p.add_argument("--compile-timeout", type=float, default=3.0,
+                   help="--answers target: seconds per schema; slower ones are skipped")
     return p.parse_args(argv)
 
 
@@ -81,8 +98,8 @@ def dataset_files(args) -> tuple[list[Path], list[Path]]:
     return train, val
 
 
-def sequences(files: list[Path], tokenizer, args, budget: int):
-    """(token ids, index of the first answer token) until ``budget`` tokens."""
+def sequences(files: list[Path], tokenizer, args, budget: int, with_schema: bool = False):
+    """(token ids, index of the first answer token[, schema]) until ``budget`` tokens."""
     total = 0
     for path in files:
         try:
@@ -106,7 +123,7 @@ def sequences(files: list[Path], tokenizer, args, budget: int):
             [tokenizer.eos_token_id]
         if len(ids) > 1500:
             continue
-        yield ids, len(prompt)
+        yield (ids, len(prompt), schema) if with_schema else (ids, len(prompt))
         total += len(ids)
         if total >= budget:
             return
@@ -133,6 +150,89 @@ def collect(target, tokenizer, files, args, budget, say, skip: int = 0):
     return out
 
 
+@torch.inference_mode()
+def self_distilled(target, tokenizer, files, args, budget, say):
+    """The same prompts answered by the target itself, masked greedy as at run time, in batches
+    (left-padded): [(ids, answer start, features (n, d))]. Features come from the generation
+    passes themselves; the last token (EOS or the cap) has none and is left out."""
+    from transformers import LogitsProcessor
+
+    from constrained_spec import ConstraintError
+    from constrained_spec.compile import FINISHED, compile_regex, default_cache_dir
+    from constrained_spec.models import skinny_matmul
+    from constrained_spec.schema import load_schema, schema_to_regex
+
+    skinny_matmul(target)  # a batch step feeds --batch rows: W·xᵀ streams the weights once
+
+    vocab = token_vocabulary(tokenizer)
+    width = target.get_output_embeddings().weight.shape[0]
+
+    def compiled(job):  # each compile runs in a forked child: two threads keep both cores busy
+        ids, start, schema = job
+        try:
+            regex = schema_to_regex(load_schema(schema))
+            return ids[:start], compile_regex(regex, vocab, width, default_cache_dir())
+        except (ConstraintError, ValueError):  # refused, too complex, unsatisfiable: skipped
+            return None
+
+    os.environ.setdefault("CONSTRAINED_SPEC_COMPILE_TIMEOUT", str(args.compile_timeout))
+    todo = list(sequences(files, tokenizer, args, budget, with_schema=True))
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        jobs = [j for j in pool.map(compiled, todo) if j is not None]  # (prompt ids, constraint)
+    say(f"  {len(jobs)} of {len(todo)} prompts compiled")
+
+    class Masked(LogitsProcessor):
+        def __init__(self, constraints):
+            self.constraints, self.states, self.fed = constraints, None, 0
+
+        def __call__(self, input_ids, scores):
+            if self.states is None:
+                self.states = [c.initial_state for c in self.constraints]
+            else:  # advance each row over the token chosen last step
+                for b, c in enumerate(self.constraints):
+                    s = self.states[b]
+                    self.states[b] = FINISHED if s in (FINISHED, None) else c.step(s, int(input_ids[b, -1]))
+            out = torch.full_like(scores, float("-inf"))
+            for b, c in enumerate(self.constraints):
+                s = self.states[b]
+                if s in (FINISHED, None):
+                    out[b, vocab.eos_id] = 0.0  # finished rows pad with EOS
+                else:
+                    keep = c.mask(s)
+                    out[b, :len(keep)][keep] = scores[b, :len(keep)][keep]
+            return out
+
+    jobs.sort(key=lambda j: len(j[0]))  # similar lengths share a batch: little padding
+    out, t0, made = [], time.perf_counter(), 0
+    for lo in range(0, len(jobs), args.batch):
+        batch = jobs[lo:lo + args.batch]
+        longest = max(len(p) for p, _ in batch)
+        pad = vocab.eos_id
+        x = torch.tensor([[pad] * (longest - len(p)) + p for p, _ in batch])
+        attention = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in batch])
+        gen = target.generate(input_ids=x, attention_mask=attention, do_sample=False,
+                              max_new_tokens=args.max_new_tokens, pad_token_id=pad,
+                              eos_token_id=pad, logits_processor=[Masked([c for _, c in batch])],
+                              output_hidden_states=True, return_dict_in_generate=True)
+        steps = [hs[-1] for hs in gen.hidden_states]  # step 0: the prompt; then one per token
+        for b, (prompt, _) in enumerate(batch):
+            answer = gen.sequences[b, longest:].tolist()
+            if pad in answer:
+                answer = answer[:answer.index(pad) + 1]
+            h = torch.cat([steps[0][b, longest - len(prompt):]] +
+                          [s[b] for s in steps[1:len(answer)]])
+            ids = prompt + answer[:-1]  # the last token was never fed: no feature
+            assert len(h) == len(ids)
+            out.append((ids, len(prompt), h.half()))
+            made += len(answer)
+        for _, constraint in batch:  # its per-state masks (~50k entries each) are done with
+            constraint._masks.clear()
+            constraint._allowed.clear()
+        say(f"  {len(out)}/{len(jobs)} answered, {made} answer tokens, "
+            f"{made / (time.perf_counter() - t0):.0f} tok/s")
+    return out
+
+
 # --- 3. training ---------------------------------------------------------------------------------
 
 def sub_vocabulary(target, data, size: int) -> torch.Tensor:
@@ -153,6 +253,38 @@ def head_inputs(embed, ids, h, start):
     f = h.float()
     e = embed(torch.tensor(ids[1:])).float()
     return f[:-1], e, f[1:], max(start - 2, 0)
+
+
+def unrolled(head, f: torch.Tensor, e: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head's outputs at draft steps 1..``steps`` for every position of one sequence, each
+    step reading the previous step's outputs as it does when drafting (EAGLE-3's training-time
+    test). Step s at position j reads (step s-1's output at j-1, e_j) and, as in the drafting
+    head's KV cache, attends to the true pairs up to j-s and to its own chain's pairs
+    j-s+1..j. One pass per step; the keys of earlier steps are kept. Step 1 = ``head(f, e)``."""
+    decoder, (layer,) = head.decoder, head.decoder.layers
+    attn, m = layer.self_attn, f.shape[0]
+    pos = torch.arange(m)
+    cos, sin = decoder.rotary_emb(f[None], pos[None])
+    shape = (1, m, -1, attn.head_dim)
+    keys, values, outs, inputs = [], [], [], f
+    for s in range(steps):
+        x = head.fuse(torch.cat([inputs, e], dim=-1))[None]
+        h = layer.input_layernorm(x)
+        q, k, v = (proj(h).view(shape).transpose(1, 2)
+                   for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys.append(k.repeat_interleave(attn.num_key_value_groups, dim=1))
+        values.append(v.repeat_interleave(attn.num_key_value_groups, dim=1))
+        # block 0 (true pairs): keys j' <= j - s; block t >= 1: the chain's key j' = j - (s - t)
+        allowed = [pos[None, :] <= pos[:, None] - s] + \
+                  [pos[None, :] == pos[:, None] - (s - t) for t in range(1, s + 1)]
+        a = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2),
+                                           attn_mask=torch.cat(allowed, 1), scale=attn.scaling)
+        x = x + attn.o_proj(a.transpose(1, 2).reshape(1, m, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        outs.append(decoder.norm(x)[0])
+        inputs = torch.cat([torch.zeros_like(f[:1]), outs[-1][:-1]])  # position 0: no chain
+    return outs
 
 
 def train(head, target, data, args, say):
@@ -176,9 +308,12 @@ def train(head, target, data, args, say):
         with torch.no_grad():
             f_in = f_in + args.noise * std * torch.randn_like(f_in)
             p = F.softmax(f_next @ rows.T, dim=-1)
-        pred = head(f_in[None], e[None])[0][first:-1]
-        reg = F.smooth_l1_loss(pred, f_next)
-        cls = -(p * F.log_softmax(pred @ rows.T, dim=-1)).sum(-1).mean()
+        reg = cls = 0.0
+        for s, pred in enumerate(unrolled(head, f_in, e, args.train_steps)):
+            lo = max(first, s)  # step s needs s true-prefix positions before it
+            reg = reg + F.smooth_l1_loss(pred[lo:-1], f_next[lo - first:]) / args.train_steps
+            cls = cls - (p[lo - first:] * F.log_softmax(pred[lo:-1] @ rows.T, dim=-1)
+                         ).sum(-1).mean() / args.train_steps
         loss = reg + args.cls_weight * cls
         opt.zero_grad()
         loss.backward()
@@ -274,9 +409,15 @@ def main(argv=None) -> int:
         train_data, val_data = torch.load(args.features)
         say(f"features from {args.features}: {len(train_data)} + {len(val_data)} sequences")
     t, before = time.perf_counter(), (len(train_data), len(val_data))
-    train_data += collect(target, tokenizer, train_files, args, args.train_tokens, say,
-                          skip=len(train_data))
-    val_data += collect(target, tokenizer, val_files, args, args.val_tokens, say, skip=len(val_data))
+    if args.answers == "target":
+        if not train_data:
+            train_data = self_distilled(target, tokenizer, train_files, args, args.train_tokens, say)
+            val_data = self_distilled(target, tokenizer, val_files, args, args.val_tokens, say)
+    else:
+        train_data += collect(target, tokenizer, train_files, args, args.train_tokens, say,
+                              skip=len(train_data))
+        val_data += collect(target, tokenizer, val_files, args, args.val_tokens, say,
+                            skip=len(val_data))
     if (len(train_data), len(val_data)) != before:
         say(f"collected {len(train_data)} + {len(val_data)} sequences in {time.perf_counter() - t:.0f} s")
         if args.features is not None:

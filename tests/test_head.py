@@ -129,3 +129,27 @@ def test_shipped_head_on_the_default_model():
         assert gap < 1e-3, f"greedy outputs diverge at a clear decision (gap {gap})"
     assert spec.stats.drafted_by_source.get("model", 0) > 0
     assert spec.stats.target_calls < base.stats.target_calls
+
+
+def test_training_unroll_is_what_drafting_computes(tiny_target):
+    """train_head.unrolled (EAGLE-3's training-time test) at step s, position j must equal the
+    drafting head after true pairs 0..j-s and s chained steps on its own outputs: the loss trains
+    what the drafter runs."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from train_head import unrolled
+
+    head = random_head(tiny_target)
+    torch.manual_seed(1)
+    width = head.fuse.out_features
+    f, e = torch.randn(10, width), torch.randn(10, width)
+    with torch.no_grad():
+        steps = unrolled(head, f, e, 3)
+        torch.testing.assert_close(steps[0], head(f[None], e[None])[0])
+        for anchor in range(10 - 3):
+            cache = kv.new_cache(head.decoder)
+            out = head(f[None, :anchor + 1], e[None, :anchor + 1], cache)[0, -1]
+            for s in (1, 2):
+                out = head(out[None, None], e[None, anchor + s:anchor + s + 1], cache)[0, -1]
+                torch.testing.assert_close(out, steps[s][anchor + s], atol=1e-5, rtol=1e-5)
