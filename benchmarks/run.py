@@ -451,6 +451,22 @@ class Bench:
 # --- forward costs, measured apart from the decode loop ----------------------------------------
 
 @torch.inference_mode()
+def forward_ms(model, context: list[int], n: int, reps: int) -> list[float]:
+    """ms of ``reps`` + 1 forwards over the last n tokens of ``context``, each after the rest
+    is cached. The first is a warm-up (or, under torch.compile, the compilation)."""
+    from constrained_spec import cache as kv
+    cache = kv.new_cache(model)
+    kv.forward(model, cache, context, "cpu")
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        kv.forward(model, cache, context[-n:], "cpu")
+        times.append(1e3 * (time.perf_counter() - t))
+        kv.crop(cache, len(context))
+    return times
+
+
+@torch.inference_mode()
 def calibrate(target, draft, context: list[int], reps: int = 3) -> dict:
     """ms of one target forward over n new tokens (n = 1, 2, 3, 5, 9, 17: a verify of k = n − 1
     drafts) and of one draft-model step, after ``context`` is cached: the c and verify-cost
@@ -458,15 +474,7 @@ def calibrate(target, draft, context: list[int], reps: int = 3) -> dict:
     from constrained_spec import cache as kv
 
     def step_ms(model, n: int) -> float:
-        cache = kv.new_cache(model)
-        kv.forward(model, cache, context, "cpu")
-        times = []
-        for r in range(reps + 1):
-            t = time.perf_counter()
-            kv.forward(model, cache, context[-n:], "cpu")
-            times.append(time.perf_counter() - t)
-            kv.crop(cache, len(context))
-        return 1e3 * statistics.median(times[1:])
+        return statistics.median(forward_ms(model, context, n, reps)[1:])
 
     out = {"context_tokens": len(context),
            "target_ms": {n: step_ms(target, n) for n in (1, 2, 3, 5, 9, 17)}}

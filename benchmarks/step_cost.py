@@ -15,21 +15,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from constrained_spec import cache as kv  # noqa: E402
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from constrained_spec.models import load_model, skinny_matmul  # noqa: E402
-
-
-def step_ms(model, context: list[int], n: int, reps: int = 10) -> tuple[float, float]:
-    cache = kv.new_cache(model)
-    kv.forward(model, cache, context, "cpu")
-    times = []
-    for _ in range(reps + 1):
-        t = time.perf_counter()
-        kv.forward(model, cache, context[-n:], "cpu")
-        times.append(time.perf_counter() - t)
-        kv.crop(cache, len(context))
-    return 1e3 * statistics.median(times[1:]), 1e3 * times[0]
+from run import forward_ms  # noqa: E402
 
 
 def main(mode: str) -> None:
@@ -40,12 +28,12 @@ def main(mode: str) -> None:
     if mode.startswith("compile"):
         model.forward = torch.compile(model.forward, dynamic=True)
     context = list(range(1000, 1400))
-    with torch.inference_mode():
-        for n in (1, 2, 5, 1):
-            t0 = time.perf_counter()
-            median, first = step_ms(model, context, n)
-            print(f"{mode} n={n}: median {median:.1f} ms, first {first:.0f} ms, "
-                  f"{time.perf_counter() - t0:.0f} s in all", flush=True)
+    for n in (1, 2, 5, 1):
+        t0 = time.perf_counter()
+        first, *timed = forward_ms(model, context, n, reps=10)
+        median = statistics.median(timed)
+        print(f"{mode} n={n}: median {median:.1f} ms, first {first:.0f} ms, "
+              f"{time.perf_counter() - t0:.0f} s in all", flush=True)
 
 
 if __name__ == "__main__":

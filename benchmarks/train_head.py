@@ -183,7 +183,7 @@ def self_distilled(target, tokenizer, files, args, budget, say):
 
     class Masked(LogitsProcessor):
         def __init__(self, constraints):
-            self.constraints, self.states, self.fed = constraints, None, 0
+            self.constraints, self.states = constraints, None
 
         def __call__(self, input_ids, scores):
             if self.states is None:
