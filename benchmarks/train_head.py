@@ -157,21 +157,18 @@ def self_distilled(target, tokenizer, files, args, budget, say):
     passes themselves; the last token (EOS or the cap) has none and is left out."""
     from transformers import LogitsProcessor
 
-    from constrained_spec import ConstraintError
-    from constrained_spec.compile import FINISHED, compile_regex, default_cache_dir
+    from constrained_spec import ConstraintError, Generator
+    from constrained_spec.compile import FINISHED
     from constrained_spec.models import skinny_matmul
-    from constrained_spec.schema import load_schema, schema_to_regex
 
     skinny_matmul(target)  # a batch step feeds --batch rows: W·xᵀ streams the weights once
-
-    vocab = token_vocabulary(tokenizer)
-    width = target.get_output_embeddings().weight.shape[0]
+    gen = Generator(target, tokenizer)  # its compile: schema → regex → cached constraint
+    eos = gen.vocab.eos_id
 
     def compiled(job):  # each compile runs in a forked child: two threads keep both cores busy
         ids, start, schema = job
         try:
-            regex = schema_to_regex(load_schema(schema))
-            return ids[:start], compile_regex(regex, vocab, width, default_cache_dir())
+            return ids[:start], gen.compile(schema=schema)
         except (ConstraintError, ValueError):  # refused, too complex, unsatisfiable: skipped
             return None
 
@@ -183,20 +180,19 @@ def self_distilled(target, tokenizer, files, args, budget, say):
 
     class Masked(LogitsProcessor):
         def __init__(self, constraints):
-            self.constraints, self.states = constraints, None
+            self.constraints, self.states = constraints, None  # None: nothing generated yet
 
         def __call__(self, input_ids, scores):
-            if self.states is None:
+            first = self.states is None
+            if first:
                 self.states = [c.initial_state for c in self.constraints]
-            else:  # advance each row over the token chosen last step
-                for b, c in enumerate(self.constraints):
-                    s = self.states[b]
-                    self.states[b] = FINISHED if s in (FINISHED, None) else c.step(s, int(input_ids[b, -1]))
             out = torch.full_like(scores, float("-inf"))
             for b, c in enumerate(self.constraints):
                 s = self.states[b]
+                if not first and s not in (FINISHED, None):  # advance over last step's token
+                    s = self.states[b] = c.step(s, int(input_ids[b, -1]))
                 if s in (FINISHED, None):
-                    out[b, vocab.eos_id] = 0.0  # finished rows pad with EOS
+                    out[b, eos] = 0.0  # finished rows pad with EOS
                 else:
                     keep = c.mask(s)
                     out[b, :len(keep)][keep] = scores[b, :len(keep)][keep]
@@ -207,16 +203,16 @@ def self_distilled(target, tokenizer, files, args, budget, say):
     for lo in range(0, len(jobs), args.batch):
         batch = jobs[lo:lo + args.batch]
         longest = max(len(p) for p, _ in batch)
-        pad = vocab.eos_id
+        pad = eos
         x = torch.tensor([[pad] * (longest - len(p)) + p for p, _ in batch])
         attention = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in batch])
-        gen = target.generate(input_ids=x, attention_mask=attention, do_sample=False,
-                              max_new_tokens=args.max_new_tokens, pad_token_id=pad,
-                              eos_token_id=pad, logits_processor=[Masked([c for _, c in batch])],
-                              output_hidden_states=True, return_dict_in_generate=True)
-        steps = [hs[-1] for hs in gen.hidden_states]  # step 0: the prompt; then one per token
+        result = target.generate(input_ids=x, attention_mask=attention, do_sample=False,
+                                 max_new_tokens=args.max_new_tokens, pad_token_id=pad,
+                                 eos_token_id=pad, logits_processor=[Masked([c for _, c in batch])],
+                                 output_hidden_states=True, return_dict_in_generate=True)
+        steps = [hs[-1] for hs in result.hidden_states]  # step 0: the prompt; then one per token
         for b, (prompt, _) in enumerate(batch):
-            answer = gen.sequences[b, longest:].tolist()
+            answer = result.sequences[b, longest:].tolist()
             if pad in answer:
                 answer = answer[:answer.index(pad) + 1]
             h = torch.cat([steps[0][b, longest - len(prompt):]] +
@@ -225,9 +221,8 @@ def self_distilled(target, tokenizer, files, args, budget, say):
             assert len(h) == len(ids)
             out.append((ids, len(prompt), h.half()))
             made += len(answer)
-        for _, constraint in batch:  # its per-state masks (~50k entries each) are done with
-            constraint._masks.clear()
-            constraint._allowed.clear()
+        for _, constraint in batch:  # done with: free its per-state masks
+            constraint.clear_caches()
         say(f"  {len(out)}/{len(jobs)} answered, {made} answer tokens, "
             f"{made / (time.perf_counter() - t0):.0f} tok/s")
     return out

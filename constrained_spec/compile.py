@@ -148,6 +148,13 @@ class Constraint:
             self._masks[key] = torch.from_numpy(m).to(device)
         return self._masks[key]
 
+    def clear_caches(self) -> None:
+        """Drop the per-state legal ids and masks (~50k entries per free-text state): a process
+        that compiles many schemas and is done with this one frees them; they rebuild on use."""
+        self._allowed.clear()
+        self._forced_bytes.clear()
+        self._masks.clear()
+
     def accepts_tokens(self, tokens: list[int]) -> bool:
         """True iff the tokens (optionally ending in EOS) form a complete accepted text."""
         state = self.initial_state
