@@ -15,6 +15,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 PHASES = ("setup", "prefill", "draft", "verify", "other")
+# The speed goals the project set (greedy and sampled, over the masked baseline): the report says
+# how far the best configuration is from them and what closing the gap would take.
+GOALS = {"greedy": 3.0, "sampled": 2.0}
 
 
 def baseline_for(temperature: float) -> str:
@@ -160,6 +163,39 @@ def _engine_summary(ok: list, tokens: int) -> dict:
     per_token = [1e6 * r["mask_s"] / r["committed_tokens"] for r in ok if r.get("committed_tokens")]
     s["mask_us_per_token_p50"] = statistics.median(per_token) if per_token else None
     return s
+
+
+def goal_gaps(summary: dict) -> list[dict]:
+    """For the best engine configuration per temperature: the speedup against GOALS and the
+    decode-loop arithmetic behind it. Per output token, time = prefix (setup + prefill, which
+    speculation cannot shorten) + decode. The goal G needs decode ≤ baseline total / G − prefix,
+    i.e. a decode speedup X = baseline decode / that; at today's cost per round that means
+    tokens per target call × X / (measured decode speedup)."""
+    gaps = []
+    for label, goal in GOALS.items():
+        cands = [s for s in summary.values() if s["kind"] == "engine" and s.get("speedup")
+                 and not s["config"].startswith("baseline") and s.get("phases_ms_per_token")
+                 and (s["temperature"] == 0) == (label == "greedy")]
+        base = summary.get(baseline_for(cands[0]["temperature"])) if cands else None
+        if not cands or not (base and base.get("phases_ms_per_token")):
+            continue
+        best = max(cands, key=lambda s: s["speedup"])
+        prefix = lambda s: s["phases_ms_per_token"]["setup"] + s["phases_ms_per_token"]["prefill"]
+        decode = lambda s: sum(s["phases_ms_per_token"].values()) - prefix(s)
+        room = sum(base["phases_ms_per_token"].values()) / goal - prefix(best)
+        measured = decode(base) / decode(best)
+        needed = decode(base) / room if room > 0 else None
+        gaps.append({"label": label, "config": best["config"], "goal": goal,
+                     "speedup": best["speedup"], "prefix_ms": prefix(best),
+                     "decode_ms": decode(best), "baseline_decode_ms": decode(base),
+                     "decode_speedup": measured, "decode_speedup_needed": needed,
+                     "tokens_per_call": best.get("tokens_per_call"),
+                     "acceptance": best.get("acceptance"),
+                     "verify_steps": best["verify_ms_per_call"] / base["verify_ms_per_call"]
+                     if best.get("verify_ms_per_call") and base.get("verify_ms_per_call") else None,
+                     "tokens_per_call_needed": best["tokens_per_call"] * needed / measured
+                     if needed and best.get("tokens_per_call") else None})
+    return gaps
 
 
 def verify_cost(calibration: dict | None, k: int) -> float | None:
@@ -312,7 +348,7 @@ def markdown(results: dict, summary: dict, preds: list[dict], plots: list[str]) 
            "Schema grammar, which allows whitespace, and it runs the GGUF's Q4_1 weights, not "
            "the fp32 copy the others run). TTFT of peers ≈ time to their logits processor's "
            "first call (llama.cpp: to its first token).", ""]
-    md += _source_section(summary) + _phase_section(summary)
+    md += _source_section(summary) + _phase_section(summary) + _goal_section(goal_gaps(summary))
     md += _calibration_section(meta.get("calibration")) + _prediction_section(preds)
     md += _errors_section(summary)
     md += ["## Plots", "", *(f"![{p}]({p})" for p in plots), "",
@@ -377,6 +413,44 @@ def _phase_section(summary: dict) -> list[str]:
             "builds; applying the mask is part of verify). Peers: prefill ≈ time to first "
             "processor call, the rest unsplit; their mask share is time inside the outlines "
             "processor.", ""]
+
+
+def _goal_section(gaps: list[dict]) -> list[str]:
+    if not gaps:
+        return []
+    rows = [[g["label"], f"`{g['config']}`", f"{g['goal']:g}×", f"{g['speedup']:.2f}×",
+             _f(g["prefix_ms"], "{:.1f}"), f"{g['decode_ms']:.1f} of {g['baseline_decode_ms']:.1f}",
+             f"{g['decode_speedup']:.2f}×", _f(g["decode_speedup_needed"], "{:.2f}×",
+                                                "unreachable"),
+             _f(g["verify_steps"]), _f(g["tokens_per_call"]), _f(g["tokens_per_call_needed"])]
+            for g in gaps]
+    lines = ["## Against the goals", "",
+             *_table(["", "best config", "goal", "measured", "prefill ms/token", "decode ms/token "
+                      "(of baseline's)", "decode speedup", "decode speedup needed",
+                      "verify ÷ baseline step", "tokens/call", "tokens/call needed"], rows), "",
+             "Per output token, prefill (+ setup) is time speculation cannot shorten; the goal "
+             "leaves the decode loop baseline total ÷ goal − prefill, hence the decode speedup "
+             "needed. verify ÷ baseline step = the loop's ms per target call (forward over the "
+             "draft + acceptance + KV crop) ÷ the baseline's ms per one-token step. tokens/call "
+             "needed = tokens per target call that would give the needed decode speedup at "
+             "today's cost per round.", ""]
+    for g in gaps:
+        if g["speedup"] >= g["goal"]:
+            lines.append(f"- {g['label']}: goal met ({g['speedup']:.2f}× ≥ {g['goal']:g}×).")
+        elif g["decode_speedup_needed"] is None:
+            lines.append(f"- {g['label']}: {g['goal']:g}× is out of reach on these requests: "
+                         f"prefill alone ({g['prefix_ms']:.1f} ms/token) exceeds the baseline's "
+                         "time ÷ the goal.")
+        else:
+            lines.append(f"- {g['label']}: short of {g['goal']:g}× by "
+                         f"{g['goal'] / g['speedup']:.2f}×. The decode loop runs "
+                         f"{g['decode_speedup']:.2f}× faster than the baseline's and would need "
+                         f"{g['decode_speedup_needed']:.2f}×: each target call commits "
+                         f"{_f(g['tokens_per_call'])} tokens ({_f(g['acceptance'], '{:.0%}')} of "
+                         f"drafted tokens accepted) but costs {_f(g['verify_steps'])} "
+                         f"one-token steps, so it would need about "
+                         f"{_f(g['tokens_per_call_needed'], '{:.1f}')} tokens per call at that cost.")
+    return lines + [""]
 
 
 def _calibration_section(calibration: dict | None) -> list[str]:
@@ -531,7 +605,7 @@ def write(results: dict, out: Path) -> dict:
     summary = summarize(results)
     preds = predictions(summary, results["meta"]["configs"], results["meta"].get("calibration"))
     plots = plot(results, summary, preds, out)
-    (out / "summary.json").write_text(json.dumps({"summary": summary, "predictions": preds},
-                                                 indent=1))
+    (out / "summary.json").write_text(json.dumps({"summary": summary, "predictions": preds,
+                                                  "goals": goal_gaps(summary)}, indent=1))
     (out / "report.md").write_text(markdown(results, summary, preds, plots))
     return summary

@@ -175,6 +175,30 @@ def test_prediction_formula():
     assert report.predicted_speedup(0.5, 2, 0.5) == pytest.approx(1.75 / 2)
 
 
+def test_goal_gap_arithmetic():
+    """Baseline: 20 ms prefill + 80 ms decode per token. A 3× goal leaves 100/3 − 20 = 13.3 ms
+    of decode: a 6× decode speedup. This config decodes at 40 ms (2×) with 3 tokens per call, so
+    at the same cost per round it needs 3 × 6/2 = 9."""
+    phases = lambda prefill, decode: {"setup": 0.0, "prefill": prefill, "draft": 0.0,
+                                      "verify": decode, "other": 0.0}
+    summary = {"baseline": {"config": "baseline", "kind": "engine", "temperature": 0,
+                            "speedup": 1.0, "phases_ms_per_token": phases(20, 80),
+                            "verify_ms_per_call": 80.0},
+               "lookup": {"config": "lookup", "kind": "engine", "temperature": 0,
+                          "speedup": 100 / 60, "phases_ms_per_token": phases(20, 40),
+                          "verify_ms_per_call": 120.0, "tokens_per_call": 3.0,
+                          "acceptance": 0.5}}
+    (gap,) = report.goal_gaps(summary)
+    assert gap["config"] == "lookup" and gap["goal"] == report.GOALS["greedy"] == 3.0
+    assert gap["decode_speedup"] == pytest.approx(2.0)
+    assert gap["decode_speedup_needed"] == pytest.approx(80 / (100 / 3 - 20))
+    assert gap["tokens_per_call_needed"] == pytest.approx(3 * gap["decode_speedup_needed"] / 2)
+    assert gap["verify_steps"] == pytest.approx(1.5)
+    summary["lookup"]["phases_ms_per_token"] = phases(40, 10)  # prefill alone > 100/3 ms
+    assert report.goal_gaps(summary)[0]["decode_speedup_needed"] is None
+    assert "out of reach" in "\n".join(report._goal_section(report.goal_gaps(summary)))
+
+
 def test_config_selection():
     names = [c.name for c in run.select_configs("int8+lookup/k[0-9]")]
     assert names == ["baseline", "int8+lookup/k2", "int8+lookup/k4", "int8+lookup/k8"]
