@@ -217,7 +217,8 @@ def predictions(summary: dict, configs: list, calibration: dict | None = None) -
     for config in configs:
         s = summary.get(config["name"], {})
         if config["kind"] != "engine" or config["drafter"] is None or config["adaptive"] \
-                or config["temperature"] != 0 or config["drafter"] in ("forced", "lookup"):
+                or config["temperature"] != 0 or config["drafter"] in ("forced", "lookup") \
+                or config.get("min_confidence"):  # an early stop: k is only a bound
             continue
         if s.get("tokens_per_call") is None or s.get("speedup") is None:
             continue

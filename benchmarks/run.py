@@ -20,6 +20,8 @@ Configurations (``--configs`` takes names, shell patterns such as 'int8*', or gr
     head/k{K}                    the trained draft head only (constrained_spec/heads/; a random
                                  head with --quick)
     head+lookup/k{K}, .../adaptive   forced + lookup + the trained head
+    head.../k8/c{P}              the same, model drafting stopped once the chain's estimated
+                                 chance of full acceptance falls below P (min_confidence)
     ...@t0.7                     the same at temperature 0.7 (seeded per request)
     outlines                     outlines Generator (transformers model, outlines-core processor)
     hf+outlines                  transformers generate with that logits processor
@@ -67,6 +69,7 @@ import workloads  # noqa: E402
 from workloads import Request, Selection  # noqa: E402
 
 KS = (2, 4, 8)
+CONFIDENCES = (0.1, 0.2, 0.3, 0.5)  # early stops tried with the head at k = max(KS)
 ADAPTIVE_K_MAX = 8
 HOT_T = 0.7
 NEAR_TIE = 1e-3  # fp32 logits of a k-token verify and k single steps differ in the last bits
@@ -80,6 +83,7 @@ class Config:
     k: int = 0                 # engine: draft-model tokens per round (k_max when adaptive)
     adaptive: bool = False
     temperature: float = 0.0
+    min_confidence: float = 0.0  # engine: CompositeDrafter.min_confidence (an early stop)
 
     @property
     def greedy(self) -> bool:
@@ -97,14 +101,18 @@ def all_configs() -> list[Config]:
     model = {d: [Config(f"{d}/k{k}", "engine", d, k) for k in KS]
              + [Config(f"{d}/adaptive", "engine", d, ADAPTIVE_K_MAX, adaptive=True)]
              for d in ("int8", "int8+lookup", "bf16+lookup", "head", "head+lookup")}
+    for d in ("head", "head+lookup"):
+        model[d] += [Config(f"{d}/k{KS[-1]}/c{c:g}", "engine", d, KS[-1], min_confidence=c)
+                     for c in CONFIDENCES]
     peers = [Config("outlines", "outlines"), Config("hf+outlines", "hf"),
              Config("hf-assisted-lookup+outlines", "hf-assisted", "lookup"),
              Config("hf-assisted-int8+outlines", "hf-assisted", "int8"),
              Config("llama.cpp", "llama.cpp")]
     return ([base, forced, lookup, *model["int8"], *model["int8+lookup"], *model["bf16+lookup"],
-             *model["head"][:-1], *model["head+lookup"]]
+             *[c for c in model["head"] if not c.adaptive], *model["head+lookup"]]
             + [hot(base), hot(lookup), hot(model["int8"][1]), hot(model["int8+lookup"][1]),
-               hot(model["int8+lookup"][-1]), hot(model["head"][1]), hot(model["head+lookup"][1])]
+               hot(model["int8+lookup"][-1]), hot(model["head"][1]), hot(model["head+lookup"][1]),
+               *(hot(c) for c in model["head+lookup"] if c.min_confidence)]
             + peers + [hot(peers[1])])
 
 
@@ -244,7 +252,7 @@ class Bench:
         if config.drafter is None:
             return None
         if config.name not in self._drafters:
-            width = self.gen.width
+            width, stop = self.gen.width, config.min_confidence
             self._drafters[config.name] = {
                 "forced": lambda: CompositeDrafter(model=None, use_lookup=False),
                 "lookup": lambda: CompositeDrafter(model=None),
@@ -252,9 +260,11 @@ class Bench:
                                                  use_lookup=False),
                 "int8+lookup": lambda: ModelDrafter(self.int8, width),
                 "bf16+lookup": lambda: ModelDrafter(self.bf16, width),
-                "head": lambda: CompositeDrafter(HeadDraft(self.head, self.model, width),
-                                                 use_forced=False, use_lookup=False),
-                "head+lookup": lambda: CompositeDrafter(HeadDraft(self.head, self.model, width)),
+                "head": lambda: CompositeDrafter(HeadDraft(self.head, self.model),
+                                                 use_forced=False, use_lookup=False,
+                                                 min_confidence=stop),
+                "head+lookup": lambda: CompositeDrafter(HeadDraft(self.head, self.model),
+                                                        min_confidence=stop),
             }[config.drafter]()
         return self._drafters[config.name]
 

@@ -315,7 +315,7 @@ def _as_drafter(draft, target, vocab_len: int, width: int) -> Drafter | None:
     if draft is None or hasattr(draft, "propose"):
         return draft
     if isinstance(draft, DraftHead):
-        return CompositeDrafter(HeadDraft(draft.eval(), target, width))
+        return CompositeDrafter(HeadDraft(draft.eval(), target))
     draft_width = logits_width(draft)
     if draft_width < vocab_len:
         raise VocabularyMismatch(

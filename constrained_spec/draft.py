@@ -24,6 +24,8 @@ from . import cache as kv
 from .compile import FINISHED, Constraint
 from .sample import SamplingConfig, one_hot, policy
 
+UNTEMPERED = SamplingConfig(temperature=1.0)  # a greedy draft's confidence: its softmax at T = 1
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -68,16 +70,10 @@ class DraftModel:
         self.cache = kv.new_cache(model)
         self.cached_ids: list[int] = []  # the tokens whose KV the cache holds
 
-    def next_token(self, context: list[int], state: int, constraint: Constraint,
-                   sampling: SamplingConfig, generator: torch.Generator):
-        """Draw the token after ``context`` from the masked draft policy: (token, q row | None)."""
+    def scores(self, context: list[int], state: int, constraint: Constraint):
+        """(logits, legal mask, None) for the token after ``context``: the whole vocabulary."""
         logits = self._fit(kv.forward(self.model, self.cache, self._feed(context), self.device)[-1])
-        mask = constraint.mask(state, self.device)  # (V,)
-        if sampling.greedy:
-            return int(logits.masked_fill(~mask, float("-inf")).argmax()), None
-        q = policy(logits, mask, sampling)  # (V,)
-        return int(torch.multinomial(q, 1, generator=generator)), q  # host sync: the automaton
-        # needs the token to give the next position's mask
+        return logits, constraint.mask(state, self.device), None
 
     def _feed(self, context: list[int]) -> list[int]:
         """Crop the cache to its longest prefix still in ``context``; return what to feed."""
@@ -121,6 +117,10 @@ class CompositeDrafter:
     min_match: int = 4        # shortest text suffix that may trigger a lookup, in bytes
     max_lookup: int = 10      # tokens copied per match
     max_draft: int = 24       # longest draft of any mix (the verify pass widens with it)
+    # Stop model drafting once the chain's chance of being accepted whole, estimated as the
+    # product of the model's top probabilities, would fall below this (0: only k stops it). A
+    # verify pass widens with every drafted token; unlikely tokens cost more than they return.
+    min_confidence: float = 0.0
     # Tokens the target has committed: forced text is spelled with them where possible, since
     # a model keeps its habits (SmolLM2 writes `{` `"` rather than `{"`).
     target_tokens: set[int] = field(default_factory=set)
@@ -140,7 +140,7 @@ class CompositeDrafter:
             self.model.observe(committed, features)
 
     def propose(self, tokens, state, constraint, k, sampling, generator):
-        context, rows, sources, model_steps = list(tokens), [], [], 0
+        context, rows, sources, model_steps, chance = list(tokens), [], [], 0, 1.0
         text = constraint.vocab.text_bytes(tokens)
         while len(sources) < self.max_draft and state != FINISHED:
             room = min(self.max_lookup, self.max_draft - len(sources))
@@ -150,9 +150,10 @@ class CompositeDrafter:
             elif self.use_lookup and (ids := constraint.tokenize(state, lookup(text, self.min_match), room)):
                 step = [(t, None, "lookup") for t in ids]
             elif self.model is not None and model_steps < k:
-                token, q = self.model.next_token(context, state, constraint, sampling, generator)
-                if token is None:  # the model has no legal proposal here
+                drawn = self._model_token(context, state, constraint, sampling, generator, chance)
+                if drawn is None:  # no legal proposal, or too unlikely to be accepted
                     break
+                token, q, chance = drawn
                 step, model_steps = [(token, q, "model")], model_steps + 1
             else:
                 break
@@ -165,6 +166,30 @@ class CompositeDrafter:
                 state = constraint.step(state, token)
         drafted = context[len(tokens):]
         return Draft(drafted, _stack_rows(rows, drafted, constraint.vocab_size, sampling), tuple(sources))
+
+    def _model_token(self, context, state, constraint, sampling, generator, chance: float):
+        """(token, q row | None, chance × its top probability) from the model's masked policy, or
+        None. Whether to draw is decided from the policy before drawing (its top probability
+        depends on the prefix only), so stopping keeps the rule exact; stopping on the drawn
+        token's own probability would not."""
+        scored = self.model.scores(context, state, constraint)
+        if scored is None:
+            return None
+        logits, mask, ids = scored  # ids: the candidates' token ids (None: the whole vocabulary)
+        if not mask.any():
+            return None
+        probs = policy(logits, mask, UNTEMPERED if sampling.greedy else sampling)
+        top = float(probs.max())  # host sync: so is the draw, which the automaton needs next
+        if chance * top < self.min_confidence:
+            return None
+        pick = int(probs.argmax() if sampling.greedy else
+                   torch.multinomial(probs, 1, generator=generator))
+        token = pick if ids is None else int(ids[pick])
+        if sampling.greedy:
+            return token, None, chance * top
+        q = probs if ids is None else \
+            torch.zeros(constraint.vocab_size, device=probs.device).index_put_((ids,), probs)
+        return token, q, chance * top
 
 
 def _stack_rows(rows, tokens, width, sampling) -> torch.Tensor | None:

@@ -22,7 +22,6 @@ from transformers import DynamicCache, LlamaConfig, LlamaModel
 
 from . import cache as kv
 from .errors import DraftHeadError, VocabularyMismatch
-from .sample import policy
 
 HEADS = Path(__file__).parent / "heads"  # shipped weights: <name>.safetensors + <name>.json card
 # The target's config fields the head's decoder layer copies (width, attention shape, RoPE).
@@ -110,7 +109,7 @@ def load_head(target, vocab, path: str | Path) -> DraftHead:
 
 
 class HeadDraft:
-    """The head as a drafter's model: ``next_token`` like DraftModel, fed the target's features
+    """The head as a drafter's model: ``scores`` like DraftModel, fed the target's features
     through ``begin`` (after prefill) and ``observe`` (after each round) by the decode loop.
 
     Invariant: ``features`` holds the target's features for every committed token but the last
@@ -118,8 +117,8 @@ class HeadDraft:
 
     uses_features = True
 
-    def __init__(self, head: DraftHead, target, width: int):
-        self.head, self.width = head, width
+    def __init__(self, head: DraftHead, target):
+        self.head = head
         self.device = next(target.parameters()).device
         self.head.to(self.device)
         self.embed = target.get_input_embeddings()
@@ -144,24 +143,14 @@ class HeadDraft:
         self.features = torch.cat([self.features, features.float()])
 
     @torch.inference_mode()
-    def next_token(self, context: list[int], state: int, constraint, sampling, generator):
-        """(token, q row | None) drawn from the head's masked policy after ``context``; None for
-        the token when it cannot draft (no legal token in its sub-vocabulary)."""
+    def scores(self, context: list[int], state: int, constraint):
+        """(logits, legal mask, token ids) over the sub-vocabulary for the token after
+        ``context``; None when the head has nothing to read (a one-token prompt)."""
         self._sync(context)
         if self.last is None:
-            return None, None
-        logits = self.rows @ self.last  # (N,)
-        mask = constraint.mask(state, self.device)[self.draft_ids]  # (N,)
-        if sampling.greedy:
-            best = int(logits.masked_fill(~mask, float("-inf")).argmax())
-            return (int(self.draft_ids[best]), None) if mask[best] else (None, None)
-        if not mask.any():
-            return None, None
-        q_sub = policy(logits, mask, sampling)
-        pick = int(torch.multinomial(q_sub, 1, generator=generator))  # host sync: the automaton
-        # needs the token to give the next position's mask
-        q = torch.zeros(self.width, device=self.device).index_put_((self.draft_ids,), q_sub)
-        return int(self.draft_ids[pick]), q
+            return None
+        return self.rows @ self.last, constraint.mask(state, self.device)[self.draft_ids], \
+            self.draft_ids
 
     def _sync(self, context: list[int]) -> None:
         """Feed the head every pair of ``context`` it has not seen: true features in one pass,

@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from constrained_spec import Generator, SamplingConfig
-from constrained_spec.draft import CompositeDrafter, logits_width
+from constrained_spec.draft import CompositeDrafter, ModelDrafter, logits_width
 from constrained_spec.head import DraftHead
 from constrained_spec.sample import policy
 
@@ -19,6 +19,7 @@ REGEX = "(ab|ba|yes|no){1,2}"
 FORCED_REGEX = "(yes|no)\\{\\}(ab|ba)"  # "{" and "}" are single-token (forced) states
 LOOKUP_PROMPT = "hello yes{}ab no{}ba"    # continuations for prompt lookup to copy
 N_SAMPLES = 1500
+CONFIDENCE = 0.5  # min_confidence of the early-stopping cases: stops about half the model drafts
 P_VALUE_FLOOR = 1e-3  # fixed seeds: each run draws the same samples, so this is deterministic
 
 
@@ -79,6 +80,8 @@ def drafter_for(kind, target, draft):
         return anti
     if kind == "lookup+forced":  # deterministic drafts only (one-hot q)
         return CompositeDrafter(model=None)
+    if kind == "confident":  # model drafts stop once the chain's estimated chance drops
+        return ModelDrafter(draft, logits_width(target), min_confidence=CONFIDENCE)
     if kind == "head":  # a random draft head over a sub-vocabulary (q = 0 on odd ids)
         torch.manual_seed(0)
         return DraftHead.for_target(target, torch.arange(0, logits_width(target), 2)).eval()
@@ -96,8 +99,9 @@ def drafter_for(kind, target, draft):
          prompt=LOOKUP_PROMPT, drafter="anti"),
     dict(temperature=1.0, num_draft_tokens=3, regex=FORCED_REGEX, prompt=LOOKUP_PROMPT,
          drafter="head"),
+    dict(temperature=1.0, num_draft_tokens=4, drafter="confident"),
 ], ids=["T1", "T0.7-top_p", "anti-draft", "model+lookup+forced", "lookup+forced-top_k",
-        "adaptive-k-anti", "head+lookup+forced"])
+        "adaptive-k-anti", "head+lookup+forced", "model-min-confidence"])
 def test_speculative_sampling_is_exact(case, tiny_target, tiny_draft, tiny_tokenizer):
     case = dict(case)
     draft = drafter_for(case.pop("drafter", None), tiny_target, tiny_draft)
@@ -126,3 +130,13 @@ def test_the_statistical_test_has_power(tiny_target, tiny_draft, tiny_tokenizer)
     support = {k: exact.get(k, 0.0) + 1e-9 for k in set(exact) | set(exact_draft)}
     assert_same_distribution(gen, support, dict(prompt=prompt, temperature=1.0,
                                                  speculative=False), expect_match=False)
+
+
+def test_min_confidence_bounds_model_drafts(tiny_target, tiny_draft, tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    constraint, prompt = gen.compile(regex=REGEX), tiny_tokenizer.encode("hello")
+    args = (prompt, constraint.initial_state, constraint, 4, SamplingConfig(),
+            torch.Generator().manual_seed(0))
+    width = logits_width(tiny_target)
+    assert len(ModelDrafter(tiny_draft, width, use_lookup=False).propose(*args)) >= 2
+    assert len(ModelDrafter(tiny_draft, width, use_lookup=False, min_confidence=1.0).propose(*args)) == 0
