@@ -36,13 +36,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from constrained_spec import cache as kv  # noqa: E402
-from constrained_spec.head import DraftHead  # noqa: E402
+from constrained_spec.head import DraftHead, HeadCache  # noqa: E402
 from constrained_spec.models import load_model  # noqa: E402
 from constrained_spec.vocab import token_vocabulary  # noqa: E402
 from workloads import DATA, compact, is_valid, messages_for  # noqa: E402
@@ -273,28 +272,19 @@ def unrolled(head, f: torch.Tensor, e: torch.Tensor, steps: int) -> list[torch.T
     test). Step s at position j reads (step s-1's output at j-1, e_j) and, as in the drafting
     head's KV cache, attends to the true pairs up to j-s and to its own chain's pairs
     j-s+1..j. One pass per step; the keys of earlier steps are kept. Step 1 = ``head(f, e)``."""
-    decoder, (layer,) = head.decoder, head.decoder.layers
-    attn, m = layer.self_attn, f.shape[0]
+    m = f.shape[0]
     pos = torch.arange(m)
-    cos, sin = decoder.rotary_emb(f[None], pos[None])
-    shape = (1, m, -1, attn.head_dim)
     keys, values, outs, inputs = [], [], [], f
     for s in range(steps):
         x = head.fuse(torch.cat([inputs, e], dim=-1))[None]
-        h = layer.input_layernorm(x)
-        q, k, v = (proj(h).view(shape).transpose(1, 2)
-                   for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        keys.append(k.repeat_interleave(attn.num_key_value_groups, dim=1))
-        values.append(v.repeat_interleave(attn.num_key_value_groups, dim=1))
+        q, k, v = head.project(x, pos)
+        keys.append(k)
+        values.append(v)
         # block 0 (true pairs): keys j' <= j - s; block t >= 1: the chain's key j' = j - (s - t)
         allowed = [pos[None, :] <= pos[:, None] - s] + \
                   [pos[None, :] == pos[:, None] - (s - t) for t in range(1, s + 1)]
-        a = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2),
-                                           attn_mask=torch.cat(allowed, 1), scale=attn.scaling)
-        x = x + attn.o_proj(a.transpose(1, 2).reshape(1, m, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        outs.append(decoder.norm(x)[0])
+        outs.append(head.attend(x, q, torch.cat(keys, 2), torch.cat(values, 2),
+                                torch.cat(allowed, 1))[0])
         inputs = torch.cat([torch.zeros_like(f[:1]), outs[-1][:-1]])  # position 0: no chain
     return outs
 
@@ -364,7 +354,7 @@ def agreement(head, target, data, steps: int = 3, per_seq: int = 24, seed: int =
         e = embed(torch.tensor(ids[1:])).float()
         for i in rng.sample(range(max(start - 2, 0), len(ids) - 1 - steps),
                             k=min(per_seq, max(len(ids) - 1 - steps - max(start - 2, 0), 0))):
-            cache = kv.new_cache(head.decoder)
+            cache = HeadCache()
             out = head(f[None, :i + 1], e[None, :i + 1], cache)[0, -1]  # predicts f_{i+1}
             for s in range(steps):
                 choice = int(head.draft_ids[(rows @ out).argmax()])
@@ -382,7 +372,7 @@ def step_costs(head, target, context_len: int = 400, reps: int = 20) -> dict:
     """ms of one target decode step and of one head draft step (one pair + sub-vocab logits),
     each after ``context_len`` cached positions."""
     ids = list(range(100, 100 + context_len))
-    cache, head_cache = kv.new_cache(target), kv.new_cache(head.decoder)
+    cache, head_cache = kv.new_cache(target), HeadCache()
     _, f = kv.forward(target, cache, ids, "cpu", features=True)
     e = target.get_input_embeddings()(torch.tensor(ids[1:] + [7]))
     head(f[None], e[None], head_cache)
@@ -394,7 +384,7 @@ def step_costs(head, target, context_len: int = 400, reps: int = 20) -> dict:
 
     def head_step():
         rows @ head(f[None, -1:], e[None, -1:], head_cache)[0, -1]
-        kv.crop(head_cache, context_len)
+        head_cache.crop(context_len)
 
     def timed(fn):
         fn()

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import DynamicCache, LlamaConfig, LlamaModel
+from torch.nn import functional as F
+from transformers import LlamaConfig, LlamaModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from . import cache as kv
 from .errors import DraftHeadError, VocabularyMismatch
 
 HEADS = Path(__file__).parent / "heads"  # shipped weights: <name>.safetensors + <name>.json card
@@ -38,7 +39,7 @@ class DraftHead(nn.Module):
         width = config.hidden_size
         self.layer_config = dict(layer_config)
         self.fuse = nn.Linear(2 * width, width)   # (feature, token embedding) → layer input
-        self.decoder = LlamaModel(config)         # one layer, RoPE, its own KV cache, final norm
+        self.decoder = LlamaModel(config)         # one layer's weights, RoPE, final norm
         self.register_buffer("draft_ids", draft_ids.long().clone())  # the sub-vocabulary
 
     @classmethod
@@ -48,10 +49,43 @@ class DraftHead(nn.Module):
         return cls(fields, draft_ids)
 
     def forward(self, features: torch.Tensor, embeddings: torch.Tensor,
-                cache: DynamicCache | None = None) -> torch.Tensor:
-        """(B, n, d) features and next-token embeddings → (B, n, d) predicted next features."""
+                cache: "HeadCache | None" = None) -> torch.Tensor:
+        """(B, n, d) features and next-token embeddings → (B, n, d) predicted next features,
+        causal over the n pairs and after what ``cache`` holds (which it extends).
+
+        The decoder layer's modules are called directly (``project``, ``attend``): LlamaModel's
+        own forward spends milliseconds per call on bookkeeping, many times this layer's
+        arithmetic, and drafting calls it once per token."""
         x = self.fuse(torch.cat([features, embeddings], dim=-1))
-        return self.decoder(inputs_embeds=x, cache=cache, use_cache=cache is not None).last_hidden_state
+        start, n = (len(cache) if cache is not None else 0), x.shape[1]
+        pos = torch.arange(start, start + n, device=x.device)
+        q, k, v = self.project(x, pos)
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        causal = None if n == 1 else \
+            torch.arange(start + n, device=x.device)[None, :] <= pos[:, None]  # (n, start + n)
+        return self.attend(x, q, k, v, causal)
+
+    def project(self, x: torch.Tensor, pos: torch.Tensor):
+        """Queries, keys and values (B, heads, n, head dim) of layer inputs x (B, n, d) at
+        positions ``pos``, RoPE applied."""
+        (layer,), attn = self.decoder.layers, self.decoder.layers[0].self_attn
+        cos, sin = self.decoder.rotary_emb(x, pos[None])
+        h = layer.input_layernorm(x)
+        q, k, v = (proj(h).view(*x.shape[:2], -1, attn.head_dim).transpose(1, 2)
+                   for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        return (*apply_rotary_pos_emb(q, k, cos, sin), v)
+
+    def attend(self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """The rest of the layer after ``project``: attention of q over keys/values (mask: True
+        where a query may look), the MLP, the final norm → (B, n, d)."""
+        (layer,), attn = self.decoder.layers, self.decoder.layers[0].self_attn
+        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
+                                           enable_gqa=True)
+        x = x + attn.o_proj(a.transpose(1, 2).reshape(*x.shape[:2], -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.decoder.norm(x)
 
     def save(self, path: str | Path, card: dict) -> None:
         """fp16 safetensors (the embedding stub of the 1-layer LlamaModel left out) + a JSON card
@@ -63,6 +97,26 @@ class DraftHead(nn.Module):
         card = {**card, "layer_config": self.layer_config,
                 "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
         path.with_suffix(".json").write_text(json.dumps(card, indent=1) + "\n")
+
+
+class HeadCache:
+    """The head's keys and values, (B, kv heads, positions, head dim): cropping is slicing."""
+
+    def __init__(self):
+        self.keys = self.values = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor):
+        if self.keys is not None:
+            keys, values = torch.cat([self.keys, keys], 2), torch.cat([self.values, values], 2)
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
 def shipped_head(model_name: str) -> Path:
@@ -125,7 +179,7 @@ class HeadDraft:
         lm_head = target.get_output_embeddings().weight.detach()
         self.rows = lm_head[head.draft_ids.to(lm_head.device)].float().to(self.device)  # (N, d)
         self.draft_ids = head.draft_ids.to(self.device)
-        self.cache = DynamicCache(config=head.decoder.config)
+        self.cache = HeadCache()
         self.features = torch.empty(0, self.rows.shape[1], device=self.device)
         self.ids: list[int] = []   # pair i in the cache = (feature i, embedding of ids[i + 1])
         self.true_pairs = 0        # cached pairs built from the target's features, not the head's
@@ -155,7 +209,7 @@ class HeadDraft:
     def _sync(self, context: list[int]) -> None:
         """Feed the head every pair of ``context`` it has not seen: true features in one pass,
         then one step per drafted position (its feature is the head's previous output)."""
-        pairs = kv.cached_length(self.cache)
+        pairs = len(self.cache)
         same = next((i for i, (a, b) in enumerate(zip(self.ids, context)) if a != b),
                     min(len(self.ids), len(context)))
         if same - 1 < pairs:  # the context left the cached path: back to the last true pair
@@ -178,8 +232,8 @@ class HeadDraft:
         return self.head(features[None], self.embed(ids)[None].float(), self.cache)[0]
 
     def _drop_to(self, pairs: int) -> int:
-        pairs = min(pairs, kv.cached_length(self.cache))
-        kv.crop(self.cache, pairs)
+        pairs = min(pairs, len(self.cache))
+        self.cache.crop(pairs)
         self.true_pairs = min(self.true_pairs, pairs)
         self.ids = self.ids[:pairs + 1] if pairs else []
         self.last = None

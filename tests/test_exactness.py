@@ -19,7 +19,10 @@ REGEX = "(ab|ba|yes|no){1,2}"
 FORCED_REGEX = "(yes|no)\\{\\}(ab|ba)"  # "{" and "}" are single-token (forced) states
 LOOKUP_PROMPT = "hello yes{}ab no{}ba"    # continuations for prompt lookup to copy
 N_SAMPLES = 1500
-CONFIDENCE = 0.5  # min_confidence of the early-stopping cases: stops about half the model drafts
+# min_confidence of the early-stop cases. The tiny target's first choice under REGEX is spread
+# (top probability 0.30, then 0.19): a first draft is made, a second one mostly not, and a stop
+# that looked at the drawn token would keep only the most likely one (a large bias).
+CONFIDENCE = 0.25
 P_VALUE_FLOOR = 1e-3  # fixed seeds: each run draws the same samples, so this is deterministic
 
 
@@ -130,6 +133,54 @@ def test_the_statistical_test_has_power(tiny_target, tiny_draft, tiny_tokenizer)
     support = {k: exact.get(k, 0.0) + 1e-9 for k in set(exact) | set(exact_draft)}
     assert_same_distribution(gen, support, dict(prompt=prompt, temperature=1.0,
                                                  speculative=False), expect_match=False)
+
+
+class SwappedTarget:
+    """A draft model that is the target with its two most likely legal tokens swapped: q close
+    to p but not equal, with top probabilities either side of a stopping threshold — where a
+    stop that looks at the drawn token shows its bias."""
+
+    def __init__(self, target):
+        self.target = target
+
+    @torch.no_grad()
+    def scores(self, context, state, constraint):
+        logits = self.target(torch.tensor([context])).logits[0, -1].float()
+        mask = constraint.mask(state)
+        if mask.sum() >= 2:
+            top2 = logits.masked_fill(~mask, float("-inf")).topk(2).indices
+            logits[top2] = logits[top2.flip(0)]
+        return logits, mask, None
+
+
+class StopOnDrawnToken(CompositeDrafter):
+    """The wrong early stop: drop a drawn token when its own probability makes the chain
+    unlikely. Which tokens survive then depends on their value, so q no longer describes them."""
+
+    def _model_token(self, context, state, constraint, sampling, generator, chance):
+        threshold, self.min_confidence = self.min_confidence, 0.0
+        try:
+            drawn = super()._model_token(context, state, constraint, sampling, generator, chance)
+        finally:
+            self.min_confidence = threshold
+        if drawn is None:
+            return None
+        token, q, _ = drawn
+        chance *= float(q[token])
+        return None if chance < threshold else (token, q, chance)
+
+
+@pytest.mark.parametrize("rule", [CompositeDrafter, StopOnDrawnToken], ids=["before-draw", "on-drawn-token"])
+def test_early_stop_is_exact_only_when_decided_before_drawing(rule, tiny_target, tiny_tokenizer):
+    """min_confidence stops on the policy's top probability, known before the draw: exact.
+    Negative control: stopping on the drawn token's own probability must fail the same test."""
+    prompt = tiny_tokenizer.encode("hello")
+    drafter = rule(SwappedTarget(tiny_target), use_lookup=False, min_confidence=CONFIDENCE)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=drafter, cache_dir=None)
+    exact = masked_sequence_distribution(tiny_target, gen.compile(regex=REGEX), prompt,
+                                         SamplingConfig(1.0))
+    assert_same_distribution(gen, exact, dict(prompt=prompt, temperature=1.0, num_draft_tokens=4),
+                             expect_match=rule is CompositeDrafter)
 
 
 def test_min_confidence_bounds_model_drafts(tiny_target, tiny_draft, tiny_tokenizer):

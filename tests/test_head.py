@@ -13,7 +13,7 @@ from constrained_spec import Generator
 from constrained_spec import cache as kv
 from constrained_spec.draft import logits_width
 from constrained_spec.errors import DraftHeadError, VocabularyMismatch
-from constrained_spec.head import DraftHead, HeadDraft, load_head, shipped_head
+from constrained_spec.head import DraftHead, HeadCache, HeadDraft, load_head, shipped_head
 from constrained_spec.vocab import token_vocabulary
 
 from test_engine import NEAR_TIE, PERSON, first_divergence_gap
@@ -37,6 +37,24 @@ def test_greedy_with_a_head_equals_the_masked_baseline(prompt, tiny_target, tiny
     assert spec.stats.drafted_by_source.get("model", 0) > 0, "the head never drafted"
 
 
+@torch.no_grad()
+def test_head_forward_is_the_llama_layer(tiny_target):
+    """The head calls its decoder layer's modules directly (for speed): the same numbers as
+    transformers' LlamaModel forward over the fused inputs, in one pass or in cached chunks."""
+    head = random_head(tiny_target, seed=2)
+    width = tiny_target.config.hidden_size
+    features, embeds = torch.randn(1, 9, width), torch.randn(1, 9, width)
+    reference = head.decoder(inputs_embeds=head.fuse(torch.cat([features, embeds], -1))
+                             ).last_hidden_state
+    torch.testing.assert_close(head(features, embeds), reference, atol=1e-5, rtol=1e-5)
+    cache = HeadCache()
+    chunks = [head(features[:, a:b], embeds[:, a:b], cache) for a, b in ((0, 4), (4, 5), (5, 9))]
+    torch.testing.assert_close(torch.cat(chunks, 1), reference, atol=1e-5, rtol=1e-5)
+    cache.crop(4)  # roll back to 4 pairs and redo the rest
+    torch.testing.assert_close(head(features[:, 4:], embeds[:, 4:], cache), reference[:, 4:],
+                               atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_head_reads_the_true_features_and_its_cache_rolls_back(temperature, tiny_target,
                                                                tiny_tokenizer):
@@ -53,7 +71,7 @@ def test_head_reads_the_true_features_and_its_cache_rolls_back(temperature, tiny
         _, fresh = kv.forward(tiny_target, kv.new_cache(tiny_target), committed[:-1], "cpu",
                               features=True)
         torch.testing.assert_close(drafter.features, fresh, atol=1e-4, rtol=1e-4)
-        pairs = kv.cached_length(drafter.cache)
+        pairs = len(drafter.cache)
         assert pairs == drafter.true_pairs <= len(fresh)
         embeds = tiny_target.get_input_embeddings()(torch.tensor(committed[1:]))
         cache = copy.deepcopy(drafter.cache)
@@ -148,7 +166,7 @@ def test_training_unroll_is_what_drafting_computes(tiny_target):
         steps = unrolled(head, f, e, 3)
         torch.testing.assert_close(steps[0], head(f[None], e[None])[0])
         for anchor in range(10 - 3):
-            cache = kv.new_cache(head.decoder)
+            cache = HeadCache()
             out = head(f[None, :anchor + 1], e[None, :anchor + 1], cache)[0, -1]
             for s in (1, 2):
                 out = head(out[None, None], e[None, anchor + s:anchor + s + 1], cache)[0, -1]
