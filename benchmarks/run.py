@@ -69,7 +69,7 @@ import workloads  # noqa: E402
 from workloads import Request, Selection  # noqa: E402
 
 KS = (2, 4, 8)
-CONFIDENCES = (0.1, 0.2, 0.3, 0.5)  # early stops tried with the head at k = max(KS)
+CONFIDENCES = (0.2, 0.3, 0.5, 0.7)  # early stops tried with the head at k = max(KS)
 ADAPTIVE_K_MAX = 8
 HOT_T = 0.7
 NEAR_TIE = 1e-3  # fp32 logits of a k-token verify and k single steps differ in the last bits
