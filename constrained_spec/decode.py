@@ -287,9 +287,13 @@ DRAFTS = {"auto": "the fastest measured here (currently: lookup)",
           "lookup": "grammar-forced tokens + prompt lookup (free drafts, no draft model)",
           "int8": "a dynamically int8-quantized copy of the target, plus forced + lookup",
           "bf16": "a bfloat16 copy of the target, plus forced + lookup",
-          "head": "the draft head trained for the target (EAGLE-style), plus forced + lookup",
+          "head": "the draft head trained for the target (EAGLE-style), plus forced + lookup; "
+                  "it stops drafting when its chain turns unlikely",
           "none": "no drafts: the masked baseline"}
 AUTO_DRAFT = "lookup"
+# The head's drafting stops once its chain's estimated chance of full acceptance drops below this:
+# the best of 0.3 / 0.5 / 0.7 on the generate benchmark (README, "Measurements").
+HEAD_MIN_CONFIDENCE = 0.3
 
 
 def _named_draft(draft: str | None, model, dtype: torch.dtype):
@@ -315,7 +319,7 @@ def _as_drafter(draft, target, vocab_len: int, width: int) -> Drafter | None:
     if draft is None or hasattr(draft, "propose"):
         return draft
     if isinstance(draft, DraftHead):
-        return CompositeDrafter(HeadDraft(draft.eval(), target))
+        return CompositeDrafter(HeadDraft(draft.eval(), target), min_confidence=HEAD_MIN_CONFIDENCE)
     draft_width = logits_width(draft)
     if draft_width < vocab_len:
         raise VocabularyMismatch(
