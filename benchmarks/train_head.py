@@ -1,14 +1,17 @@
 """Train the draft head (constrained_spec/head.py) for the default model, on this CPU, seeded.
 
     python benchmarks/train_head.py --out constrained_spec/heads/smollm2-135m-instruct.safetensors \
-        --answers target --train-steps 3 --minutes 16 --train-tokens 150000
+        --features /tmp/head-features.pt --answers target --dataset-tokens 400000 \
+        --train-steps 3 --minutes 55 --train-tokens 150000
 
 1. Data: chat prompts from JSONSchemaBench-dev (the two benchmark prompt forms, extract and
    generate). Files the benchmark may draw its requests from (the first --reserve files of its
    seeded order) are left out; the rest split by file name into train and validation. Each prompt
    is answered by the target itself, masked greedy under its schema (--answers target:
    self-distillation, what the head reads when drafting), or by a valid instance of the schema
-   (--answers dataset).
+   (--answers dataset). --dataset-tokens adds teacher-forced dataset answers to the
+   self-distilled training set: 15× cheaper to collect, and the target's features and
+   distributions there are as true.
 2. Features: the target's LM-head inputs over each whole sequence, kept fp16.
 3. Training: the head reads (f_i, embedding of x_{i+1}) and predicts f_{i+1}; loss = smooth-L1
    feature regression + distillation of the target's next-token distribution over the
