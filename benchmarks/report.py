@@ -173,13 +173,11 @@ def goal_gaps(summary: dict) -> list[dict]:
     tokens per target call × X / (measured decode speedup)."""
     gaps = []
     for label, goal in GOALS.items():
-        cands = [s for s in summary.values() if s["kind"] == "engine" and s.get("speedup")
-                 and not s["config"].startswith("baseline") and s.get("phases_ms_per_token")
-                 and (s["temperature"] == 0) == (label == "greedy")]
-        base = summary.get(baseline_for(cands[0]["temperature"])) if cands else None
-        if not cands or not (base and base.get("phases_ms_per_token")):
+        best = best_speculative(summary, label == "greedy")
+        base = summary.get(baseline_for(best["temperature"])) if best else None
+        if not (best and best.get("phases_ms_per_token") and base
+                and base.get("phases_ms_per_token")):
             continue
-        best = max(cands, key=lambda s: s["speedup"])
         prefix = lambda s: s["phases_ms_per_token"]["setup"] + s["phases_ms_per_token"]["prefill"]
         decode = lambda s: sum(s["phases_ms_per_token"].values()) - prefix(s)
         room = sum(base["phases_ms_per_token"].values()) / goal - prefix(best)
@@ -256,15 +254,19 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
+def best_speculative(summary: dict, greedy: bool) -> dict | None:
+    """The engine configuration (not a baseline) with the largest speedup, greedy or sampled."""
+    cands = [s for s in summary.values() if s["kind"] == "engine" and s.get("speedup")
+             and not s["config"].startswith("baseline") and (s["temperature"] == 0) == greedy]
+    return max(cands, key=lambda s: s["speedup"]) if cands else None
+
+
 def headline(summary: dict) -> list[str]:
     lines = []
-    for t, label in ((0, "greedy"), (None, "sampled")):
-        cands = [s for s in summary.values() if s["kind"] == "engine" and s.get("speedup")
-                 and not s["config"].startswith("baseline")
-                 and ((s["temperature"] == 0) == (t == 0))]
-        if not cands:
+    for label in ("greedy", "sampled"):
+        best = best_speculative(summary, label == "greedy")
+        if best is None:
             continue
-        best = max(cands, key=lambda s: s["speedup"])
         ident = ""
         if label == "greedy":
             ident = (f"; outputs identical to the baseline on {best['identical']}/{best['ok']} "

@@ -20,7 +20,7 @@ Configurations (``--configs`` takes names, shell patterns such as 'int8*', or gr
     head/k{K}                    the trained draft head only (constrained_spec/heads/; a random
                                  head with --quick)
     head+lookup/k{K}, .../adaptive   forced + lookup + the trained head
-    head.../k8/c{P}              the same, model drafting stopped once the chain's estimated
+    head+lookup/k8/c{P}          the same, model drafting stopped once the chain's estimated
                                  chance of full acceptance falls below P (min_confidence)
     ...@t0.7                     the same at temperature 0.7 (seeded per request)
     outlines                     outlines Generator (transformers model, outlines-core processor)
@@ -101,15 +101,14 @@ def all_configs() -> list[Config]:
     model = {d: [Config(f"{d}/k{k}", "engine", d, k) for k in KS]
              + [Config(f"{d}/adaptive", "engine", d, ADAPTIVE_K_MAX, adaptive=True)]
              for d in ("int8", "int8+lookup", "bf16+lookup", "head", "head+lookup")}
-    for d in ("head", "head+lookup"):
-        model[d] += [Config(f"{d}/k{KS[-1]}/c{c:g}", "engine", d, KS[-1], min_confidence=c)
-                     for c in CONFIDENCES]
+    model["head+lookup"] += [Config(f"head+lookup/k{KS[-1]}/c{c:g}", "engine", "head+lookup",
+                                    KS[-1], min_confidence=c) for c in CONFIDENCES]
     peers = [Config("outlines", "outlines"), Config("hf+outlines", "hf"),
              Config("hf-assisted-lookup+outlines", "hf-assisted", "lookup"),
              Config("hf-assisted-int8+outlines", "hf-assisted", "int8"),
              Config("llama.cpp", "llama.cpp")]
     return ([base, forced, lookup, *model["int8"], *model["int8+lookup"], *model["bf16+lookup"],
-             *[c for c in model["head"] if not c.adaptive], *model["head+lookup"]]
+             *model["head"][:-1], *model["head+lookup"]]
             + [hot(base), hot(lookup), hot(model["int8"][1]), hot(model["int8+lookup"][1]),
                hot(model["int8+lookup"][-1]), hot(model["head"][1]), hot(model["head+lookup"][1]),
                *(hot(c) for c in model["head+lookup"] if c.min_confidence)]
@@ -333,15 +332,10 @@ class Bench:
         return self._indexes[request.id]
 
     def outlines_model(self):
-        if self._outlines is None:
-            try:
-                import outlines
-                self._outlines = outlines.from_transformers(self.model, self.tokenizer)
-            except Exception as e:
-                self._outlines = e
-        if isinstance(self._outlines, Exception):
-            raise self._outlines
-        return self._outlines
+        def load():
+            import outlines
+            return outlines.from_transformers(self.model, self.tokenizer)
+        return self._load_once("_outlines", load, Exception)
 
     def run_peer(self, config, request, seed, max_new_tokens) -> dict:
         try:
@@ -382,19 +376,27 @@ class Bench:
 
     def llama_cpp(self):
         """The built-in model's own GGUF in llama.cpp, threads as torch's; loaded once."""
-        if self._llama is None:
-            try:
-                from llama_cpp import Llama
+        def load():
+            from llama_cpp import Llama
 
-                from constrained_spec.models import BUILTIN_MODELS, _verified_gguf, cache_dir
-                gguf = _verified_gguf(BUILTIN_MODELS[self.args.model], cache_dir() / self.args.model)
-                self._llama = Llama(str(gguf), n_ctx=4096, n_threads=torch.get_num_threads(),
-                                    n_threads_batch=torch.get_num_threads(), verbose=False)
-            except (ImportError, KeyError, OSError, ValueError, RuntimeError) as e:
-                self._llama = e
-        if isinstance(self._llama, Exception):
-            raise self._llama
-        return self._llama
+            from constrained_spec.models import BUILTIN_MODELS, _verified_gguf, cache_dir
+            gguf = _verified_gguf(BUILTIN_MODELS[self.args.model], cache_dir() / self.args.model)
+            return Llama(str(gguf), n_ctx=4096, n_threads=torch.get_num_threads(),
+                         n_threads_batch=torch.get_num_threads(), verbose=False)
+        return self._load_once("_llama", load,
+                               (ImportError, KeyError, OSError, ValueError, RuntimeError))
+
+    def _load_once(self, attr: str, load, errors):
+        """``load()`` on first use, kept in ``attr``; a failure (one of ``errors``) is kept too
+        and raised again on every later call, so a missing peer costs one attempt."""
+        if getattr(self, attr) is None:
+            try:
+                setattr(self, attr, load())
+            except errors as e:
+                setattr(self, attr, e)
+        if isinstance(getattr(self, attr), Exception):
+            raise getattr(self, attr)
+        return getattr(self, attr)
 
     def run_llama_cpp(self, config, request, seed, max_new_tokens) -> dict:
         try:
