@@ -22,6 +22,8 @@ Configurations (``--configs`` takes names, shell patterns such as 'int8*', or gr
     head+lookup/k{K}, .../adaptive   forced + lookup + the trained head
     head+lookup/k8/c{P}          the same, model drafting stopped once the chain's estimated
                                  chance of full acceptance falls below P (min_confidence)
+    head+lookup/k8/c0.3/fp32     ablations: the head in fp32 (default fp16), or drafting after
+    head+lookup/k8/c0.3/after-lookup   a lookup copy too (default: not)
     ...@t0.7                     the same at temperature 0.7 (seeded per request)
     outlines                     outlines Generator (transformers model, outlines-core processor)
     hf+outlines                  transformers generate with that logits processor
@@ -69,7 +71,7 @@ import workloads  # noqa: E402
 from workloads import Request, Selection  # noqa: E402
 
 KS = (2, 4, 8)
-CONFIDENCES = (0.2, 0.3, 0.5, 0.7)  # early stops tried with the head at k = max(KS)
+CONFIDENCES = (0.1, 0.2, 0.3, 0.5, 0.7)  # early stops tried with the head at k = max(KS)
 ADAPTIVE_K_MAX = 8
 HOT_T = 0.7
 NEAR_TIE = 1e-3  # fp32 logits of a k-token verify and k single steps differ in the last bits
@@ -84,6 +86,7 @@ class Config:
     adaptive: bool = False
     temperature: float = 0.0
     min_confidence: float = 0.0  # engine: CompositeDrafter.min_confidence (an early stop)
+    ablation: str = ""           # head+lookup: "fp32" head, or "after-lookup" model drafts
 
     @property
     def greedy(self) -> bool:
@@ -103,6 +106,9 @@ def all_configs() -> list[Config]:
              for d in ("int8", "int8+lookup", "bf16+lookup", "head", "head+lookup")}
     model["head+lookup"] += [Config(f"head+lookup/k{KS[-1]}/c{c:g}", "engine", "head+lookup",
                                     KS[-1], min_confidence=c) for c in CONFIDENCES]
+    model["head+lookup"] += [Config(f"head+lookup/k{KS[-1]}/c0.3/{a}", "engine", "head+lookup",
+                                    KS[-1], min_confidence=0.3, ablation=a)
+                             for a in ("fp32", "after-lookup")]
     peers = [Config("outlines", "outlines"), Config("hf+outlines", "hf"),
              Config("hf-assisted-lookup+outlines", "hf-assisted", "lookup"),
              Config("hf-assisted-int8+outlines", "hf-assisted", "int8"),
@@ -111,7 +117,7 @@ def all_configs() -> list[Config]:
              *model["head"][:-1], *model["head+lookup"]]
             + [hot(base), hot(lookup), hot(model["int8"][1]), hot(model["int8+lookup"][1]),
                hot(model["int8+lookup"][-1]), hot(model["head"][1]), hot(model["head+lookup"][1]),
-               *(hot(c) for c in model["head+lookup"] if c.min_confidence)]
+               *(hot(c) for c in model["head+lookup"] if c.min_confidence and not c.ablation)]
             + peers + [hot(peers[1])])
 
 
@@ -252,6 +258,8 @@ class Bench:
             return None
         if config.name not in self._drafters:
             width, stop = self.gen.width, config.min_confidence
+            dtype = torch.float32 if config.ablation == "fp32" else torch.float16
+            after_lookup = config.ablation == "after-lookup"
             self._drafters[config.name] = {
                 "forced": lambda: CompositeDrafter(model=None, use_lookup=False),
                 "lookup": lambda: CompositeDrafter(model=None),
@@ -262,8 +270,9 @@ class Bench:
                 "head": lambda: CompositeDrafter(HeadDraft(self.head, self.model),
                                                  use_forced=False, use_lookup=False,
                                                  min_confidence=stop),
-                "head+lookup": lambda: CompositeDrafter(HeadDraft(self.head, self.model),
-                                                        min_confidence=stop),
+                "head+lookup": lambda: CompositeDrafter(HeadDraft(self.head, self.model, dtype),
+                                                        min_confidence=stop,
+                                                        model_after_lookup=after_lookup),
             }[config.drafter]()
         return self._drafters[config.name]
 

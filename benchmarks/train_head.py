@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -44,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from constrained_spec import cache as kv  # noqa: E402
-from constrained_spec.head import DraftHead, HeadCache  # noqa: E402
+from constrained_spec.head import DraftHead, HeadCache, load_head  # noqa: E402
 from constrained_spec.models import load_model  # noqa: E402
 from constrained_spec.vocab import token_vocabulary  # noqa: E402
 from workloads import DATA, compact, is_valid, messages_for  # noqa: E402
@@ -52,7 +53,10 @@ from workloads import DATA, compact, is_valid, messages_for  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="weights path (.safetensors; card .json)")
+    p.add_argument("--out", type=Path, help="weights path (.safetensors; card .json)")
+    p.add_argument("--evaluate", type=Path, metavar="HEAD",
+                   help="no training: print HEAD's validation agreement and step cost in fp32 "
+                   "and fp16 (the drafter's dtype) as JSON")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--seed", type=int, default=0)
@@ -337,24 +341,27 @@ def train(head, target, data, args, say):
 # --- 4. evaluation -------------------------------------------------------------------------------
 
 @torch.inference_mode()
-def agreement(head, target, data, steps: int = 3, per_seq: int = 24, seed: int = 0):
+def agreement(head, target, data, steps: int = 3, per_seq: int = 24, seed: int = 0,
+              dtype: torch.dtype = torch.float32):
     """Share of answer positions where the head's top sub-vocabulary token is the target's top
     token, at draft step 1 (true features) and steps 2..n (reading its own predicted features,
     fed the target's tokens) — unmasked, so a lower bound for masked agreement — and the share
-    of target top tokens inside the sub-vocabulary (an upper bound)."""
+    of target top tokens inside the sub-vocabulary (an upper bound). The head runs in
+    ``dtype`` (the drafter's is fp16); the target's choices are fp32."""
     embed = target.get_input_embeddings()
     W = target.get_output_embeddings().weight
-    rows = W[head.draft_ids].float()
+    head = copy.deepcopy(head).to(dtype)
+    rows = W[head.draft_ids].to(dtype)
     hits, seen, covered, total = [0] * steps, [0] * steps, 0, 0
     in_sub = torch.zeros(W.shape[0], dtype=torch.bool)
     in_sub[head.draft_ids] = True
     rng = random.Random(seed)
     for ids, start, h in data:
-        f = h.float()
-        top = (f @ W.T).argmax(-1)  # top[i]: the target's choice for token i+1
+        f = h.to(dtype)
+        top = (h.float() @ W.T).argmax(-1)  # top[i]: the target's choice for token i+1
         covered += int(in_sub[top[start - 1:-1]].sum())
         total += len(ids) - start
-        e = embed(torch.tensor(ids[1:])).float()
+        e = embed(torch.tensor(ids[1:])).to(dtype)
         for i in rng.sample(range(max(start - 2, 0), len(ids) - 1 - steps),
                             k=min(per_seq, max(len(ids) - 1 - steps - max(start - 2, 0), 0))):
             cache = HeadCache()
@@ -371,15 +378,17 @@ def agreement(head, target, data, steps: int = 3, per_seq: int = 24, seed: int =
 
 
 @torch.inference_mode()
-def step_costs(head, target, context_len: int = 400, reps: int = 20) -> dict:
-    """ms of one target decode step and of one head draft step (one pair + sub-vocab logits),
-    each after ``context_len`` cached positions."""
+def step_costs(head, target, context_len: int = 400, reps: int = 20,
+               dtype: torch.dtype = torch.float16) -> dict:
+    """ms of one target decode step and of one head draft step (one pair + sub-vocab logits,
+    in the drafter's dtype), each after ``context_len`` cached positions."""
     ids = list(range(100, 100 + context_len))
     cache, head_cache = kv.new_cache(target), HeadCache()
     _, f = kv.forward(target, cache, ids, "cpu", features=True)
-    e = target.get_input_embeddings()(torch.tensor(ids[1:] + [7]))
+    e = target.get_input_embeddings()(torch.tensor(ids[1:] + [7])).to(dtype)
+    head, f = copy.deepcopy(head).to(dtype), f.to(dtype)
     head(f[None], e[None], head_cache)
-    rows = target.get_output_embeddings().weight[head.draft_ids].float()
+    rows = target.get_output_embeddings().weight[head.draft_ids].to(dtype)
 
     def target_step():
         kv.forward(target, cache, [5], "cpu")
@@ -403,6 +412,8 @@ def step_costs(head, target, context_len: int = 400, reps: int = 20) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if (args.out is None) == (args.evaluate is None):
+        raise SystemExit("give --out (train a head) or --evaluate HEAD (measure one).")
     say = lambda *a: print(*a, flush=True)
     torch.manual_seed(args.seed)
     target, tokenizer = load_model(args.model)
@@ -428,6 +439,14 @@ def main(argv=None) -> int:
         if args.features is not None:
             torch.save((train_data, val_data), args.features)
     count = lambda data: (sum(len(i) for i, _, _ in data), sum(len(i) - s for i, s, _ in data))
+    if args.evaluate:
+        head = load_head(target, token_vocabulary(tokenizer), args.evaluate)
+        say(json.dumps({"head": str(args.evaluate), "val_tokens_and_answer_tokens": count(val_data),
+                        **{name: {"validation": agreement(head, target, val_data, dtype=dtype),
+                                  **step_costs(head, target, dtype=dtype)}
+                           for name, dtype in (("fp32", torch.float32), ("fp16", torch.float16))}},
+                       indent=1))
+        return 0
     card_data = {"train_tokens_and_answer_tokens": count(train_data)}
     if args.answers == "target" and args.dataset_tokens:  # training only: validation stays the
         extra = dataset_answers(target, tokenizer, train_files, args, say)  # target's own answers

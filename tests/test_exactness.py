@@ -191,3 +191,28 @@ def test_min_confidence_bounds_model_drafts(tiny_target, tiny_draft, tiny_tokeni
     width = logits_width(tiny_target)
     assert len(ModelDrafter(tiny_draft, width, use_lookup=False).propose(*args)) >= 2
     assert len(ModelDrafter(tiny_draft, width, use_lookup=False, min_confidence=1.0).propose(*args)) == 0
+
+
+class UniformModel:
+    """A draft model with no preference: every legal token equally likely."""
+
+    def scores(self, context, state, constraint):
+        mask = constraint.mask(state)
+        return torch.zeros(len(mask)), mask, None
+
+
+def test_no_model_drafts_after_a_lookup_copy(tiny_target, tiny_tokenizer):
+    """By default the model stops once a lookup copy is in the draft (a deterministic rule on
+    the draft so far, so exact); with model_after_lookup it continues after the copy."""
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    constraint = gen.compile(regex=REGEX)
+    prompt = tiny_tokenizer.encode("say yes no. say ")  # the lookup copies "yes" / "no"
+
+    def draft(**options):
+        return CompositeDrafter(UniformModel(), **options).propose(
+            prompt, constraint.initial_state, constraint, 4, SamplingConfig(),
+            torch.Generator().manual_seed(0)).sources
+
+    assert draft()[0] == "lookup" and "model" not in draft(), draft()
+    after = draft(model_after_lookup=True)
+    assert after[0] == "lookup" and "model" in after, after
