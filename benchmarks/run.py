@@ -22,8 +22,8 @@ Configurations (``--configs`` takes names, shell patterns such as 'int8*', or gr
     head+lookup/k{K}, .../adaptive   forced + lookup + the trained head
     head+lookup/k8/c{P}          the same, model drafting stopped once the chain's estimated
                                  chance of full acceptance falls below P (min_confidence)
-    head+lookup/k8/c0.3/fp32     ablations: the head in fp32 (default fp16), or drafting after
-    head+lookup/k8/c0.3/after-lookup   a lookup copy too (default: not)
+    head+lookup/k8/c0.3/after-lookup   ablation: the head drafts after a lookup copy too
+                                 (by default it does not)
     ...@t0.7                     the same at temperature 0.7 (seeded per request)
     outlines                     outlines Generator (transformers model, outlines-core processor)
     hf+outlines                  transformers generate with that logits processor
@@ -86,7 +86,7 @@ class Config:
     adaptive: bool = False
     temperature: float = 0.0
     min_confidence: float = 0.0  # engine: CompositeDrafter.min_confidence (an early stop)
-    ablation: str = ""           # head+lookup: "fp32" head, or "after-lookup" model drafts
+    ablation: str = ""           # head+lookup: "after-lookup" (model drafts after a copy)
 
     @property
     def greedy(self) -> bool:
@@ -108,7 +108,7 @@ def all_configs() -> list[Config]:
                                     KS[-1], min_confidence=c) for c in CONFIDENCES]
     model["head+lookup"] += [Config(f"head+lookup/k{KS[-1]}/c0.3/{a}", "engine", "head+lookup",
                                     KS[-1], min_confidence=0.3, ablation=a)
-                             for a in ("fp32", "after-lookup")]
+                             for a in ("after-lookup",)]
     peers = [Config("outlines", "outlines"), Config("hf+outlines", "hf"),
              Config("hf-assisted-lookup+outlines", "hf-assisted", "lookup"),
              Config("hf-assisted-int8+outlines", "hf-assisted", "int8"),
@@ -258,7 +258,6 @@ class Bench:
             return None
         if config.name not in self._drafters:
             width, stop = self.gen.width, config.min_confidence
-            dtype = torch.float32 if config.ablation == "fp32" else torch.float16
             after_lookup = config.ablation == "after-lookup"
             self._drafters[config.name] = {
                 "forced": lambda: CompositeDrafter(model=None, use_lookup=False),
@@ -270,7 +269,7 @@ class Bench:
                 "head": lambda: CompositeDrafter(HeadDraft(self.head, self.model),
                                                  use_forced=False, use_lookup=False,
                                                  min_confidence=stop),
-                "head+lookup": lambda: CompositeDrafter(HeadDraft(self.head, self.model, dtype),
+                "head+lookup": lambda: CompositeDrafter(HeadDraft(self.head, self.model),
                                                         min_confidence=stop,
                                                         model_after_lookup=after_lookup),
             }[config.drafter]()

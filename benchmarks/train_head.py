@@ -27,7 +27,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import math
@@ -55,8 +54,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, help="weights path (.safetensors; card .json)")
     p.add_argument("--evaluate", type=Path, metavar="HEAD",
-                   help="no training: print HEAD's validation agreement and step cost in fp32 "
-                   "and fp16 (the drafter's dtype) as JSON")
+                   help="no training: print HEAD's validation agreement and step cost as JSON")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--seed", type=int, default=0)
@@ -341,27 +339,24 @@ def train(head, target, data, args, say):
 # --- 4. evaluation -------------------------------------------------------------------------------
 
 @torch.inference_mode()
-def agreement(head, target, data, steps: int = 3, per_seq: int = 24, seed: int = 0,
-              dtype: torch.dtype = torch.float32):
+def agreement(head, target, data, steps: int = 3, per_seq: int = 24, seed: int = 0):
     """Share of answer positions where the head's top sub-vocabulary token is the target's top
     token, at draft step 1 (true features) and steps 2..n (reading its own predicted features,
     fed the target's tokens) — unmasked, so a lower bound for masked agreement — and the share
-    of target top tokens inside the sub-vocabulary (an upper bound). The head runs in
-    ``dtype`` (the drafter's is fp16); the target's choices are fp32."""
+    of target top tokens inside the sub-vocabulary (an upper bound)."""
     embed = target.get_input_embeddings()
     W = target.get_output_embeddings().weight
-    head = copy.deepcopy(head).to(dtype)
-    rows = W[head.draft_ids].to(dtype)
+    rows = W[head.draft_ids].float()
     hits, seen, covered, total = [0] * steps, [0] * steps, 0, 0
     in_sub = torch.zeros(W.shape[0], dtype=torch.bool)
     in_sub[head.draft_ids] = True
     rng = random.Random(seed)
     for ids, start, h in data:
-        f = h.to(dtype)
-        top = (h.float() @ W.T).argmax(-1)  # top[i]: the target's choice for token i+1
+        f = h.float()
+        top = (f @ W.T).argmax(-1)  # top[i]: the target's choice for token i+1
         covered += int(in_sub[top[start - 1:-1]].sum())
         total += len(ids) - start
-        e = embed(torch.tensor(ids[1:])).to(dtype)
+        e = embed(torch.tensor(ids[1:])).float()
         for i in rng.sample(range(max(start - 2, 0), len(ids) - 1 - steps),
                             k=min(per_seq, max(len(ids) - 1 - steps - max(start - 2, 0), 0))):
             cache = HeadCache()
@@ -378,17 +373,15 @@ def agreement(head, target, data, steps: int = 3, per_seq: int = 24, seed: int =
 
 
 @torch.inference_mode()
-def step_costs(head, target, context_len: int = 400, reps: int = 20,
-               dtype: torch.dtype = torch.float16) -> dict:
-    """ms of one target decode step and of one head draft step (one pair + sub-vocab logits,
-    in the drafter's dtype), each after ``context_len`` cached positions."""
+def step_costs(head, target, context_len: int = 400, reps: int = 20) -> dict:
+    """ms of one target decode step and of one head draft step (one pair + sub-vocab logits),
+    each after ``context_len`` cached positions."""
     ids = list(range(100, 100 + context_len))
     cache, head_cache = kv.new_cache(target), HeadCache()
     _, f = kv.forward(target, cache, ids, "cpu", features=True)
-    e = target.get_input_embeddings()(torch.tensor(ids[1:] + [7])).to(dtype)
-    head, f = copy.deepcopy(head).to(dtype), f.to(dtype)
+    e = target.get_input_embeddings()(torch.tensor(ids[1:] + [7]))
     head(f[None], e[None], head_cache)
-    rows = target.get_output_embeddings().weight[head.draft_ids].to(dtype)
+    rows = target.get_output_embeddings().weight[head.draft_ids].float()
 
     def target_step():
         kv.forward(target, cache, [5], "cpu")
@@ -442,10 +435,8 @@ def main(argv=None) -> int:
     if args.evaluate:
         head = load_head(target, token_vocabulary(tokenizer), args.evaluate)
         say(json.dumps({"head": str(args.evaluate), "val_tokens_and_answer_tokens": count(val_data),
-                        **{name: {"validation": agreement(head, target, val_data, dtype=dtype),
-                                  **step_costs(head, target, dtype=dtype)}
-                           for name, dtype in (("fp32", torch.float32), ("fp16", torch.float16))}},
-                       indent=1))
+                        "validation": agreement(head, target, val_data),
+                        **step_costs(head, target)}, indent=1))
         return 0
     card_data = {"train_tokens_and_answer_tokens": count(train_data)}
     if args.answers == "target" and args.dataset_tokens:  # training only: validation stays the

@@ -11,7 +11,6 @@ positions drafted this round use the head's own prediction, and are dropped at t
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from pathlib import Path
@@ -172,34 +171,30 @@ class HeadDraft:
 
     uses_features = True
 
-    def __init__(self, head: DraftHead, target, dtype: torch.dtype = torch.float16):
-        """``dtype``: the head's and its LM-head rows' while drafting. A draft step is bound by
-        reading its weights (one layer + 8,192 rows ≈ 36 MB in fp32): fp16 halves that, and on
-        the 2-core CPU a step + logits measured 1.2 + 0.5 ms against 2.7 + 1.4 ms in fp32,
-        with the same top token 99.7% of the time (README, "Measurements"). Drafts only: the
-        target verifies in its own dtype, so the output distribution is unchanged."""
-        self.device, self.dtype = next(target.parameters()).device, dtype
-        self.head = copy.deepcopy(head).to(self.device, dtype)
+    def __init__(self, head: DraftHead, target):
+        self.head = head
+        self.device = next(target.parameters()).device
+        self.head.to(self.device)
         self.embed = target.get_input_embeddings()
         lm_head = target.get_output_embeddings().weight.detach()
-        self.rows = lm_head[head.draft_ids.to(lm_head.device)].to(self.device, dtype)  # (N, d)
+        self.rows = lm_head[head.draft_ids.to(lm_head.device)].float().to(self.device)  # (N, d)
         self.draft_ids = head.draft_ids.to(self.device)
         self.cache = HeadCache()
-        self.features = torch.empty(0, self.rows.shape[1], device=self.device, dtype=dtype)
+        self.features = torch.empty(0, self.rows.shape[1], device=self.device)
         self.ids: list[int] = []   # pair i in the cache = (feature i, embedding of ids[i + 1])
         self.true_pairs = 0        # cached pairs built from the target's features, not the head's
         self.last: torch.Tensor | None = None  # head output at the last cached pair
 
     def begin(self, prompt: list[int], features: torch.Tensor) -> None:
         """A new request: the target's features over ``prompt[:-1]`` (its prefill)."""
-        self.features = features.to(self.dtype).reshape(-1, self.rows.shape[1])
+        self.features = features.float().reshape(-1, self.rows.shape[1])
         self._drop_to(0)
 
     def observe(self, committed: list[int], features: torch.Tensor) -> None:
         """The round committed ``committed``; ``features``: the target's features over the
         positions fed this round that are now committed (the previous last token + accepted)."""
         self._drop_to(self.true_pairs)  # pairs built from predicted features are stale now
-        self.features = torch.cat([self.features, features.to(self.dtype)])
+        self.features = torch.cat([self.features, features.float()])
 
     @torch.inference_mode()
     def scores(self, context: list[int], state: int, constraint):
@@ -208,7 +203,7 @@ class HeadDraft:
         self._sync(context)
         if self.last is None:
             return None
-        return (self.rows @ self.last).float(), constraint.mask(state, self.device)[self.draft_ids], \
+        return self.rows @ self.last, constraint.mask(state, self.device)[self.draft_ids], \
             self.draft_ids
 
     def _sync(self, context: list[int]) -> None:
@@ -234,7 +229,7 @@ class HeadDraft:
 
     def _step(self, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.head(features[None], self.embed(ids)[None].to(self.dtype), self.cache)[0]
+        return self.head(features[None], self.embed(ids)[None].float(), self.cache)[0]
 
     def _drop_to(self, pairs: int) -> int:
         pairs = min(pairs, len(self.cache))

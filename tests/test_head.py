@@ -11,7 +11,7 @@ import torch
 
 from constrained_spec import Generator
 from constrained_spec import cache as kv
-from constrained_spec.draft import CompositeDrafter, logits_width
+from constrained_spec.draft import logits_width
 from constrained_spec.errors import DraftHeadError, VocabularyMismatch
 from constrained_spec.head import DraftHead, HeadCache, HeadDraft, load_head, shipped_head
 from constrained_spec.vocab import token_vocabulary
@@ -60,10 +60,9 @@ def test_head_reads_the_true_features_and_its_cache_rolls_back(temperature, tiny
                                                                tiny_tokenizer):
     """After every round: the head holds the target's features of every committed token but the
     last (equal to a fresh forward), and its cache + the pending pairs give the same output as a
-    fresh pass of the head over all pairs; some rounds rejected a head-drafted token. (In fp32,
-    so that a bookkeeping slip cannot hide in fp16 rounding.)"""
-    drafter = HeadDraft(random_head(tiny_target), tiny_target, dtype=torch.float32)
-    gen = Generator(tiny_target, tiny_tokenizer, draft=CompositeDrafter(drafter), cache_dir=None)
+    fresh pass of the head over all pairs; some rounds rejected a head-drafted token."""
+    gen = Generator(tiny_target, tiny_tokenizer, draft=random_head(tiny_target), cache_dir=None)
+    drafter: HeadDraft = gen.drafter.model
     committed, rejected = tiny_tokenizer.encode("hello"), []
 
     @torch.no_grad()
