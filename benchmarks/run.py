@@ -86,7 +86,7 @@ class Config:
     adaptive: bool = False
     temperature: float = 0.0
     min_confidence: float = 0.0  # engine: CompositeDrafter.min_confidence (an early stop)
-    ablation: str = ""           # head+lookup: "after-lookup" (model drafts after a copy)
+    after_lookup: bool = False   # engine: CompositeDrafter.model_after_lookup (an ablation)
 
     @property
     def greedy(self) -> bool:
@@ -106,9 +106,9 @@ def all_configs() -> list[Config]:
              for d in ("int8", "int8+lookup", "bf16+lookup", "head", "head+lookup")}
     model["head+lookup"] += [Config(f"head+lookup/k{KS[-1]}/c{c:g}", "engine", "head+lookup",
                                     KS[-1], min_confidence=c) for c in CONFIDENCES]
-    model["head+lookup"] += [Config(f"head+lookup/k{KS[-1]}/c0.3/{a}", "engine", "head+lookup",
-                                    KS[-1], min_confidence=0.3, ablation=a)
-                             for a in ("after-lookup",)]
+    model["head+lookup"].append(Config(f"head+lookup/k{KS[-1]}/c0.3/after-lookup", "engine",
+                                       "head+lookup", KS[-1], min_confidence=0.3,
+                                       after_lookup=True))
     peers = [Config("outlines", "outlines"), Config("hf+outlines", "hf"),
              Config("hf-assisted-lookup+outlines", "hf-assisted", "lookup"),
              Config("hf-assisted-int8+outlines", "hf-assisted", "int8"),
@@ -117,7 +117,8 @@ def all_configs() -> list[Config]:
              *model["head"][:-1], *model["head+lookup"]]
             + [hot(base), hot(lookup), hot(model["int8"][1]), hot(model["int8+lookup"][1]),
                hot(model["int8+lookup"][-1]), hot(model["head"][1]), hot(model["head+lookup"][1]),
-               *(hot(c) for c in model["head+lookup"] if c.min_confidence and not c.ablation)]
+               *(hot(c) for c in model["head+lookup"]
+                 if c.min_confidence and not c.after_lookup)]
             + peers + [hot(peers[1])])
 
 
@@ -258,7 +259,6 @@ class Bench:
             return None
         if config.name not in self._drafters:
             width, stop = self.gen.width, config.min_confidence
-            after_lookup = config.ablation == "after-lookup"
             self._drafters[config.name] = {
                 "forced": lambda: CompositeDrafter(model=None, use_lookup=False),
                 "lookup": lambda: CompositeDrafter(model=None),
@@ -271,7 +271,7 @@ class Bench:
                                                  min_confidence=stop),
                 "head+lookup": lambda: CompositeDrafter(HeadDraft(self.head, self.model),
                                                         min_confidence=stop,
-                                                        model_after_lookup=after_lookup),
+                                                        model_after_lookup=config.after_lookup),
             }[config.drafter]()
         return self._drafters[config.name]
 
