@@ -1,8 +1,8 @@
 """Train the draft head (constrained_spec/head.py) for the default model, on this CPU, seeded.
 
     python benchmarks/train_head.py --out constrained_spec/heads/smollm2-135m-instruct.safetensors \
-        --features /tmp/head-features.pt --answers target --dataset-tokens 400000 \
-        --train-steps 3 --minutes 55 --train-tokens 150000
+        --features /tmp/head-features.pt --answers target --dataset-tokens 800000 \
+        --train-steps 3 --minutes 60 --train-tokens 150000
 
 1. Data: chat prompts from JSONSchemaBench-dev (the two benchmark prompt forms, extract and
    generate). Files the benchmark may draw its requests from (the first --reserve files of its
