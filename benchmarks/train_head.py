@@ -13,13 +13,15 @@
    self-distilled training set: 15× cheaper to collect, and the target's features and
    distributions there are as true.
 2. Features: the target's LM-head inputs over each whole sequence, kept fp16.
-3. Training: the head reads (f_i, embedding of x_{i+1}) and predicts f_{i+1}; loss = smooth-L1
+3. Training: the head reads (f_i, embeddings of x_{i+1} and of its copy proposals: what followed
+   the same bigram and token earlier in the sequence) and predicts f_{i+1}; loss = smooth-L1
    feature regression + distillation of the target's next-token distribution over the
-   sub-vocabulary (its logits are W_sub f_{i+1}: no need to store them), on every position
+   sub-vocabulary (--prompt-vocab: plus the sequence's prompt tokens, as drafting does; the
+   logits are W_sub f_{i+1}: no need to store them), on every position
    (--loss-on answer: answers only; that overfits). --train-steps unrolls several draft steps,
    each reading the previous step's outputs (EAGLE-3's training-time test).
-   The decoder layer starts as a copy of the target's last layer. Noise on the input features
-   stands in for the head's own, imperfect, predictions.
+   The decoder layer starts as a copy of the target's last layer (--init: from a trained head).
+   Noise on the input features stands in for the head's own, imperfect, predictions.
 4. Report: on validation, how often the head's top token (sub-vocabulary) is the target's top
    token after 1, 2 and 3 draft steps, and the cost of one draft step vs one target step.
 """
@@ -44,7 +46,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from constrained_spec import cache as kv  # noqa: E402
-from constrained_spec.head import DraftHead, HeadCache, load_head  # noqa: E402
+from constrained_spec.head import (DraftHead, HeadCache, copy_proposals, draft_vocabulary,  # noqa: E402
+                                   load_head, pair_embeddings)  # noqa: E402
 from constrained_spec.models import load_model  # noqa: E402
 from constrained_spec.vocab import token_vocabulary  # noqa: E402
 from workloads import DATA, compact, is_valid, messages_for  # noqa: E402
@@ -68,6 +71,17 @@ def parse_args(argv=None):
     p.add_argument("--minutes", type=float, default=12.0, help="training time budget")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--cls-weight", type=float, default=1.0)
+    p.add_argument("--reg-weight", type=float, default=1.0,
+                   help="weight of the feature regression (0: token loss only, as in EAGLE-3)")
+    p.add_argument("--answer-weight", type=float, default=1.0,
+                   help="loss weight of positions that predict an answer token, relative to "
+                   "prompt positions (what drafting is for, next to the most data)")
+    p.add_argument("--prompt-vocab", action="store_true",
+                   help="distil over the sub-vocabulary plus the sequence's prompt tokens, as "
+                   "drafting does: rare words of a schema's descriptions come back in answers")
+    p.add_argument("--init", type=Path, default=None, metavar="HEAD",
+                   help="start from a trained head (its sub-vocabulary) instead of the target's "
+                   "last layer")
     p.add_argument("--train-steps", type=int, default=1,
                    help="draft steps unrolled in training, each reading the previous step's "
                    "output (1 = EAGLE-1: true features only)")
@@ -264,10 +278,10 @@ def sub_vocabulary(target, data, size: int) -> torch.Tensor:
 
 
 def head_inputs(embed, ids, h, start):
-    """Pairs (f_i, e(x_{i+1})) for i < n-1, targets f_{i+1}; the loss covers pairs whose
-    prediction is for an answer token: i + 2 >= start."""
+    """Pairs (f_i, embeddings of x_{i+1} and its copy proposals) for i < n-1, targets f_{i+1};
+    the loss covers pairs whose prediction is for an answer token: i + 2 >= start."""
     f = h.float()
-    e = embed(torch.tensor(ids[1:])).float()
+    e = pair_embeddings(embed, ids[1:], copy_proposals(ids)[1:])
     return f[:-1], e, f[1:], max(start - 2, 0)
 
 
@@ -296,13 +310,12 @@ def unrolled(head, f: torch.Tensor, e: torch.Tensor, steps: int) -> list[torch.T
 
 def train(head, target, data, args, say):
     embed = target.get_input_embeddings()
-    rows = target.get_output_embeddings().weight.detach()[head.draft_ids].float()  # (N, d)
+    W = target.get_output_embeddings().weight.detach()
     std = torch.cat([h.float() for _, _, h in data[:50]]).std().item()
     params = [p for n, p in head.named_parameters() if "embed_tokens" not in n]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     deadline = time.perf_counter() + 60 * args.minutes
     rng, step, order = random.Random(args.seed), 0, []
-    est_steps = None
     t0 = time.perf_counter()
     while time.perf_counter() < deadline:
         if not order:
@@ -312,16 +325,23 @@ def train(head, target, data, args, say):
         f_in, e, f_next, first = head_inputs(embed, ids, h, start)
         first = first if args.loss_on == "answer" else 0
         f_next = f_next[first:-1]  # the last pair would predict past EOS
+        vocab = draft_vocabulary(head.draft_ids, ids[:start]) if args.prompt_vocab else head.draft_ids
+        rows = W[vocab].float()  # (N, d)
+        # pair i predicts token i + 2: an answer token from i = start - 2 on
+        weight = torch.ones(len(f_next))
+        weight[max(start - 2 - first, 0):] = args.answer_weight
         with torch.no_grad():
             f_in = f_in + args.noise * std * torch.randn_like(f_in)
             p = F.softmax(f_next @ rows.T, dim=-1)
         reg = cls = 0.0
         for s, pred in enumerate(unrolled(head, f_in, e, args.train_steps)):
             lo = max(first, s)  # step s needs s true-prefix positions before it
-            reg = reg + F.smooth_l1_loss(pred[lo:-1], f_next[lo - first:]) / args.train_steps
-            cls = cls - (p[lo - first:] * F.log_softmax(pred[lo:-1] @ rows.T, dim=-1)
-                         ).sum(-1).mean() / args.train_steps
-        loss = reg + args.cls_weight * cls
+            w = weight[lo - first:] / weight[lo - first:].sum() / args.train_steps
+            reg = reg + (w * F.smooth_l1_loss(pred[lo:-1], f_next[lo - first:],
+                                              reduction="none").mean(-1)).sum()
+            cls = cls - (w * (p[lo - first:] * F.log_softmax(pred[lo:-1] @ rows.T, dim=-1)
+                              ).sum(-1)).sum()
+        loss = args.reg_weight * reg + args.cls_weight * cls
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -336,6 +356,20 @@ def train(head, target, data, args, say):
     return step
 
 
+def warm_start(target, path: Path) -> DraftHead:
+    """A head initialised from a trained one (its sub-vocabulary too). A head trained before the
+    copy proposals existed reads them through zero weights at first, so it starts out the same."""
+    from safetensors.torch import load_file
+    tensors = load_file(path)
+    head = DraftHead.for_target(target, tensors["draft_ids"])
+    fuse = tensors["fuse.weight"]
+    if fuse.shape[1] < head.fuse.in_features:
+        tensors["fuse.weight"] = torch.cat(
+            [fuse, fuse.new_zeros(fuse.shape[0], head.fuse.in_features - fuse.shape[1])], 1)
+    head.load_state_dict(tensors, strict=False)
+    return head.float()
+
+
 # --- 4. evaluation -------------------------------------------------------------------------------
 
 @torch.inference_mode()
@@ -346,23 +380,22 @@ def agreement(head, target, data, steps: int = 3, per_seq: int = 24, seed: int =
     of target top tokens inside the sub-vocabulary (an upper bound)."""
     embed = target.get_input_embeddings()
     W = target.get_output_embeddings().weight
-    rows = W[head.draft_ids].float()
     hits, seen, covered, total = [0] * steps, [0] * steps, 0, 0
-    in_sub = torch.zeros(W.shape[0], dtype=torch.bool)
-    in_sub[head.draft_ids] = True
     rng = random.Random(seed)
     for ids, start, h in data:
+        vocab = draft_vocabulary(head.draft_ids, ids[:start])  # as drafting: + the prompt's tokens
+        rows = W[vocab].float()
         f = h.float()
         top = (f @ W.T).argmax(-1)  # top[i]: the target's choice for token i+1
-        covered += int(in_sub[top[start - 1:-1]].sum())
+        covered += int(torch.isin(top[start - 1:-1], vocab).sum())
         total += len(ids) - start
-        e = embed(torch.tensor(ids[1:])).float()
+        e = pair_embeddings(embed, ids[1:], copy_proposals(ids)[1:])
         for i in rng.sample(range(max(start - 2, 0), len(ids) - 1 - steps),
                             k=min(per_seq, max(len(ids) - 1 - steps - max(start - 2, 0), 0))):
             cache = HeadCache()
             out = head(f[None, :i + 1], e[None, :i + 1], cache)[0, -1]  # predicts f_{i+1}
             for s in range(steps):
-                choice = int(head.draft_ids[(rows @ out).argmax()])
+                choice = int(vocab[(rows @ out).argmax()])
                 seen[s] += 1
                 hits[s] += choice == int(top[i + 1 + s])
                 if i + 2 + s >= len(ids):
@@ -379,7 +412,7 @@ def step_costs(head, target, context_len: int = 400, reps: int = 20) -> dict:
     ids = list(range(100, 100 + context_len))
     cache, head_cache = kv.new_cache(target), HeadCache()
     _, f = kv.forward(target, cache, ids, "cpu", features=True)
-    e = target.get_input_embeddings()(torch.tensor(ids[1:] + [7]))
+    e = pair_embeddings(target.get_input_embeddings(), ids[1:] + [7], copy_proposals(ids + [7])[1:])
     head(f[None], e[None], head_cache)
     rows = target.get_output_embeddings().weight[head.draft_ids].float()
 
@@ -443,10 +476,13 @@ def main(argv=None) -> int:
         extra = dataset_answers(target, tokenizer, train_files, args, say)  # target's own answers
         card_data["dataset_tokens_and_answer_tokens"] = count(extra)
         train_data = train_data + extra
-    head = DraftHead.for_target(target, sub_vocabulary(target, train_data, args.sub_vocab))
-    last = target.get_decoder().layers[-1]
-    head.decoder.layers[0].load_state_dict(last.state_dict())  # warm start: the last layer
-    head.decoder.norm.load_state_dict(target.get_decoder().norm.state_dict())
+    if args.init:
+        head = warm_start(target, args.init)
+    else:
+        head = DraftHead.for_target(target, sub_vocabulary(target, train_data, args.sub_vocab))
+        last = target.get_decoder().layers[-1]
+        head.decoder.layers[0].load_state_dict(last.state_dict())  # warm start: the last layer
+        head.decoder.norm.load_state_dict(target.get_decoder().norm.state_dict())
     before = agreement(head.eval(), target, val_data)
     say(f"validation before training: {before}")
     t = time.perf_counter()

@@ -4,6 +4,9 @@ features, so drafting costs a small fraction of a target step.
 Feature f_i = the input of the target's LM head at position i (what turns into its logits for
 token i+1). The head reads the pair (f_i, embedding of token i+1) at position i and predicts
 f_{i+1}; the target's LM head rows for a frequent-token sub-vocabulary turn that into draft logits.
+The pair also carries the embeddings of what prompt lookup would copy next (the token that last
+followed the same bigram and unigram earlier in the text): the target often copies a schema's
+descriptions, which one layer cannot find on its own, and the head learns when to trust a copy.
 q = 0 outside the sub-vocabulary is still exact: those tokens are only ever reached through the
 target's residual. Committed positions use the target's true features (from its verify passes);
 positions drafted this round use the head's own prediction, and are dropped at the next round.
@@ -25,6 +28,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from .errors import DraftHeadError, VocabularyMismatch
 
 HEADS = Path(__file__).parent / "heads"  # shipped weights: <name>.safetensors + <name>.json card
+COPY_NGRAMS = (2, 1)  # the head's copy proposals: after the last bigram, after the last token
 # The target's config fields the head's decoder layer copies (width, attention shape, RoPE).
 _LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
@@ -38,7 +42,8 @@ class DraftHead(nn.Module):
                              bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
         width = config.hidden_size
         self.layer_config = dict(layer_config)
-        self.fuse = nn.Linear(2 * width, width)   # (feature, token embedding) → layer input
+        # (feature, token embedding, copy proposals' embeddings) → layer input
+        self.fuse = nn.Linear((2 + len(COPY_NGRAMS)) * width, width)
         self.decoder = LlamaModel(config)         # one layer's weights, RoPE, final norm
         self.register_buffer("draft_ids", draft_ids.long().clone())  # the sub-vocabulary
 
@@ -50,7 +55,8 @@ class DraftHead(nn.Module):
 
     def forward(self, features: torch.Tensor, embeddings: torch.Tensor,
                 cache: "HeadCache | None" = None) -> torch.Tensor:
-        """(B, n, d) features and next-token embeddings → (B, n, d) predicted next features,
+        """(B, n, d) features and ``pair_embeddings`` (B, n, (1 + len(COPY_NGRAMS)) d) → (B, n, d)
+        predicted next features,
         causal over the n pairs and after what ``cache`` holds (which it extends).
 
         The decoder layer's modules are called directly (``project``, ``attend``): LlamaModel's
@@ -99,6 +105,70 @@ class DraftHead(nn.Module):
         path.with_suffix(".json").write_text(json.dumps(card, indent=1) + "\n")
 
 
+class CopyIndex:
+    """Prompt lookup for the head's input: the token that last followed each n-gram of a token
+    list. Append-only; ``proposal`` also searches the unindexed tail of a longer context."""
+
+    def __init__(self, n: int):
+        self.n, self.ids, self.next = n, [], {}
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            if len(self.ids) >= self.n:
+                self.next[tuple(self.ids[-self.n:])] = token
+            self.ids.append(token)
+
+    def proposal(self, context: list[int]) -> int:
+        """The token after the latest earlier occurrence of ``context``'s last n tokens, or -1.
+        ``context`` starts with the indexed ids."""
+        n, key = self.n, tuple(context[-self.n:])
+        if len(context) <= n:
+            return -1
+        for m in range(len(context) - 2, max(len(self.ids) - 2, n - 2), -1):  # the tail first
+            if tuple(context[m - n + 1:m + 1]) == key:
+                return context[m + 1]
+        return self.next.get(key, -1)
+
+
+class CopyProposals:
+    """Row j: each COPY_NGRAMS proposal for the token after ``context[:j + 1]`` (-1: none). Rows of
+    committed positions are computed once, in order (the index then holds exactly the text
+    before them, as in training); drafted positions search the index plus the draft's tail."""
+
+    def __init__(self):
+        self.indexes, self.rows, self.text = [CopyIndex(n) for n in COPY_NGRAMS], [], []
+
+    def between(self, context: list[int], start: int, stop: int,
+                committed: bool = False) -> list[list[int]]:
+        """Rows start..stop-1."""
+        if context[:len(self.text)] != self.text:  # another text: start afresh
+            self.__init__()
+        if not committed:
+            return [[index.proposal(context[:j + 1]) for index in self.indexes]
+                    for j in range(start, stop)]
+        for j in range(len(self.rows), stop):
+            for index in self.indexes:
+                index.extend(context[len(index.ids):j])
+            self.rows.append([index.proposal(context[:j + 1]) for index in self.indexes])
+        self.text = context[:len(self.rows)]
+        return self.rows[start:stop]
+
+
+def copy_proposals(ids: list[int]) -> list[list[int]]:
+    """Every row of CopyProposals for ``ids`` (training reads them all at once)."""
+    return CopyProposals().between(ids, 0, len(ids), committed=True)
+
+
+def pair_embeddings(embed, tokens: list[int], proposals: list[list[int]]) -> torch.Tensor:
+    """(n, (1 + len(COPY_NGRAMS)) d): each token's embedding and its copy proposals' (0: none)."""
+    device = embed.weight.device
+    ids = torch.tensor(tokens, dtype=torch.long, device=device)
+    copies = torch.tensor(proposals, dtype=torch.long, device=device).reshape(len(tokens), -1)
+    found = (copies >= 0).unsqueeze(-1)
+    copied = (embed(copies.clamp(min=0)) * found).flatten(1)  # (n, len(COPY_NGRAMS) d)
+    return torch.cat([embed(ids), copied], dim=-1).float()
+
+
 class HeadCache:
     """The head's keys and values, (B, kv heads, positions, head dim): cropping is slicing."""
 
@@ -117,6 +187,13 @@ class HeadCache:
     def crop(self, length: int) -> None:
         if self.keys is not None:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+
+def draft_vocabulary(sub_vocab: torch.Tensor, prompt: list[int]) -> torch.Tensor:
+    """The ids a head drafts from for one request: its frequent-token sub-vocabulary plus the
+    prompt's own tokens (answers reuse the rare words of a schema's descriptions), sorted."""
+    prompt_ids = torch.tensor(prompt, dtype=torch.long, device=sub_vocab.device)
+    return torch.unique(torch.cat([sub_vocab, prompt_ids]))
 
 
 def shipped_head(model_name: str) -> Path:
@@ -176,18 +253,20 @@ class HeadDraft:
         self.device = next(target.parameters()).device
         self.head.to(self.device)
         self.embed = target.get_input_embeddings()
-        lm_head = target.get_output_embeddings().weight.detach()
-        self.rows = lm_head[head.draft_ids.to(lm_head.device)].float().to(self.device)  # (N, d)
-        self.draft_ids = head.draft_ids.to(self.device)
+        self.lm_head = target.get_output_embeddings().weight.detach()
+        self._use_vocabulary(head.draft_ids.to(self.device))
         self.cache = HeadCache()
         self.features = torch.empty(0, self.rows.shape[1], device=self.device)
         self.ids: list[int] = []   # pair i in the cache = (feature i, embedding of ids[i + 1])
         self.true_pairs = 0        # cached pairs built from the target's features, not the head's
         self.last: torch.Tensor | None = None  # head output at the last cached pair
+        self.copies = CopyProposals()
 
     def begin(self, prompt: list[int], features: torch.Tensor) -> None:
         """A new request: the target's features over ``prompt[:-1]`` (its prefill)."""
+        self._use_vocabulary(draft_vocabulary(self.head.draft_ids.to(self.device), prompt))
         self.features = features.float().reshape(-1, self.rows.shape[1])
+        self.copies = CopyProposals()
         self._drop_to(0)
 
     def observe(self, committed: list[int], features: torch.Tensor) -> None:
@@ -220,16 +299,24 @@ class HeadDraft:
         self.ids = list(context)
         if pairs < min(end, known):
             b = min(end, known)
-            out = self._step(self.features[pairs:b], context[pairs + 1:b + 1])
+            out = self._step(self.features[pairs:b], context, pairs, b, committed=True)
             self.last, self.true_pairs, pairs = out[-1], b, b
         for i in range(pairs, end):
             if self.last is None:  # no feature at all (a one-token prompt): nothing to read
                 return
-            self.last = self._step(self.last[None], context[i + 1:i + 2])[-1]
+            self.last = self._step(self.last[None], context, i, i + 1)[-1]
 
-    def _step(self, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.head(features[None], self.embed(ids)[None].float(), self.cache)[0]
+    def _use_vocabulary(self, ids: torch.Tensor) -> None:
+        self.draft_ids = ids
+        self.rows = self.lm_head[ids.to(self.lm_head.device)].float().to(self.device)  # (N, d)
+
+    def _step(self, features: torch.Tensor, context: list[int], start: int, stop: int,
+              committed: bool = False) -> torch.Tensor:
+        """The head over pairs start..stop-1 of ``context``; ``committed``: their tokens are the
+        target's, so the copy index may grow over them."""
+        proposals = self.copies.between(context, start + 1, stop + 1, committed)  # after token j
+        embeddings = pair_embeddings(self.embed, context[start + 1:stop + 1], proposals)
+        return self.head(features[None], embeddings[None], self.cache)[0]
 
     def _drop_to(self, pairs: int) -> int:
         pairs = min(pairs, len(self.cache))

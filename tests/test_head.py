@@ -13,10 +13,16 @@ from constrained_spec import Generator
 from constrained_spec import cache as kv
 from constrained_spec.draft import logits_width
 from constrained_spec.errors import DraftHeadError, VocabularyMismatch
-from constrained_spec.head import DraftHead, HeadCache, HeadDraft, load_head, shipped_head
+from constrained_spec.head import (COPY_NGRAMS, DraftHead, HeadCache, HeadDraft, copy_proposals,
+                                   load_head, pair_embeddings, shipped_head)
 from constrained_spec.vocab import token_vocabulary
 
 from test_engine import NEAR_TIE, PERSON, first_divergence_gap
+
+
+def pair_width(head):
+    """Width of a pair's embeddings: the token's and its copy proposals'."""
+    return head.fuse.in_features - head.fuse.out_features
 
 
 def random_head(target, seed=0):
@@ -43,7 +49,7 @@ def test_head_forward_is_the_llama_layer(tiny_target):
     transformers' LlamaModel forward over the fused inputs, in one pass or in cached chunks."""
     head = random_head(tiny_target, seed=2)
     width = tiny_target.config.hidden_size
-    features, embeds = torch.randn(1, 9, width), torch.randn(1, 9, width)
+    features, embeds = torch.randn(1, 9, width), torch.randn(1, 9, pair_width(head))
     reference = head.decoder(inputs_embeds=head.fuse(torch.cat([features, embeds], -1))
                              ).last_hidden_state
     torch.testing.assert_close(head(features, embeds), reference, atol=1e-5, rtol=1e-5)
@@ -60,7 +66,8 @@ def test_head_reads_the_true_features_and_its_cache_rolls_back(temperature, tiny
                                                                tiny_tokenizer):
     """After every round: the head holds the target's features of every committed token but the
     last (equal to a fresh forward), and its cache + the pending pairs give the same output as a
-    fresh pass of the head over all pairs; some rounds rejected a head-drafted token."""
+    fresh pass of the head over all pairs, copy proposals computed afresh; some rounds rejected
+    a head-drafted token."""
     gen = Generator(tiny_target, tiny_tokenizer, draft=random_head(tiny_target), cache_dir=None)
     drafter: HeadDraft = gen.drafter.model
     committed, rejected = tiny_tokenizer.encode("hello"), []
@@ -73,7 +80,8 @@ def test_head_reads_the_true_features_and_its_cache_rolls_back(temperature, tiny
         torch.testing.assert_close(drafter.features, fresh, atol=1e-4, rtol=1e-4)
         pairs = len(drafter.cache)
         assert pairs == drafter.true_pairs <= len(fresh)
-        embeds = tiny_target.get_input_embeddings()(torch.tensor(committed[1:]))
+        embeds = pair_embeddings(tiny_target.get_input_embeddings(), committed[1:],
+                                 copy_proposals(committed)[1:])
         cache = copy.deepcopy(drafter.cache)
         resumed = drafter.head(fresh[None, pairs:], embeds[None, pairs:], cache)[0, -1]
         full = drafter.head(fresh[None], embeds[None])[0, -1]
@@ -84,6 +92,30 @@ def test_head_reads_the_true_features_and_its_cache_rolls_back(temperature, tiny
     gen.generate("hello", schema=PERSON, temperature=temperature, seed=3, max_new_tokens=60,
                  on_round=check)
     assert any(rejected), "no head-drafted token was rejected: the rollback was not exercised"
+
+
+def test_copy_proposals_are_the_token_after_the_latest_earlier_ngram():
+    """Row j holds, per n in COPY_NGRAMS, the token after the latest earlier occurrence of the
+    n tokens ending at j: against a brute-force search, incremental or all at once."""
+    import random
+
+    from constrained_spec.head import CopyProposals
+
+    def brute(ids, n, j):
+        for m in range(j - 1, n - 2, -1):
+            if j >= n - 1 and ids[m - n + 1:m + 1] == ids[j - n + 1:j + 1]:
+                return ids[m + 1]
+        return -1
+
+    rng = random.Random(0)
+    assert copy_proposals([5, 1, 2, 3, 9, 1, 2, 7, 1, 2])[-1] == [7, 7]
+    for _ in range(200):
+        ids = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        expected = [[brute(ids, n, j) for n in COPY_NGRAMS] for j in range(len(ids))]
+        assert copy_proposals(ids) == expected
+        proposals, split = CopyProposals(), rng.randrange(len(ids) + 1)
+        assert proposals.between(ids, 0, split, committed=True) == expected[:split]
+        assert proposals.between(ids, split, len(ids)) == expected[split:]  # drafted tail
 
 
 def saved_head(tmp_path, target, tokenizer):
@@ -97,8 +129,8 @@ def test_saved_head_loads_back(tmp_path, tiny_target, tiny_tokenizer):
     head, path = saved_head(tmp_path, tiny_target, tiny_tokenizer)
     loaded = load_head(tiny_target, token_vocabulary(tiny_tokenizer), path)
     assert torch.equal(loaded.draft_ids, head.draft_ids)
-    x = torch.randn(1, 5, tiny_target.config.hidden_size)
-    torch.testing.assert_close(loaded(x, x), head(x, x), atol=2e-2, rtol=2e-2)  # fp16 on disk
+    x, e = torch.randn(1, 5, tiny_target.config.hidden_size), torch.randn(1, 5, pair_width(head))
+    torch.testing.assert_close(loaded(x, e), head(x, e), atol=2e-2, rtol=2e-2)  # fp16 on disk
     gen = Generator(tiny_target, tiny_tokenizer, draft=loaded, cache_dir=None)
     assert gen.generate("hello", regex="(ab|ba)+", max_new_tokens=6).text
 
@@ -161,7 +193,7 @@ def test_training_unroll_is_what_drafting_computes(tiny_target):
     head = random_head(tiny_target)
     torch.manual_seed(1)
     width = head.fuse.out_features
-    f, e = torch.randn(10, width), torch.randn(10, width)
+    f, e = torch.randn(10, width), torch.randn(10, pair_width(head))
     with torch.no_grad():
         steps = unrolled(head, f, e, 3)
         torch.testing.assert_close(steps[0], head(f[None], e[None])[0])
