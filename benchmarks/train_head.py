@@ -356,20 +356,6 @@ def train(head, target, data, args, say):
     return step
 
 
-def warm_start(target, path: Path) -> DraftHead:
-    """A head initialised from a trained one (its sub-vocabulary too). A head trained before the
-    copy proposals existed reads them through zero weights at first, so it starts out the same."""
-    from safetensors.torch import load_file
-    tensors = load_file(path)
-    head = DraftHead.for_target(target, tensors["draft_ids"])
-    fuse = tensors["fuse.weight"]
-    if fuse.shape[1] < head.fuse.in_features:
-        tensors["fuse.weight"] = torch.cat(
-            [fuse, fuse.new_zeros(fuse.shape[0], head.fuse.in_features - fuse.shape[1])], 1)
-    head.load_state_dict(tensors, strict=False)
-    return head.float()
-
-
 # --- 4. evaluation -------------------------------------------------------------------------------
 
 @torch.inference_mode()
@@ -476,8 +462,8 @@ def main(argv=None) -> int:
         extra = dataset_answers(target, tokenizer, train_files, args, say)  # target's own answers
         card_data["dataset_tokens_and_answer_tokens"] = count(extra)
         train_data = train_data + extra
-    if args.init:
-        head = warm_start(target, args.init)
+    if args.init:  # a head from before the copy proposals starts with zero weights on them
+        head = load_head(target, token_vocabulary(tokenizer), args.init).train()
     else:
         head = DraftHead.for_target(target, sub_vocabulary(target, train_data, args.sub_vocab))
         last = target.get_decoder().layers[-1]

@@ -232,7 +232,14 @@ def load_head(target, vocab, path: str | Path) -> DraftHead:
                                  "to another model.")
     tensors = load_file(path)
     head = DraftHead(card["layer_config"], tensors["draft_ids"])
-    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    fuse = tensors.get("fuse.weight")
+    if fuse is not None and fuse.shape[1] == 2 * width:  # trained before the copy proposals:
+        tensors["fuse.weight"] = torch.cat(                # zero weights on them reproduce it
+            [fuse, fuse.new_zeros(width, head.fuse.in_features - 2 * width)], 1)
+    try:
+        missing, unexpected = head.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:  # a tensor of the wrong shape
+        missing, unexpected = [str(e).splitlines()[-1].strip()], []
     if unexpected or [k for k in missing if "embed_tokens" not in k]:
         raise DraftHeadError(f"draft head weights {path} do not fit the head's layout "
                              f"(missing {missing}, unexpected {unexpected}): retrain them.")

@@ -155,6 +155,36 @@ def test_missing_corrupt_or_foreign_head_files_are_clear_errors(tmp_path, tiny_t
         shipped_head("nope")
 
 
+def rewrite_fuse(path, columns):
+    """The weight file with the fuse layer cut to ``columns`` input columns, card resealed."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(path)
+    tensors["fuse.weight"] = tensors["fuse.weight"][:, :columns].contiguous()
+    save_file(tensors, path)
+    card = json.loads(path.with_suffix(".json").read_text())
+    card["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    path.with_suffix(".json").write_text(json.dumps(card))
+
+
+def test_a_head_from_before_the_copy_proposals_loads_as_itself(tmp_path, tiny_target,
+                                                                tiny_tokenizer):
+    """Heads saved before the copy proposals (fuse over feature + token only) load with zero
+    weights on the proposals, which reproduces them; any other shape is a clear error."""
+    vocab, width = token_vocabulary(tiny_tokenizer), tiny_target.config.hidden_size
+    head, path = saved_head(tmp_path, tiny_target, tiny_tokenizer)
+    rewrite_fuse(path, 2 * width)
+    old = load_head(tiny_target, vocab, path)
+    assert torch.equal(old.fuse.weight[:, 2 * width:], torch.zeros(width, pair_width(head) - width))
+    x, e = torch.randn(1, 5, width), torch.randn(1, 5, pair_width(head))
+    without_copies = torch.cat([e[..., :width], torch.zeros_like(e[..., width:])], -1)
+    torch.testing.assert_close(old(x, e), old(x, without_copies))
+    rewrite_fuse(path, width + 1)
+    with pytest.raises(DraftHeadError, match="do not fit"):
+        load_head(tiny_target, vocab, path)
+
+
 def test_unknown_head_fails_before_loading_a_model(monkeypatch):
     import constrained_spec.models as models
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
@@ -203,3 +233,40 @@ def test_training_unroll_is_what_drafting_computes(tiny_target):
             for s in (1, 2):
                 out = head(out[None, None], e[None, anchor + s:anchor + s + 1], cache)[0, -1]
                 torch.testing.assert_close(out, steps[s][anchor + s], atol=1e-5, rtol=1e-5)
+
+
+def test_replay_gives_the_decode_loops_rounds(tiny_target, tiny_tokenizer):
+    """benchmarks/replay_head.py replays head/k4's greedy rounds offline from the baseline's
+    output: its round counts must be the decode loop's own, position by position."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from replay_head import prepared, replay
+
+    from constrained_spec.draft import CompositeDrafter
+
+    head = random_head(tiny_target, seed=4)
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    totals = {"calls": 0, "committed": 0, "accepted": [0] * 4, "drafted": [0] * 4}
+    items = []
+    for prompt in ("hello", '{"name": "Al'):
+        constraint = gen.compile(schema=PERSON)
+        gen.drafter = None
+        base = gen.generate(prompt, schema=PERSON, max_new_tokens=40)
+        gen.drafter = CompositeDrafter(HeadDraft(head, tiny_target), use_forced=False,
+                                       use_lookup=False)
+        spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=4, max_new_tokens=40)
+        assert spec.token_ids == base.token_ids
+        eos = [tiny_tokenizer.eos_token_id] if base.finish_reason == "stop" else []
+        items.append(prepared(gen, gen.encode_prompt(prompt), base.token_ids + eos, constraint))
+        totals["calls"] += spec.stats.target_calls
+        totals["committed"] += len(base.token_ids + eos)
+        for key, counts in (("accepted", spec.stats.accepted_by_position),
+                            ("drafted", spec.stats.drafted_by_position)):
+            for i, n in enumerate(counts):
+                totals[key][i] += n
+    result = replay(head, gen, items, k=4, max_new_tokens=40)
+    assert sum(totals["accepted"]) > 0, "no draft was accepted: the replay's matching is untested"
+    assert result["accepted_by_position"] == totals["accepted"]
+    assert result["drafted_by_position"] == totals["drafted"]
+    assert result["tokens_per_call"] == round(totals["committed"] / totals["calls"], 3)
