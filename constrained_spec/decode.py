@@ -15,7 +15,7 @@ from . import cache as kv
 from .compile import FINISHED, Constraint, compile_regex, default_cache_dir
 from .draft import EMPTY_DRAFT, CompositeDrafter, Draft, Drafter, ModelDrafter, logits_width
 from .errors import ConstraintError, GenerationInputError, VocabularyMismatch
-from .head import DraftHead, HeadDraft, load_head, shipped_head
+from .head import DraftHead, HeadDraft, has_shipped_head, load_head, shipped_head
 from .sample import SamplingConfig, one_hot, policy, verify_greedy, verify_sampled
 from .schema import load_schema, schema_to_regex
 from .vocab import token_vocabulary
@@ -217,6 +217,8 @@ class Generator:
         models.SkinnyLinear, measured cheaper (README); one-token steps are unchanged."""
         from .models import load_model, skinny_matmul as use_skinny  # keeps the import light
 
+        if draft == "auto":
+            draft = "head" if has_shipped_head(target) else "lookup"
         head = shipped_head(target) if draft == "head" else draft if _is_head_file(draft) else None
         model, tokenizer = load_model(target, dtype)
         if head is not None:
@@ -282,16 +284,16 @@ class Generator:
 
 
 # Drafts that need no download. "auto" is what benchmarks/results/ shows fastest on the default
-# model on a 2-core CPU (see README): forced tokens + prompt lookup, no draft model ("head" is
-# faster on free-form generation but slower on extraction and when sampling).
-DRAFTS = {"auto": "the fastest measured here (currently: lookup)",
+# model on a 2-core CPU (README, "Measurements"): the trained head with forced tokens and prompt
+# lookup (ahead of lookup alone on extract and generate, level when sampling), else lookup.
+DRAFTS = {"auto": "the fastest measured here: \"head\" where a head ships for the target "
+                  "(the default model), else \"lookup\"",
           "lookup": "grammar-forced tokens + prompt lookup (free drafts, no draft model)",
           "int8": "a dynamically int8-quantized copy of the target, plus forced + lookup",
           "bf16": "a bfloat16 copy of the target, plus forced + lookup",
           "head": "the draft head trained for the target (EAGLE-style), plus forced + lookup; "
                   "it stops drafting when its chain turns unlikely",
           "none": "no drafts: the masked baseline"}
-AUTO_DRAFT = "lookup"
 # The head's drafting stops once its chain's estimated chance of full acceptance drops below this:
 # the best of 0.3 / 0.5 / 0.7 on the generate benchmark, and level with 0.2 (1.80× vs 1.78×) and
 # ahead of 0.1 (1.72×) on a later one (README, "Measurements").
@@ -301,7 +303,6 @@ HEAD_MIN_CONFIDENCE = 0.3
 def _named_draft(draft: str | None, model, dtype: torch.dtype):
     from .models import load_model, quantize_int8
 
-    draft = AUTO_DRAFT if draft == "auto" else draft
     if draft in (None, "none"):
         return None
     if draft == "lookup":

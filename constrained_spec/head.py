@@ -196,6 +196,12 @@ def draft_vocabulary(sub_vocab: torch.Tensor, prompt: list[int]) -> torch.Tensor
     return torch.unique(torch.cat([sub_vocab, prompt_ids]))
 
 
+def has_shipped_head(model_name) -> bool:
+    """Whether weights trained here ship for this built-in model name (not a path or hub id)."""
+    return isinstance(model_name, str) and "/" not in model_name and \
+        (HEADS / f"{model_name}.safetensors").is_file()
+
+
 def shipped_head(model_name: str) -> Path:
     """The weights trained here for a built-in model, or a clear error (before any model work)."""
     path = HEADS / f"{model_name}.safetensors"

@@ -185,6 +185,14 @@ def test_a_head_from_before_the_copy_proposals_loads_as_itself(tmp_path, tiny_ta
         load_head(tiny_target, vocab, path)
 
 
+def test_auto_picks_the_head_only_where_one_ships():
+    from constrained_spec.head import has_shipped_head
+    assert has_shipped_head("smollm2-135m-instruct")
+    assert not has_shipped_head("some-other-model")
+    assert not has_shipped_head("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub id: its own model
+    assert not has_shipped_head(None)
+
+
 def test_unknown_head_fails_before_loading_a_model(monkeypatch):
     import constrained_spec.models as models
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
