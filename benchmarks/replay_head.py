@@ -4,9 +4,9 @@
 
 Greedy decoding commits the baseline's tokens whatever the drafter, so the rounds of `head/k{k}`
 depend on the head alone: one target pass per request gives every feature, and the replay runs
-the drafter's own code (HeadDraft: masked drafts, feature bookkeeping, copy proposals) round by
-round. It reproduces the benchmark's tokens per call (generate-head5: 2.272 against 2.27) in
-seconds instead of minutes and times nothing, so it compares heads, not speed.
+the drafter's own code (CompositeDrafter over HeadDraft, as `head/k{k}`) round by round. It
+reproduces the benchmark's tokens per call (generate-head5: 2.272 against 2.27) in seconds
+instead of minutes and times nothing, so it compares heads, not speed.
 
 Printed per run: tokens per call, α solved from them (as the benchmark report does), acceptance
 by draft position given the earlier ones; and, teacher-forced at every non-forced position, how
@@ -27,7 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from constrained_spec import Generator  # noqa: E402
 from constrained_spec import cache as kv  # noqa: E402
+from constrained_spec.draft import CompositeDrafter  # noqa: E402
 from constrained_spec.head import HeadDraft, copy_proposals, load_head, shipped_head  # noqa: E402
+from constrained_spec.sample import SamplingConfig  # noqa: E402
+
+GREEDY = SamplingConfig(temperature=0.0)
 
 
 def requests_with_outputs(gen, run: Path):
@@ -53,6 +57,7 @@ def prepared(gen, prompt: list[int], output: list[int], constraint):
 
 
 def first_draft(drafter, context, state, constraint) -> int | None:
+    """The head's masked greedy token after ``context`` (None: nothing legal to propose)."""
     out = drafter.scores(context, state, constraint)
     if out is None or not out[1].any():
         return None
@@ -70,20 +75,13 @@ def replay(head, gen, items, k: int, max_new_tokens: int) -> dict:
         states = [constraint.initial_state]
         for token in output:
             states.append(constraint.step(states[-1], token))
-        drafter = HeadDraft(head, gen.target)
+        drafter = CompositeDrafter(HeadDraft(head, gen.target), use_forced=False, use_lookup=False)
         drafter.begin(prompt, features[:n - 1])
         done = 0
-        while done < len(output):  # one round: draft up to k, keep the matching prefix
-            draft, state = [], states[done]
-            room = max_new_tokens - done - 1  # the loop cuts drafts to fit max_new_tokens
-            while len(draft) < min(k, room) and state is not None:
-                token = first_draft(drafter, prompt + output[:done] + draft, state, constraint)
-                if token is None:
-                    break
-                draft.append(token)
-                state = constraint.step(state, token)
-                if token == gen.vocab.eos_id:
-                    break
+        while done < len(output):  # one round, drafted as the decode loop drafts it
+            room = max_new_tokens - done  # the loop cuts drafts to fit max_new_tokens
+            draft = drafter.propose(prompt + output[:done], states[done], constraint, k, GREEDY,
+                                    None).truncate(room - 1).tokens if room > 1 else []
             match = 0
             while match < len(draft) and draft[match] == output[done + match]:
                 match += 1

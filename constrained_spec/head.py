@@ -199,12 +199,16 @@ def draft_vocabulary(sub_vocab: torch.Tensor, prompt: list[int]) -> torch.Tensor
 def has_shipped_head(model_name) -> bool:
     """Whether weights trained here ship for this built-in model name (not a path or hub id)."""
     return isinstance(model_name, str) and "/" not in model_name and \
-        (HEADS / f"{model_name}.safetensors").is_file()
+        _shipped_path(model_name).is_file()
+
+
+def _shipped_path(model_name: str) -> Path:
+    return HEADS / f"{model_name}.safetensors"
 
 
 def shipped_head(model_name: str) -> Path:
     """The weights trained here for a built-in model, or a clear error (before any model work)."""
-    path = HEADS / f"{model_name}.safetensors"
+    path = _shipped_path(model_name)
     if not path.is_file():
         have = sorted(p.stem for p in HEADS.glob("*.safetensors")) or ["none"]
         raise DraftHeadError(f"no trained draft head ships for {model_name!r} (heads: "
