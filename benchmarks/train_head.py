@@ -20,6 +20,9 @@
    logits are W_sub f_{i+1}: no need to store them), on every position
    (--loss-on answer: answers only; that overfits). --train-steps unrolls several draft steps,
    each reading the previous step's outputs (EAGLE-3's training-time test).
+   --copy-gate opens and trains the copy gate: the distillation is then to the mixture
+   q = π₀ softmax + Σ πₙ one-hot(copy proposal n), as drafting draws it (--gate-only: the gate
+   alone, the rest frozen; minutes).
    The decoder layer starts as a copy of the target's last layer (--init: from a trained head).
    Noise on the input features stands in for the head's own, imperfect, predictions.
 4. Report: on validation, how often the head's top token (sub-vocabulary) is the target's top
@@ -47,7 +50,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from constrained_spec import cache as kv  # noqa: E402
 from constrained_spec.head import (DraftHead, HeadCache, copy_proposals, draft_vocabulary,  # noqa: E402
-                                   load_head, pair_embeddings)  # noqa: E402
+                                   load_head, pair_embeddings, vocabulary_positions)  # noqa: E402
 from constrained_spec.models import load_model  # noqa: E402
 from constrained_spec.vocab import token_vocabulary  # noqa: E402
 from workloads import DATA, compact, is_valid, messages_for  # noqa: E402
@@ -82,6 +85,10 @@ def parse_args(argv=None):
     p.add_argument("--init", type=Path, default=None, metavar="HEAD",
                    help="start from a trained head (its sub-vocabulary) instead of the target's "
                    "last layer")
+    p.add_argument("--copy-gate", action="store_true",
+                   help="open and train the copy gate (q mixes in the copy proposals)")
+    p.add_argument("--gate-only", action="store_true",
+                   help="train the copy gate alone, the rest of the head frozen (with --init)")
     p.add_argument("--train-steps", type=int, default=1,
                    help="draft steps unrolled in training, each reading the previous step's "
                    "output (1 = EAGLE-1: true features only)")
@@ -278,11 +285,11 @@ def sub_vocabulary(target, data, size: int) -> torch.Tensor:
 
 
 def head_inputs(embed, ids, h, start):
-    """Pairs (f_i, embeddings of x_{i+1} and its copy proposals) for i < n-1, targets f_{i+1};
-    the loss covers pairs whose prediction is for an answer token: i + 2 >= start."""
-    f = h.float()
-    e = pair_embeddings(embed, ids[1:], copy_proposals(ids)[1:])
-    return f[:-1], e, f[1:], max(start - 2, 0)
+    """Pairs (f_i, embeddings of x_{i+1} and its copy proposals) for i < n-1, the proposals
+    (for x_{i+2}, the token pair i predicts), targets f_{i+1}; the loss covers pairs whose
+    prediction is for an answer token: i + 2 >= start."""
+    f, proposals = h.float(), copy_proposals(ids)[1:]
+    return f[:-1], pair_embeddings(embed, ids[1:], proposals), proposals, f[1:], max(start - 2, 0)
 
 
 def unrolled(head, f: torch.Tensor, e: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -312,7 +319,8 @@ def train(head, target, data, args, say):
     embed = target.get_input_embeddings()
     W = target.get_output_embeddings().weight.detach()
     std = torch.cat([h.float() for _, _, h in data[:50]]).std().item()
-    params = [p for n, p in head.named_parameters() if "embed_tokens" not in n]
+    params = [p for n, p in head.named_parameters()
+              if "embed_tokens" not in n and ("copy_gate" in n or not args.gate_only)]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     deadline = time.perf_counter() + 60 * args.minutes
     rng, step, order = random.Random(args.seed), 0, []
@@ -322,11 +330,12 @@ def train(head, target, data, args, say):
             order = list(range(len(data)))
             rng.shuffle(order)
         ids, start, h = data[order.pop()]
-        f_in, e, f_next, first = head_inputs(embed, ids, h, start)
+        f_in, e, proposals, f_next, first = head_inputs(embed, ids, h, start)
         first = first if args.loss_on == "answer" else 0
         f_next = f_next[first:-1]  # the last pair would predict past EOS
         vocab = draft_vocabulary(head.draft_ids, ids[:start]) if args.prompt_vocab else head.draft_ids
         rows = W[vocab].float()  # (N, d)
+        copies = vocabulary_positions(vocab, proposals)
         # pair i predicts token i + 2: an answer token from i = start - 2 on
         weight = torch.ones(len(f_next))
         weight[max(start - 2 - first, 0):] = args.answer_weight
@@ -334,14 +343,16 @@ def train(head, target, data, args, say):
             f_in = f_in + args.noise * std * torch.randn_like(f_in)
             p = F.softmax(f_next @ rows.T, dim=-1)
         reg = cls = 0.0
-        for s, pred in enumerate(unrolled(head, f_in, e, args.train_steps)):
+        with torch.set_grad_enabled(not args.gate_only):
+            preds = unrolled(head, f_in, e, args.train_steps)
+        for s, pred in enumerate(preds):
             lo = max(first, s)  # step s needs s true-prefix positions before it
             w = weight[lo - first:] / weight[lo - first:].sum() / args.train_steps
             reg = reg + (w * F.smooth_l1_loss(pred[lo:-1], f_next[lo - first:],
                                               reduction="none").mean(-1)).sum()
-            cls = cls - (w * (p[lo - first:] * F.log_softmax(pred[lo:-1] @ rows.T, dim=-1)
-                              ).sum(-1)).sum()
-        loss = args.reg_weight * reg + args.cls_weight * cls
+            logq = head.log_probs(pred[lo:-1], rows, copies[lo:-1])
+            cls = cls - (w * (p[lo - first:] * logq).sum(-1)).sum()
+        loss = (0 if args.gate_only else args.reg_weight * reg) + args.cls_weight * cls
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -375,13 +386,14 @@ def agreement(head, target, data, steps: int = 3, per_seq: int = 24, seed: int =
         top = (f @ W.T).argmax(-1)  # top[i]: the target's choice for token i+1
         covered += int(torch.isin(top[start - 1:-1], vocab).sum())
         total += len(ids) - start
-        e = pair_embeddings(embed, ids[1:], copy_proposals(ids)[1:])
+        proposals = copy_proposals(ids)[1:]
+        e, copies = pair_embeddings(embed, ids[1:], proposals), vocabulary_positions(vocab, proposals)
         for i in rng.sample(range(max(start - 2, 0), len(ids) - 1 - steps),
                             k=min(per_seq, max(len(ids) - 1 - steps - max(start - 2, 0), 0))):
             cache = HeadCache()
             out = head(f[None, :i + 1], e[None, :i + 1], cache)[0, -1]  # predicts f_{i+1}
             for s in range(steps):
-                choice = int(vocab[(rows @ out).argmax()])
+                choice = int(vocab[head.log_probs(out[None], rows, copies[i + s:i + s + 1]).argmax()])
                 seen[s] += 1
                 hits[s] += choice == int(top[i + 1 + s])
                 if i + 2 + s >= len(ids):
@@ -398,16 +410,18 @@ def step_costs(head, target, context_len: int = 400, reps: int = 20) -> dict:
     ids = list(range(100, 100 + context_len))
     cache, head_cache = kv.new_cache(target), HeadCache()
     _, f = kv.forward(target, cache, ids, "cpu", features=True)
-    e = pair_embeddings(target.get_input_embeddings(), ids[1:] + [7], copy_proposals(ids + [7])[1:])
+    proposals = copy_proposals(ids + [7])[1:]
+    e = pair_embeddings(target.get_input_embeddings(), ids[1:] + [7], proposals)
     head(f[None], e[None], head_cache)
     rows = target.get_output_embeddings().weight[head.draft_ids].float()
+    copies = vocabulary_positions(head.draft_ids, proposals[-1:])
 
     def target_step():
         kv.forward(target, cache, [5], "cpu")
         kv.crop(cache, context_len)
 
     def head_step():
-        rows @ head(f[None, -1:], e[None, -1:], head_cache)[0, -1]
+        head.log_probs(head(f[None, -1:], e[None, -1:], head_cache)[0, -1:], rows, copies)
         head_cache.crop(context_len)
 
     def timed(fn):
@@ -469,6 +483,9 @@ def main(argv=None) -> int:
         last = target.get_decoder().layers[-1]
         head.decoder.layers[0].load_state_dict(last.state_dict())  # warm start: the last layer
         head.decoder.norm.load_state_dict(target.get_decoder().norm.state_dict())
+    if args.copy_gate and not torch.isfinite(head.copy_gate.bias).all():
+        with torch.no_grad():  # open it: rarely trusted at first, the head drafts as before
+            head.copy_gate.bias.fill_(-4.0)
     before = agreement(head.eval(), target, val_data)
     say(f"validation before training: {before}")
     t = time.perf_counter()

@@ -6,7 +6,10 @@ token i+1). The head reads the pair (f_i, embedding of token i+1) at position i 
 f_{i+1}; the target's LM head rows for a frequent-token sub-vocabulary turn that into draft logits.
 The pair also carries the embeddings of what prompt lookup would copy next (the token that last
 followed the same bigram and unigram earlier in the text): the target often copies a schema's
-descriptions, which one layer cannot find on its own, and the head learns when to trust a copy.
+descriptions, which one layer cannot find on its own. A gate then mixes the proposals into
+the draft distribution itself (pointer-generator style): q = π₀ softmax(W_sub h) + Σ πₙ one-hot(copy
+n), with π = softmax(0, gate(h)). Copying becomes one learned weight instead of a route for an
+embedding through the layer; q stays a distribution the draft is drawn from, so the rule is exact.
 q = 0 outside the sub-vocabulary is still exact: those tokens are only ever reached through the
 target's residual. Committed positions use the target's true features (from its verify passes);
 positions drafted this round use the head's own prediction, and are dropped at the next round.
@@ -45,6 +48,11 @@ class DraftHead(nn.Module):
         # (feature, token embedding, copy proposals' embeddings) → layer input
         self.fuse = nn.Linear((2 + len(COPY_NGRAMS)) * width, width)
         self.decoder = LlamaModel(config)         # one layer's weights, RoPE, final norm
+        # output → log weight of each copy proposal against the head's softmax (0). Closed
+        # (-inf) until trained: a head trained without it drafts exactly as it did.
+        self.copy_gate = nn.Linear(width, len(COPY_NGRAMS))
+        nn.init.zeros_(self.copy_gate.weight)
+        nn.init.constant_(self.copy_gate.bias, float("-inf"))
         self.register_buffer("draft_ids", draft_ids.long().clone())  # the sub-vocabulary
 
     @classmethod
@@ -71,6 +79,18 @@ class DraftHead(nn.Module):
         causal = None if n == 1 else \
             torch.arange(start + n, device=x.device)[None, :] <= pos[:, None]  # (n, start + n)
         return self.attend(x, q, k, v, causal)
+
+    def log_probs(self, out: torch.Tensor, rows: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
+        """log q over the draft vocabulary (N ids; ``rows``: their LM-head rows, (N, d)) for
+        outputs ``out`` (n, d) and their copy proposals ``copies`` (n, len(COPY_NGRAMS)) as
+        indices into that vocabulary (-1: none, or outside it) → (n, N)."""
+        gate = self.copy_gate(out).masked_fill(copies < 0, float("-inf"))
+        weights = torch.log_softmax(torch.cat([gate.new_zeros(len(out), 1), gate], 1), 1)
+        logq = torch.log_softmax(out @ rows.T, -1) + weights[:, :1]
+        for n in range(copies.shape[1]):  # add each proposal's mass to its token's
+            at = copies[:, n:n + 1].clamp(min=0)
+            logq = logq.scatter(1, at, torch.logaddexp(logq.gather(1, at), weights[:, n + 1:n + 2]))
+        return logq
 
     def project(self, x: torch.Tensor, pos: torch.Tensor):
         """Queries, keys and values (B, heads, n, head dim) of layer inputs x (B, n, d) at
@@ -159,6 +179,14 @@ def copy_proposals(ids: list[int]) -> list[list[int]]:
     return CopyProposals().between(ids, 0, len(ids), committed=True)
 
 
+def vocabulary_positions(vocab: torch.Tensor, proposals: list[list[int]]) -> torch.Tensor:
+    """Copy proposals (token ids, -1: none) as indices into the sorted draft vocabulary ``vocab``
+    (-1: none, or not in it) → (n, len(COPY_NGRAMS)) long."""
+    tokens = torch.tensor(proposals, dtype=torch.long, device=vocab.device).reshape(len(proposals), -1)
+    at = torch.searchsorted(vocab, tokens.clamp(min=0)).clamp(max=len(vocab) - 1)
+    return at.masked_fill((tokens < 0) | (vocab[at] != tokens), -1)
+
+
 def pair_embeddings(embed, tokens: list[int], proposals: list[list[int]]) -> torch.Tensor:
     """(n, (1 + len(COPY_NGRAMS)) d): each token's embedding and its copy proposals' (0: none)."""
     device = embed.weight.device
@@ -240,7 +268,7 @@ def load_head(target, vocab, path: str | Path) -> DraftHead:
         raise VocabularyMismatch(f"the draft head {path.name} reads {card['layer_config']['hidden_size']}"
                                  f"-wide features but the target's are {width}-wide: it belongs "
                                  "to another model.")
-    tensors = load_file(path)
+    tensors = load_file(path)  # a head from before the copy gate keeps it closed
     head = DraftHead(card["layer_config"], tensors["draft_ids"])
     fuse = tensors.get("fuse.weight")
     if fuse is not None and fuse.shape[1] == 2 * width:  # trained before the copy proposals:
@@ -250,7 +278,7 @@ def load_head(target, vocab, path: str | Path) -> DraftHead:
         missing, unexpected = head.load_state_dict(tensors, strict=False)
     except RuntimeError as e:  # a tensor of the wrong shape
         missing, unexpected = [str(e).splitlines()[-1].strip()], []
-    if unexpected or [k for k in missing if "embed_tokens" not in k]:
+    if unexpected or [k for k in missing if "embed_tokens" not in k and "copy_gate" not in k]:
         raise DraftHeadError(f"draft head weights {path} do not fit the head's layout "
                              f"(missing {missing}, unexpected {unexpected}): retrain them.")
     return head.float().eval()
@@ -277,6 +305,7 @@ class HeadDraft:
         self.ids: list[int] = []   # pair i in the cache = (feature i, embedding of ids[i + 1])
         self.true_pairs = 0        # cached pairs built from the target's features, not the head's
         self.last: torch.Tensor | None = None  # head output at the last cached pair
+        self.last_copies: list[int] = []  # and the copy proposals for the token it predicts
         self.copies = CopyProposals()
 
     def begin(self, prompt: list[int], features: torch.Tensor) -> None:
@@ -299,8 +328,9 @@ class HeadDraft:
         self._sync(context)
         if self.last is None:
             return None
-        return self.rows @ self.last, constraint.mask(state, self.device)[self.draft_ids], \
-            self.draft_ids
+        copies = vocabulary_positions(self.draft_ids, [self.last_copies])
+        return self.head.log_probs(self.last[None], self.rows, copies)[0], \
+            constraint.mask(state, self.device)[self.draft_ids], self.draft_ids
 
     def _sync(self, context: list[int]) -> None:
         """Feed the head every pair of ``context`` it has not seen: true features in one pass,
@@ -332,6 +362,7 @@ class HeadDraft:
         """The head over pairs start..stop-1 of ``context``; ``committed``: their tokens are the
         target's, so the copy index may grow over them."""
         proposals = self.copies.between(context, start + 1, stop + 1, committed)  # after token j
+        self.last_copies = proposals[-1]
         embeddings = pair_embeddings(self.embed, context[start + 1:stop + 1], proposals)
         return self.head(features[None], embeddings[None], self.cache)[0]
 

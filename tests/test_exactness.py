@@ -12,8 +12,9 @@ from scipy.stats import chisquare
 
 from constrained_spec import Generator, SamplingConfig
 from constrained_spec.draft import CompositeDrafter, ModelDrafter, logits_width
-from constrained_spec.head import DraftHead
 from constrained_spec.sample import policy
+
+from test_head import random_head
 
 REGEX = "(ab|ba|yes|no){1,2}"
 FORCED_REGEX = "(yes|no)\\{\\}(ab|ba)"  # "{" and "}" are single-token (forced) states
@@ -85,9 +86,8 @@ def drafter_for(kind, target, draft):
         return CompositeDrafter(model=None)
     if kind == "confident":  # model drafts stop once the chain's estimated chance drops
         return ModelDrafter(draft, logits_width(target), min_confidence=CONFIDENCE)
-    if kind == "head":  # a random draft head over a sub-vocabulary (q = 0 on odd ids)
-        torch.manual_seed(0)
-        return DraftHead.for_target(target, torch.arange(0, logits_width(target), 2)).eval()
+    if kind == "head":  # a random draft head: q = 0 on odd ids, copy proposals mixed in
+        return random_head(target)
     return draft
 
 
@@ -102,9 +102,12 @@ def drafter_for(kind, target, draft):
          prompt=LOOKUP_PROMPT, drafter="anti"),
     dict(temperature=1.0, num_draft_tokens=3, regex=FORCED_REGEX, prompt=LOOKUP_PROMPT,
          drafter="head"),
+    # a prompt whose tokens come back: about a third of the head's drafts there carry a copy
+    # proposal, which the open gate mixes into q (28 of 81 with 20 seeds, counted once)
+    dict(temperature=1.0, num_draft_tokens=3, prompt="yesab", drafter="head"),
     dict(temperature=1.0, num_draft_tokens=4, drafter="confident"),
 ], ids=["T1", "T0.7-top_p", "anti-draft", "model+lookup+forced", "lookup+forced-top_k",
-        "adaptive-k-anti", "head+lookup+forced", "model-min-confidence"])
+        "adaptive-k-anti", "head+lookup+forced", "head-copy-gate", "model-min-confidence"])
 def test_speculative_sampling_is_exact(case, tiny_target, tiny_draft, tiny_tokenizer):
     case = dict(case)
     draft = drafter_for(case.pop("drafter", None), tiny_target, tiny_draft)

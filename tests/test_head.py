@@ -14,7 +14,7 @@ from constrained_spec import cache as kv
 from constrained_spec.draft import logits_width
 from constrained_spec.errors import DraftHeadError, VocabularyMismatch
 from constrained_spec.head import (COPY_NGRAMS, DraftHead, HeadCache, HeadDraft, copy_proposals,
-                                   load_head, pair_embeddings, shipped_head)
+                                   load_head, pair_embeddings, shipped_head, vocabulary_positions)
 from constrained_spec.vocab import token_vocabulary
 
 from test_engine import NEAR_TIE, PERSON, first_divergence_gap
@@ -26,9 +26,13 @@ def pair_width(head):
 
 
 def random_head(target, seed=0):
+    """Random weights, q = 0 on odd ids, the copy gate open (q mixes in the copy proposals)."""
     torch.manual_seed(seed)
-    width = logits_width(target)
-    return DraftHead.for_target(target, torch.arange(0, width, 2)).eval()  # q = 0 on odd ids
+    head = DraftHead.for_target(target, torch.arange(0, logits_width(target), 2)).eval()
+    with torch.no_grad():
+        head.copy_gate.weight.normal_(0, 0.3)
+        head.copy_gate.bias.zero_()
+    return head
 
 
 @pytest.mark.parametrize("prompt", ["hello", '{"name": "Alice", "age": 30}'])
@@ -118,6 +122,31 @@ def test_copy_proposals_are_the_token_after_the_latest_earlier_ngram():
         assert proposals.between(ids, split, len(ids)) == expected[split:]  # drafted tail
 
 
+def test_the_copy_gate_mixes_the_proposals_into_q(tiny_target):
+    """q = π₀ softmax(rows · out) + Σ πₙ one-hot(proposal n), π = softmax(0, gate(out)) over the
+    proposals present: a distribution, by hand; a closed gate (a head trained without it) or no
+    proposal leaves the head's own softmax."""
+    head = random_head(tiny_target, seed=5)
+    torch.manual_seed(5)
+    out, rows = torch.randn(3, head.fuse.out_features), torch.randn(6, head.fuse.out_features)
+    copies = torch.tensor([[2, 2], [4, -1], [-1, -1]])  # both on one token; one; none
+    q = head.log_probs(out, rows, copies).exp()
+    softmax, gate = torch.softmax(out @ rows.T, -1), head.copy_gate(out)
+    pi = [torch.softmax(torch.stack([torch.tensor(0.0), *g]), 0) for g in (gate[0], gate[1][:1])]
+    expected = torch.stack([pi[0][0] * softmax[0], pi[1][0] * softmax[1], softmax[2]])
+    expected[0, 2] += pi[0][1] + pi[0][2]
+    expected[1, 4] += pi[1][1]
+    torch.testing.assert_close(q, expected)
+    torch.testing.assert_close(q.sum(-1), torch.ones(3))
+    assert pi[0][1] + pi[0][2] > 0.05 and pi[1][1] > 0.05, "the test gate is hardly open"
+    with torch.no_grad():
+        head.copy_gate.bias.fill_(float("-inf"))
+    torch.testing.assert_close(head.log_probs(out, rows, copies), torch.log_softmax(out @ rows.T, -1))
+    # proposals as positions in the draft vocabulary: absent ones and outsiders are -1
+    assert vocabulary_positions(torch.tensor([1, 3, 5, 8]), [[3, 4], [-1, 8]]).tolist() == \
+        [[1, -1], [-1, 3]]
+
+
 def saved_head(tmp_path, target, tokenizer):
     head = random_head(target, seed=1)
     path = tmp_path / "tiny.safetensors"
@@ -156,12 +185,14 @@ def test_missing_corrupt_or_foreign_head_files_are_clear_errors(tmp_path, tiny_t
 
 
 def rewrite_fuse(path, columns):
-    """The weight file with the fuse layer cut to ``columns`` input columns, card resealed."""
+    """The weight file with the fuse layer cut to ``columns`` input columns and no copy gate (a
+    head from before either), card resealed."""
     import hashlib
 
     from safetensors.torch import load_file, save_file
     tensors = load_file(path)
     tensors["fuse.weight"] = tensors["fuse.weight"][:, :columns].contiguous()
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("copy_gate")}
     save_file(tensors, path)
     card = json.loads(path.with_suffix(".json").read_text())
     card["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -170,8 +201,9 @@ def rewrite_fuse(path, columns):
 
 def test_a_head_from_before_the_copy_proposals_loads_as_itself(tmp_path, tiny_target,
                                                                 tiny_tokenizer):
-    """Heads saved before the copy proposals (fuse over feature + token only) load with zero
-    weights on the proposals, which reproduces them; any other shape is a clear error."""
+    """Heads saved before the copy proposals (fuse over feature + token only, no copy gate) load
+    with zero weights on the proposals and the gate closed, which reproduces them; any other
+    shape is a clear error."""
     vocab, width = token_vocabulary(tiny_tokenizer), tiny_target.config.hidden_size
     head, path = saved_head(tmp_path, tiny_target, tiny_tokenizer)
     rewrite_fuse(path, 2 * width)
@@ -180,6 +212,9 @@ def test_a_head_from_before_the_copy_proposals_loads_as_itself(tmp_path, tiny_ta
     x, e = torch.randn(1, 5, width), torch.randn(1, 5, pair_width(head))
     without_copies = torch.cat([e[..., :width], torch.zeros_like(e[..., width:])], -1)
     torch.testing.assert_close(old(x, e), old(x, without_copies))
+    rows, copies = torch.randn(6, width), torch.tensor([[1, 2]] * 5)
+    torch.testing.assert_close(old.log_probs(old(x, e)[0], rows, copies),
+                               torch.log_softmax(old(x, e)[0] @ rows.T, -1))
     rewrite_fuse(path, width + 1)
     with pytest.raises(DraftHeadError, match="do not fit"):
         load_head(tiny_target, vocab, path)
