@@ -268,7 +268,7 @@ def load_head(target, vocab, path: str | Path) -> DraftHead:
         raise VocabularyMismatch(f"the draft head {path.name} reads {card['layer_config']['hidden_size']}"
                                  f"-wide features but the target's are {width}-wide: it belongs "
                                  "to another model.")
-    tensors = load_file(path)  # a head from before the copy gate keeps it closed
+    tensors = load_file(path)
     head = DraftHead(card["layer_config"], tensors["draft_ids"])
     fuse = tensors.get("fuse.weight")
     if fuse is not None and fuse.shape[1] == 2 * width:  # trained before the copy proposals:
@@ -278,6 +278,7 @@ def load_head(target, vocab, path: str | Path) -> DraftHead:
         missing, unexpected = head.load_state_dict(tensors, strict=False)
     except RuntimeError as e:  # a tensor of the wrong shape
         missing, unexpected = [str(e).splitlines()[-1].strip()], []
+    # no copy_gate weights: a head from before the gate, which stays closed (drafts as it did)
     if unexpected or [k for k in missing if "embed_tokens" not in k and "copy_gate" not in k]:
         raise DraftHeadError(f"draft head weights {path} do not fit the head's layout "
                              f"(missing {missing}, unexpected {unexpected}): retrain them.")
