@@ -24,8 +24,6 @@ Configurations (``--configs`` takes names, shell patterns such as 'int8*', or gr
                                  chance of full acceptance falls below P (min_confidence)
     head+lookup/k8/c0.3/after-lookup   ablation: the head drafts after a lookup copy too
                                  (by default it does not)
-    head+lookup/k8/c0.3/agree    a lookup copy only where its first token is the head's top
-                                 token (else the head drafts there)
     ...@t0.7                     the same at temperature 0.7 (seeded per request)
     outlines                     outlines Generator (transformers model, outlines-core processor)
     hf+outlines                  transformers generate with that logits processor
@@ -89,7 +87,6 @@ class Config:
     temperature: float = 0.0
     min_confidence: float = 0.0  # engine: CompositeDrafter.min_confidence (an early stop)
     after_lookup: bool = False   # engine: CompositeDrafter.model_after_lookup (an ablation)
-    agree: bool = False          # engine: CompositeDrafter.lookup_needs_agreement
 
     @property
     def greedy(self) -> bool:
@@ -112,8 +109,6 @@ def all_configs() -> list[Config]:
     model["head+lookup"].append(Config(f"head+lookup/k{KS[-1]}/c0.3/after-lookup", "engine",
                                        "head+lookup", KS[-1], min_confidence=0.3,
                                        after_lookup=True))
-    model["head+lookup"].append(Config(f"head+lookup/k{KS[-1]}/c0.3/agree", "engine",
-                                       "head+lookup", KS[-1], min_confidence=0.3, agree=True))
     peers = [Config("outlines", "outlines"), Config("hf+outlines", "hf"),
              Config("hf-assisted-lookup+outlines", "hf-assisted", "lookup"),
              Config("hf-assisted-int8+outlines", "hf-assisted", "int8"),
@@ -276,8 +271,7 @@ class Bench:
                                                  min_confidence=stop),
                 "head+lookup": lambda: CompositeDrafter(HeadDraft(self.head, self.model),
                                                         min_confidence=stop,
-                                                        model_after_lookup=config.after_lookup,
-                                                        lookup_needs_agreement=config.agree),
+                                                        model_after_lookup=config.after_lookup),
             }[config.drafter]()
         return self._drafters[config.name]
 

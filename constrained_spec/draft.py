@@ -126,11 +126,6 @@ class CompositeDrafter:
     # accepted; README), and to reach them a trained head first reads through the copy, one
     # head step per copied token.
     model_after_lookup: bool = False
-    # Whether a lookup copy must start with the model's masked top token where the model could
-    # draft instead (else the model drafts there). Decided from the policy's argmax, a function
-    # of the prefix, never from a draw: exact. Costs a model step per copy; pays with a model
-    # that is right more often than the copies it vets (the trained head).
-    lookup_needs_agreement: bool = False
     # Tokens the target has committed: forced text is spelled with them where possible, since
     # a model keeps its habits (SmolLM2 writes `{` `"` rather than `{"`).
     target_tokens: set[int] = field(default_factory=set)
@@ -157,10 +152,10 @@ class CompositeDrafter:
             forced_text = constraint.forced_text(state) if self.use_forced else b""
             if ids := constraint.tokenize(state, forced_text, room, self.target_tokens):
                 step = [(t, None, "grammar") for t in ids]
-            elif self.use_lookup and (ids := constraint.tokenize(state, lookup(text, self.min_match), room)) \
-                    and not self._vetoes(ids[0], context, state, constraint, model_steps, k, sources):
+            elif self.use_lookup and (ids := constraint.tokenize(state, lookup(text, self.min_match), room)):
                 step = [(t, None, "lookup") for t in ids]
-            elif self._may_model(model_steps, k, sources):
+            elif self.model is not None and model_steps < k and (
+                    self.model_after_lookup or "lookup" not in sources):
                 drawn = self._model_token(context, state, constraint, sampling, generator, chance)
                 if drawn is None:  # no legal proposal, or too unlikely to be accepted
                     break
@@ -177,22 +172,6 @@ class CompositeDrafter:
                 state = constraint.step(state, token)
         drafted = context[len(tokens):]
         return Draft(drafted, _stack_rows(rows, drafted, constraint.vocab_size, sampling), tuple(sources))
-
-    def _may_model(self, model_steps: int, k: int, sources: list[str]) -> bool:
-        return self.model is not None and model_steps < k and (
-            self.model_after_lookup or "lookup" not in sources)
-
-    def _vetoes(self, first: int, context, state, constraint, model_steps, k, sources) -> bool:
-        """lookup_needs_agreement: whether the model, free to draft here, would not start with
-        the copy's ``first`` token (its masked argmax: a function of the prefix alone)."""
-        if not self.lookup_needs_agreement or not self._may_model(model_steps, k, sources):
-            return False
-        scored = self.model.scores(context, state, constraint)
-        if scored is None or not scored[1].any():
-            return False
-        logits, mask, ids = scored
-        pick = int(logits.masked_fill(~mask, float("-inf")).argmax())
-        return (pick if ids is None else int(ids[pick])) != first
 
     def _model_token(self, context, state, constraint, sampling, generator, chance: float):
         """(token, q row | None, chance × its top probability) from the model's masked policy, or
