@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--regex", metavar="RE",
                        help="regex the whole output must match (no ^/$ needed)")
     which.add_argument("--grammar", metavar="NAME",
-                       help="a ready-made constraint from grammars/ (list: `constrained-spec "
-                       "grammars`)")
+                       help="a ready-made constraint shipped with the package (list: "
+                       "`constrained-spec grammars`)")
     gen.add_argument("--raw-prompt", action="store_true",
                      help="feed PROMPT to the model as is, without the chat template")
     gen.add_argument("--system", metavar="TEXT",
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=_generate)
 
     lst = commands.add_parser("grammars", help="list the ready-made grammars (--grammar NAME)",
-                              description="List the grammars in grammars/ with a description.")
+                              description="List the shipped grammars with a description.")
     lst.set_defaults(run=_list_grammars)
     return parser
 
@@ -184,9 +184,6 @@ def _check_model_name(name: str, flag: str) -> None:
 
 def _list_grammars(args, out: Console, err: Console) -> int:
     names = grammar_names()
-    if not names:
-        err.print("no grammars found (the grammars/ directory is missing).")
-        return 1
     table = Table("name", "kind", "description", box=None, pad_edge=False)
     for name, description in names.items():
         kind = "schema" if "schema" in load_grammar(name) else "regex"

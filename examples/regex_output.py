@@ -1,4 +1,4 @@
-"""Regex-constrained output: a date, a phone number, and a ready-made grammar from grammars/.
+"""Regex-constrained output: a date, a phone number, and a ready-made grammar shipped with the package.
 
     python examples/regex_output.py
 """
@@ -15,7 +15,7 @@ ASKS = [
      r"\+[1-9][0-9]{6,14}"),                                                # E.164
     ("Is Paris the capital of France? Answer yes or no.", r"(yes|no)"),     # a choice
     ("Who should I write to? The notice says: contact bob.smith@example.org for details.",
-     load_grammar("email")["regex"]),                                       # grammars/email.regex
+     load_grammar("email")["regex"]),                                       # constrained_spec/grammar_files/email.regex
 ]
 
 for question, regex in ASKS:

@@ -1,9 +1,15 @@
-"""Every grammar in grammars/ compiles and accepts / rejects what its description says."""
+"""Every shipped grammar compiles and accepts / rejects what its description says, and ships."""
 
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 
+from constrained_spec import grammars
 from constrained_spec.compile import compile_regex
 from constrained_spec.errors import ConstraintError
 from constrained_spec.grammars import grammar_names, load_grammar
@@ -102,3 +108,26 @@ def test_unknown_grammar_lists_the_available_ones():
 def test_kinds():
     assert set(load_grammar("iso-date")) == {"regex"}
     assert load_grammar("function-call")["schema"]["required"] == ["name", "arguments"]
+
+
+def test_missing_grammar_files_are_an_error_not_an_empty_list(monkeypatch, tmp_path):
+    monkeypatch.setattr(grammars, "GRAMMAR_DIR", tmp_path / "grammar_files")
+    with pytest.raises(FileNotFoundError, match="no grammar files in .*reinstall"):
+        grammar_names()
+
+
+def test_the_wheel_ships_every_grammar(tmp_path):
+    """A non-editable install reads the grammars from the package: they must be in the wheel."""
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"  # a copy, so building leaves no build/ or egg-info in the checkout
+    shutil.copytree(root / "constrained_spec", src / "constrained_spec",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path / "dist"), str(src)], check=True)
+    (wheel,) = (tmp_path / "dist").glob("constrained_spec-*.whl")
+    shipped = {Path(n).name for n in zipfile.ZipFile(wheel).namelist()
+               if n.startswith("constrained_spec/grammar_files/")}
+    assert shipped == {p.name for p in (root / "constrained_spec" / "grammar_files").iterdir()}
+    assert {n.rpartition(".")[0] for n in shipped} == set(grammar_names())
