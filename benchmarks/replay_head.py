@@ -29,6 +29,7 @@ from constrained_spec import Generator  # noqa: E402
 from constrained_spec import cache as kv  # noqa: E402
 from constrained_spec.draft import CompositeDrafter  # noqa: E402
 from constrained_spec.head import HeadDraft, copy_proposals, load_head, shipped_head  # noqa: E402
+from constrained_spec.models import DEFAULT_MODEL  # noqa: E402
 from constrained_spec.sample import SamplingConfig  # noqa: E402
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     gen = Generator.from_pretrained(draft="none", skinny_matmul=False)
-    head = load_head(gen.target, gen.vocab, args.head or shipped_head("smollm2-135m-instruct"))
+    head = load_head(gen.target, gen.vocab, args.head or shipped_head(DEFAULT_MODEL))
     for run in args.runs:
         items, max_new_tokens = requests_with_outputs(gen, run)
         result = replay(head, gen, items, args.k, max_new_tokens)

@@ -65,6 +65,7 @@ from constrained_spec.compile import Constraint, run_bounded  # noqa: E402
 from constrained_spec.draft import (CompositeDrafter, DraftModel, ModelDrafter,  # noqa: E402
                                     logits_width)
 from constrained_spec.head import DraftHead, HeadDraft, load_head, shipped_head  # noqa: E402
+from constrained_spec.models import DEFAULT_MODEL  # noqa: E402
 
 import report  # noqa: E402
 import workloads  # noqa: E402
@@ -688,7 +689,7 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, default=None, help="requests (default 40; 2 with --quick)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--configs", default="default", help="comma-separated names/patterns/groups")
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 256 (40 with --quick)")
     p.add_argument("--seed", type=int, default=0, help="selects the requests; seeds T>0 sampling")
     p.add_argument("--data", default=str(workloads.DATA), help="JSONSchemaBench-style folder")

@@ -51,7 +51,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 from constrained_spec import cache as kv  # noqa: E402
 from constrained_spec.head import (DraftHead, HeadCache, copy_proposals, draft_vocabulary,  # noqa: E402
                                    load_head, pair_embeddings, vocabulary_positions)  # noqa: E402
-from constrained_spec.models import load_model  # noqa: E402
+from constrained_spec.models import DEFAULT_MODEL, load_model  # noqa: E402
 from constrained_spec.vocab import token_vocabulary  # noqa: E402
 from workloads import DATA, compact, is_valid, messages_for  # noqa: E402
 
@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, help="weights path (.safetensors; card .json)")
     p.add_argument("--evaluate", type=Path, metavar="HEAD",
                    help="no training: print HEAD's validation agreement and step cost as JSON")
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reserve", type=int, default=400,

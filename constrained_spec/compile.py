@@ -294,7 +294,3 @@ def _picklable(e: Exception) -> bool:
         return True
     except Exception:
         return False
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("CONSTRAINED_SPEC_CACHE", Path.home() / ".cache" / "constrained_spec"))

@@ -12,10 +12,11 @@ from typing import Any, Callable
 import torch
 
 from . import cache as kv
-from .compile import FINISHED, Constraint, compile_regex, default_cache_dir
+from .compile import FINISHED, Constraint, compile_regex
 from .draft import EMPTY_DRAFT, CompositeDrafter, Draft, Drafter, ModelDrafter, logits_width
 from .errors import ConstraintError, GenerationInputError, VocabularyMismatch
 from .head import DraftHead, HeadDraft, has_shipped_head, load_head, shipped_head
+from .models import DEFAULT_MODEL, cache_dir as default_cache_dir
 from .sample import SamplingConfig, one_hot, policy, verify_greedy, verify_sampled
 from .schema import load_schema, schema_to_regex
 from .vocab import token_vocabulary
@@ -208,7 +209,7 @@ class Generator:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
 
     @classmethod
-    def from_pretrained(cls, target: str = "smollm2-135m-instruct", draft: str | None = "auto",
+    def from_pretrained(cls, target: str = DEFAULT_MODEL, draft: str | None = "auto",
                         dtype: torch.dtype = torch.float32, skinny_matmul: bool = True,
                         **kwargs) -> "Generator":
         """Load a built-in model name, a local path or a hub id. ``draft``: one of DRAFTS (no

@@ -83,7 +83,10 @@ class ModelFetchError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """The cache root: `$CONSTRAINED_SPEC_CACHE`, else `~/.cache/constrained_spec`."""
+    """The cache root: `$CONSTRAINED_SPEC_CACHE`, else `~/.cache/constrained_spec`.
+
+    The one place that decides it: converted models live here, and `Generator` keeps compiled
+    constraints under it (`constraints/`)."""
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
 
 
