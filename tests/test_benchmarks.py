@@ -211,3 +211,18 @@ def test_config_selection():
 def test_field_lines_flatten_nested_values():
     assert workloads.field_lines({"a": {"b": 1}, "c": ["x", None], "d": "two words"}) == [
         "a.b: 1", "c[0]: x", "c[1]: null", "d: two words"]
+
+
+def test_quick_run_from_a_clone_uses_the_committed_sample(tmp_path, monkeypatch):
+    """No --data: the 48 dev-set files committed under benchmarks/data/sample/ are the default."""
+    assert workloads.DATA == BENCH / "data" / "sample"
+    assert len(list(workloads.DATA.glob("*.json"))) == 48
+    monkeypatch.setenv("CONSTRAINED_SPEC_CACHE", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    try:
+        assert run.main(["--quick", "--out", str(tmp_path / "out"), "--n", "1",
+                         "--configs", "baseline", "--no-calibrate"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [(workloads.DATA / q["file"]).is_file() for q in results["requests"]] == [True]
