@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# step-cost: torch.compile on the target, measured and not adopted (torch-compile.md).
+# Measured at commit 5261f21; about 7 minutes (the compiled run is killed while recompiling).
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+python benchmarks/step_cost.py eager-skinny
+timeout 400 python benchmarks/step_cost.py compile-skinny || true
