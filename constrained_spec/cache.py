@@ -1,4 +1,4 @@
-"""Every KV-cache operation in one place (the crop API changed between transformers 4 and 5).
+"""Every KV-cache operation in one place (transformers 5's DynamicCache; its API quirks stay here).
 
 Invariant, asserted after each round: a cache holds exactly the committed tokens minus the last
 one, which is fed at the start of the next verify (or draft) pass.

@@ -30,7 +30,7 @@ class Round:
     accepted: int          # how many of its tokens the target accepted
     token: int             # the target's own token: correction (accepted < drafted) or bonus
     committed: list[int]   # drafted[:accepted] + [token], cut after EOS / at max_new_tokens
-    sources: tuple[str, ...] = ()  # where each drafted token came from: forced/lookup/model
+    sources: tuple[str, ...] = ()  # each drafted token's source: forced/grammar/lookup/model
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Stats:
     accepted_lengths: list[int] = field(default_factory=list)  # histogram: rounds by accepted n
     accepted_by_position: list[int] = field(default_factory=list)  # drafts accepted at index i
     drafted_by_position: list[int] = field(default_factory=list)
-    drafted_by_source: dict[str, int] = field(default_factory=dict)  # "forced"/"lookup"/"model"
+    drafted_by_source: dict[str, int] = field(default_factory=dict)  # forced/grammar/lookup/model
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -215,7 +215,7 @@ class Generator:
         """Load a built-in model name, a local path or a hub id. ``draft``: one of DRAFTS (no
         extra download), a draft head file (.safetensors) or a draft model name/path sharing
         the target's tokenizer. ``skinny_matmul``: on the CPU, verify passes (2–32 tokens) use
-        models.SkinnyLinear, measured cheaper (README); one-token steps are unchanged."""
+        models.SkinnyLinear, cheaper (docs/measurements.md); one-token steps are unchanged."""
         from .models import load_model, skinny_matmul as use_skinny  # keeps the import light
 
         if draft == "auto":
@@ -284,9 +284,8 @@ class Generator:
         return ids
 
 
-# Drafts that need no download. "auto" is what benchmarks/results/ shows fastest on the default
-# model on a 2-core CPU (README, "Measurements"): the trained head with forced tokens and prompt
-# lookup (ahead of lookup alone on extract and generate, level when sampling), else lookup.
+# Drafts that need no download. "auto" is what measured fastest on the default model on a 2-core
+# CPU (docs/measurements.md): the trained head with forced tokens and prompt lookup, else lookup.
 DRAFTS = {"auto": "the fastest measured here: \"head\" where a head ships for the target "
                   "(the default model), else \"lookup\"",
           "lookup": "grammar-forced tokens + prompt lookup (free drafts, no draft model)",
@@ -295,9 +294,8 @@ DRAFTS = {"auto": "the fastest measured here: \"head\" where a head ships for th
           "head": "the draft head trained for the target (EAGLE-style), plus forced + lookup; "
                   "it stops drafting when its chain turns unlikely",
           "none": "no drafts: the masked baseline"}
-# The head's drafting stops once its chain's estimated chance of full acceptance drops below this:
-# the best of 0.3 / 0.5 / 0.7 on the generate benchmark; 0.1, 0.2 and 0.3 have traded places
-# within 3% on later runs (README, "Measurements").
+# The head's drafting stops once its chain's estimated chance of full acceptance drops below this
+# (thresholds 0.1-0.7 measured within a few % of each other: docs/measurements.md).
 HEAD_MIN_CONFIDENCE = 0.3
 
 

@@ -31,7 +31,7 @@ UNTEMPERED = SamplingConfig(temperature=1.0)  # a greedy draft's confidence: its
 class Draft:
     tokens: list[int]
     probs: torch.Tensor | None = None  # (k, V) q rows; None when every token is deterministic
-    sources: tuple[str, ...] = ()       # "forced" | "lookup" | "model", one per token
+    sources: tuple[str, ...] = ()       # "forced" | "grammar" | "lookup" | "model", per token
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -122,9 +122,8 @@ class CompositeDrafter:
     # verify pass widens with every drafted token; unlikely tokens cost more than they return.
     min_confidence: float = 0.0
     # Whether the model may draft after a lookup copy in the same draft. Off: those positions
-    # are hardly ever reached (measured with the head on generate: 50 more drafts, 0 more
-    # accepted; README), and to reach them a trained head first reads through the copy, one
-    # head step per copied token.
+    # are hardly ever reached, and to reach them a trained head first reads through the copy,
+    # one head step per copied token (measured: docs/measurements.md).
     model_after_lookup: bool = False
     # Tokens the target has committed: forced text is spelled with them where possible, since
     # a model keeps its habits (SmolLM2 writes `{` `"` rather than `{"`).

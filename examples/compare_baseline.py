@@ -31,7 +31,7 @@ parser.add_argument("--max-new-tokens", type=int, default=80)
 parser.add_argument("--num-draft-tokens", type=int, default=4)
 args = parser.parse_args()
 
-gen = Generator.from_pretrained()  # smollm2-135m-instruct, int8 draft
+gen = Generator.from_pretrained()  # the default model with its draft head (draft="auto")
 messages = [{"role": "user", "content": args.prompt}]
 gen.generate(messages, schema=SCHEMA, max_new_tokens=2)  # warm-up: compile, first forwards
 

@@ -24,7 +24,7 @@ TEXTS = sys.argv[1:] or [
     "Our new colleague, Bob Smith (42), just moved here from Toronto.",
 ]
 
-gen = Generator.from_pretrained("smollm2-135m-instruct", draft="int8")  # fetched once, then cached
+gen = Generator.from_pretrained()  # the default model and its draft head, fetched once, then cached
 for text in TEXTS:
     messages = [{"role": "user", "content": f"Extract the person's name, age and city: {text}"}]
     result = gen.generate(messages, schema=Person, max_new_tokens=64)

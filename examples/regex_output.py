@@ -1,4 +1,5 @@
-"""Regex-constrained output: a date, a phone number, and a ready-made grammar shipped with the package.
+"""Regex-constrained output: a date, a phone number, and a ready-made grammar (shipped with
+the package, in constrained_spec/grammar_files/).
 
     python examples/regex_output.py
 """
@@ -6,7 +7,7 @@
 from constrained_spec import Generator
 from constrained_spec.grammars import load_grammar
 
-gen = Generator.from_pretrained()  # smollm2-135m-instruct with its int8 draft
+gen = Generator.from_pretrained()  # the default model with its draft head (draft="auto")
 
 ASKS = [
     ("When did the Berlin Wall fall? Answer with the date only.",
@@ -15,7 +16,7 @@ ASKS = [
      r"\+[1-9][0-9]{6,14}"),                                                # E.164
     ("Is Paris the capital of France? Answer yes or no.", r"(yes|no)"),     # a choice
     ("Who should I write to? The notice says: contact bob.smith@example.org for details.",
-     load_grammar("email")["regex"]),                                       # constrained_spec/grammar_files/email.regex
+     load_grammar("email")["regex"]),                                       # a shipped grammar
 ]
 
 for question, regex in ASKS:

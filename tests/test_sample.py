@@ -1,4 +1,4 @@
-"""The sampling math on its own: the worked examples of DESIGN.md and the policy."""
+"""The sampling math on its own: the worked examples of docs/exactness.md and the policy."""
 
 import pytest
 import torch
