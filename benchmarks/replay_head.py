@@ -1,11 +1,11 @@
 """Replay a draft head's greedy rounds offline on a benchmark run's baseline outputs.
 
-    python benchmarks/replay_head.py benchmarks/results/generate-head6 [--head PATH] [--k 4]
+    python benchmarks/replay_head.py benchmarks/results/generate-head8 [--head PATH] [--k 4]
 
 Greedy decoding commits the baseline's tokens whatever the drafter, so the rounds of `head/k{k}`
 depend on the head alone: one target pass per request gives every feature, and the replay runs
 the drafter's own code (CompositeDrafter over HeadDraft, as `head/k{k}`) round by round. It
-reproduces the benchmark's tokens per call (generate-head5: 2.272 against 2.27) in seconds
+reproduces the benchmark's tokens per call (generate-head8: 3.62) in seconds
 instead of minutes and times nothing, so it compares heads, not speed.
 
 Printed per run: tokens per call, α solved from them (as the benchmark report does), acceptance
