@@ -99,7 +99,7 @@ def test_recursive_ref_is_bounded(build):
 
 
 def test_recursion_is_shallower_when_the_regex_would_be_too_big(build, monkeypatch):
-    import constrained_spec.schema as schema_mod
+    import constrained_spec.schema.limits as schema_mod
     tree = {"$defs": {"t": {"type": "object", "properties": {"kids": {
         "type": "array", "items": {"$ref": "#/$defs/t"}}}, "additionalProperties": False}},
         "$ref": "#/$defs/t"}
