@@ -15,7 +15,7 @@ Configurations (``--configs`` takes names, shell patterns such as 'int8*', or gr
     baseline                     masked decoding, one target call per token
     forced, lookup               grammar-forced tokens; + grammar-aware prompt lookup
     int8/k{K}, int8/adaptive     int8 self-draft only (CompositeDrafter(DraftModel), no free drafts)
-    int8+lookup/k{K}, .../adaptive   the default ModelDrafter: forced + lookup + int8 model
+    int8+lookup/k{K}, .../adaptive   the default model_drafter: forced + lookup + int8 model
     bf16+lookup/k{K}, .../adaptive   the same with a bfloat16 copy of the target as draft
     head/k{K}                    the trained draft head only (constrained_spec/heads/; a random
                                  head with --quick)
@@ -62,7 +62,7 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 
 from constrained_spec import Generator  # noqa: E402
 from constrained_spec.compile import Constraint, run_bounded  # noqa: E402
-from constrained_spec.draft import (CompositeDrafter, DraftModel, ModelDrafter,  # noqa: E402
+from constrained_spec.draft import (CompositeDrafter, DraftModel, model_drafter,  # noqa: E402
                                     logits_width)
 from constrained_spec.head import DraftHead, HeadDraft, load_head, shipped_head  # noqa: E402
 
@@ -264,8 +264,8 @@ class Bench:
                 "lookup": lambda: CompositeDrafter(model=None),
                 "int8": lambda: CompositeDrafter(DraftModel(self.int8, width), use_forced=False,
                                                  use_lookup=False),
-                "int8+lookup": lambda: ModelDrafter(self.int8, width),
-                "bf16+lookup": lambda: ModelDrafter(self.bf16, width),
+                "int8+lookup": lambda: model_drafter(self.int8, width),
+                "bf16+lookup": lambda: model_drafter(self.bf16, width),
                 "head": lambda: CompositeDrafter(HeadDraft(self.head, self.model),
                                                  use_forced=False, use_lookup=False,
                                                  min_confidence=stop),
@@ -290,15 +290,15 @@ class Bench:
         return row
 
     def run_engine(self, config, request, seed, max_new_tokens) -> dict:
-        self.gen.drafter = self.drafter(config)  # Generator keeps one drafter: swap it per run
-        speculative = config.drafter is not None
+        drafter = self.drafter(config)
+        speculative = drafter is not None
         self.meter.reset()
         t0 = time.perf_counter()
         result = self.gen.generate(request.messages, schema=request.schema,
                                    max_new_tokens=max_new_tokens,
                                    temperature=config.temperature, seed=seed,
                                    num_draft_tokens=max(config.k, 1), speculative=speculative,
-                                   adaptive_k=config.adaptive)
+                                   adaptive_k=config.adaptive, drafter=drafter)
         wall = time.perf_counter() - t0
         s, n = result.stats, len(result.token_ids)
         return {"token_ids": result.token_ids, "text": result.text, "finish_reason":

@@ -55,8 +55,16 @@ def test_greedy_speculative_equals_the_masked_baseline(prompt, k, tiny_target, t
 class IllegalDrafter:
     """Deterministic drafts that start legal and then propose a token the grammar forbids."""
 
+    uses_features = False
+
     def __init__(self, tokenizer):
         self.bad = tokenizer.convert_tokens_to_ids("Zo")
+
+    def begin(self, prompt, features):
+        pass
+
+    def observe(self, committed, features):
+        pass
 
     def propose(self, tokens, state, constraint, k, sampling, generator):
         legal = constraint.allowed(state)
@@ -219,3 +227,15 @@ def test_greedy_identity_with_skinny_matmul(tiny_target, tiny_draft, tiny_tokeni
                                    spec.token_ids)
         assert gap < NEAR_TIE, f"greedy outputs diverge at a clear decision (gap {gap})"
     assert spec.stats.accepted > 0
+
+
+def test_a_drafter_must_implement_the_whole_protocol(tiny_target, tiny_tokenizer):
+    class ProposeOnly:
+        def propose(self, tokens, state, constraint, k, sampling, generator):
+            return Draft([])
+
+    with pytest.raises(TypeError, match="uses_features, begin, observe of the Drafter protocol"):
+        Generator(tiny_target, tiny_tokenizer, draft=ProposeOnly(), cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    with pytest.raises(TypeError, match="Drafter protocol"):
+        gen.generate("hello", regex="yes", drafter=ProposeOnly())

@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from constrained_spec import Generator, SamplingConfig
-from constrained_spec.draft import CompositeDrafter, ModelDrafter, logits_width
+from constrained_spec.draft import CompositeDrafter, model_drafter, logits_width
 from constrained_spec.sample import policy
 
 from test_head import random_head
@@ -85,7 +85,7 @@ def drafter_for(kind, target, draft):
     if kind == "lookup+forced":  # deterministic drafts only (one-hot q)
         return CompositeDrafter(model=None)
     if kind == "confident":  # model drafts stop once the chain's estimated chance drops
-        return ModelDrafter(draft, logits_width(target), min_confidence=CONFIDENCE)
+        return model_drafter(draft, logits_width(target), min_confidence=CONFIDENCE)
     if kind == "head":  # a random draft head: q = 0 on odd ids, copy proposals mixed in
         return random_head(target)
     return draft
@@ -192,8 +192,8 @@ def test_min_confidence_bounds_model_drafts(tiny_target, tiny_draft, tiny_tokeni
     args = (prompt, constraint.initial_state, constraint, 4, SamplingConfig(),
             torch.Generator().manual_seed(0))
     width = logits_width(tiny_target)
-    assert len(ModelDrafter(tiny_draft, width, use_lookup=False).propose(*args)) >= 2
-    assert len(ModelDrafter(tiny_draft, width, use_lookup=False, min_confidence=1.0).propose(*args)) == 0
+    assert len(model_drafter(tiny_draft, width, use_lookup=False).propose(*args)) >= 2
+    assert len(model_drafter(tiny_draft, width, use_lookup=False, min_confidence=1.0).propose(*args)) == 0
 
 
 class UniformModel:

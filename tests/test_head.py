@@ -294,11 +294,11 @@ def test_replay_gives_the_decode_loops_rounds(tiny_target, tiny_tokenizer):
     items = []
     for prompt in ("hello", '{"name": "Al'):
         constraint = gen.compile(schema=PERSON)
-        gen.drafter = None
         base = gen.generate(prompt, schema=PERSON, max_new_tokens=40)
-        gen.drafter = CompositeDrafter(HeadDraft(head, tiny_target), use_forced=False,
-                                       use_lookup=False)
-        spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=4, max_new_tokens=40)
+        drafter = CompositeDrafter(HeadDraft(head, tiny_target), use_forced=False,
+                                   use_lookup=False)
+        spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=4, max_new_tokens=40,
+                            drafter=drafter)
         assert spec.token_ids == base.token_ids
         eos = [tiny_tokenizer.eos_token_id] if base.finish_reason == "stop" else []
         items.append(prepared(gen, gen.encode_prompt(prompt), base.token_ids + eos, constraint))
