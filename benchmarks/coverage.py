@@ -27,7 +27,6 @@ import json
 import math
 import os
 import random
-import statistics
 import sys
 import time
 import zipfile

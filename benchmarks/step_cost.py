@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from constrained_spec.models import load_model, skinny_matmul  # noqa: E402
 from run import forward_ms  # noqa: E402
+
+from constrained_spec.models import load_model, skinny_matmul  # noqa: E402
 
 
 def main(mode: str) -> None:

@@ -3,8 +3,14 @@
 from .compile import Constraint
 from .decode import Generator, Result, Round, Stats
 from .draft import Draft, Drafter, model_drafter
-from .errors import (ConstraintError, DraftHeadError, GenerationInputError, SchemaTooComplex,
-                     UnsupportedSchemaError, VocabularyMismatch)
+from .errors import (
+                     ConstraintError,
+                     DraftHeadError,
+                     GenerationInputError,
+                     SchemaTooComplex,
+                     UnsupportedSchemaError,
+                     VocabularyMismatch,
+)
 from .head import DraftHead
 from .sample import SamplingConfig
 

@@ -5,16 +5,24 @@ from __future__ import annotations
 import copy
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from . import cache as kv
 from .compile import FINISHED, Constraint, compile_regex, default_cache_dir
-from .draft import (DRAFTER_MEMBERS, EMPTY_DRAFT, CompositeDrafter, Draft, Drafter, logits_width,
-                    model_drafter)
+from .draft import (
+    DRAFTER_MEMBERS,
+    EMPTY_DRAFT,
+    CompositeDrafter,
+    Draft,
+    Drafter,
+    logits_width,
+    model_drafter,
+)
 from .errors import ConstraintError, GenerationInputError, VocabularyMismatch
 from .head import DraftHead, HeadDraft, has_shipped_head, load_head, shipped_head
 from .sample import SamplingConfig, one_hot, policy, verify_greedy, verify_sampled

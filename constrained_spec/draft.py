@@ -37,7 +37,7 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def truncate(self, n: int) -> "Draft":
+    def truncate(self, n: int) -> Draft:
         """The first n tokens (cutting a draft by position or legality keeps the rule exact)."""
         if n >= len(self.tokens):
             return self

@@ -79,7 +79,7 @@ class Context:
     groups: int = 0
 
     @classmethod
-    def for_schema(cls, schema: dict, ws: str) -> "Context":
+    def for_schema(cls, schema: dict, ws: str) -> Context:
         if not isinstance(schema, dict):
             raise ConstraintError('a schema is a JSON object like {"type": "object", ...}.')
         vcls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)

@@ -11,9 +11,21 @@ import re
 from ..errors import UnsupportedSchemaError
 from . import limits, rewrite
 from .context import ADDED_VALIDATOR, TYPE_KEYWORDS, Part, subschema, values_of
-from .regex import (FORMATS, KNOWN_FORMATS, STRING_CHAR, PatternError, alternation, format_body,
-                    integer_range, json_string, json_string_except, literal, number_range,
-                    pattern_body, repeat)
+from .regex import (
+    FORMATS,
+    KNOWN_FORMATS,
+    STRING_CHAR,
+    PatternError,
+    alternation,
+    format_body,
+    integer_range,
+    json_string,
+    json_string_except,
+    literal,
+    number_range,
+    pattern_body,
+    repeat,
+)
 
 NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 

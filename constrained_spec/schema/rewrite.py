@@ -9,9 +9,23 @@ from typing import NamedTuple
 
 from ..errors import ConstraintError, SchemaTooComplex, UnsupportedSchemaError
 from . import emit, limits
-from .context import (DEPENDENCIES, HANDLED, TYPE_KEYWORDS, TYPES, VALIDATION, ADDED_VALIDATOR,
-                      Context, Part, escape_pointer, extra_part, resolve, rest_of, without)
+from .context import (
+    ADDED_VALIDATOR,
+    DEPENDENCIES,
+    HANDLED,
+    TYPE_KEYWORDS,
+    TYPES,
+    VALIDATION,
+    Context,
+    Part,
+    escape_pointer,
+    extra_part,
+    resolve,
+    rest_of,
+    without,
+)
 from .regex import alternation
+
 
 def node(subs: list, ctx: Context) -> str | None:
     """Regex of the JSON texts valid under all of ``subs`` ((schema, ptr, refs) triples);
