@@ -28,7 +28,6 @@ import json
 import math
 import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path

@@ -66,7 +66,7 @@ def summarize(results: dict) -> dict:
         base = ok_rows.get(baseline_for(config["temperature"]), {})
         out[name] = _summary(config, rows, ok, base)
     base_step = out.get("baseline", {}).get("verify_ms_per_call")
-    for name, s in out.items():  # cost ratio of a draft-model token to a baseline target step
+    for s in out.values():  # cost ratio of a draft-model token to a baseline target step
         if s.get("draft_ms_per_model_token") and base_step:
             s["cost_ratio"] = s["draft_ms_per_model_token"] / base_step
     return out

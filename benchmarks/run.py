@@ -15,7 +15,7 @@ Configurations (``--configs`` takes names, shell patterns such as 'int8*', or gr
     baseline                     masked decoding, one target call per token
     forced, lookup               grammar-forced tokens; + grammar-aware prompt lookup
     int8/k{K}, int8/adaptive     int8 self-draft only (CompositeDrafter(DraftModel), no free drafts)
-    int8+lookup/k{K}, .../adaptive   the default ModelDrafter: forced + lookup + int8 model
+    int8+lookup/k{K}, .../adaptive   the default model_drafter: forced + lookup + int8 model
     bf16+lookup/k{K}, .../adaptive   the same with a bfloat16 copy of the target as draft
     head/k{K}                    the trained draft head only (constrained_spec/heads/; a random
                                  head with --quick)
@@ -60,22 +60,21 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
-from constrained_spec import Generator  # noqa: E402
-from constrained_spec.compile import Constraint, run_bounded  # noqa: E402
-from constrained_spec.draft import (CompositeDrafter, DraftModel, ModelDrafter,  # noqa: E402
-                                    logits_width)
-from constrained_spec.head import DraftHead, HeadDraft, load_head, shipped_head  # noqa: E402
-from constrained_spec.models import DEFAULT_MODEL  # noqa: E402
-
 import report  # noqa: E402
 import workloads  # noqa: E402
 from workloads import Request, Selection  # noqa: E402
+
+from constrained_spec import Generator  # noqa: E402
+from constrained_spec.compile import Constraint, run_bounded  # noqa: E402
+from constrained_spec.draft import CompositeDrafter, DraftModel, logits_width, model_drafter  # noqa: E402
+from constrained_spec.head import DraftHead, HeadDraft, load_head, shipped_head  # noqa: E402
+from constrained_spec.models import DEFAULT_MODEL  # noqa: E402
+from constrained_spec.testing import NEAR_TIE, first_divergence  # noqa: E402
 
 KS = (2, 4, 8)
 CONFIDENCES = (0.1, 0.2, 0.3, 0.5, 0.7)  # early stops tried with the head at k = max(KS)
 ADAPTIVE_K_MAX = 8
 HOT_T = 0.7
-NEAR_TIE = 1e-3  # fp32 logits of a k-token verify and k single steps differ in the last bits
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,7 @@ def select_configs(spec: str) -> list[Config]:
 class Meter:
     """Counters shared by every run: target forwards (a hook) and time in Constraint.mask."""
 
-    current: "Meter | None" = None
+    current: Meter | None = None
 
     def __init__(self, target):
         self.forwards, self.mask_s, self.mask_calls = 0, 0.0, 0
@@ -265,8 +264,8 @@ class Bench:
                 "lookup": lambda: CompositeDrafter(model=None),
                 "int8": lambda: CompositeDrafter(DraftModel(self.int8, width), use_forced=False,
                                                  use_lookup=False),
-                "int8+lookup": lambda: ModelDrafter(self.int8, width),
-                "bf16+lookup": lambda: ModelDrafter(self.bf16, width),
+                "int8+lookup": lambda: model_drafter(self.int8, width),
+                "bf16+lookup": lambda: model_drafter(self.bf16, width),
                 "head": lambda: CompositeDrafter(HeadDraft(self.head, self.model),
                                                  use_forced=False, use_lookup=False,
                                                  min_confidence=stop),
@@ -291,15 +290,15 @@ class Bench:
         return row
 
     def run_engine(self, config, request, seed, max_new_tokens) -> dict:
-        self.gen.drafter = self.drafter(config)  # Generator keeps one drafter: swap it per run
-        speculative = config.drafter is not None
+        drafter = self.drafter(config)
+        speculative = drafter is not None
         self.meter.reset()
         t0 = time.perf_counter()
         result = self.gen.generate(request.messages, schema=request.schema,
                                    max_new_tokens=max_new_tokens,
                                    temperature=config.temperature, seed=seed,
                                    num_draft_tokens=max(config.k, 1), speculative=speculative,
-                                   adaptive_k=config.adaptive)
+                                   adaptive_k=config.adaptive, drafter=drafter)
         wall = time.perf_counter() - t0
         s, n = result.stats, len(result.token_ids)
         return {"token_ids": result.token_ids, "text": result.text, "finish_reason":
@@ -510,23 +509,14 @@ def calibrate(target, draft, context: list[int], reps: int = 3) -> dict:
 
 # --- correctness fields ------------------------------------------------------------------------
 
-@torch.inference_mode()
 def divergence_gap(gen, request: Request, reference: list[int], other: list[int]) -> tuple:
     """(first index where two greedy outputs differ, the reference's top-2 masked logit gap
     there); (None, None) if identical."""
     if reference == other:
         return None, None
     constraint = gen.compile(schema=request.schema)
-    prompt = gen.encode_prompt(request.messages)
-    state = constraint.initial_state
-    for i, (a, b) in enumerate(zip(reference, other)):
-        if a != b:
-            logits = gen.target(torch.tensor([prompt + reference[:i]])).logits[0, -1].float()
-            top2 = logits[: constraint.vocab_size].masked_fill(
-                ~constraint.mask(state), float("-inf")).topk(2).values
-            return i, float(top2[0] - top2[1])
-        state = constraint.step(state, a)
-    return min(len(reference), len(other)), None  # one is a prefix of the other (length cut)
+    return first_divergence(gen.target, constraint, gen.encode_prompt(request.messages),
+                            reference, other)
 
 
 def judge(row: dict, request: Request, config: Config, reference: dict | None, gen) -> None:

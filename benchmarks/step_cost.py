@@ -20,6 +20,7 @@ from constrained_spec.models import DEFAULT_MODEL, load_model, skinny_matmul  # 
 from run import forward_ms  # noqa: E402
 
 
+
 def main(mode: str) -> None:
     model, _ = load_model(DEFAULT_MODEL)
     model.eval()

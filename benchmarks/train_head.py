@@ -48,12 +48,20 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
+from workloads import DEV_SET, compact, is_valid, messages_for  # noqa: E402
+
 from constrained_spec import cache as kv  # noqa: E402
-from constrained_spec.head import (DraftHead, HeadCache, copy_proposals, draft_vocabulary,  # noqa: E402
-                                   load_head, pair_embeddings, vocabulary_positions)  # noqa: E402
+from constrained_spec.head import (  # noqa: E402
+    DraftHead,
+    HeadCache,
+    copy_proposals,
+    draft_vocabulary,
+    load_head,  # noqa: E402
+    pair_embeddings,
+    vocabulary_positions,
+)
 from constrained_spec.models import DEFAULT_MODEL, load_model  # noqa: E402
 from constrained_spec.vocab import token_vocabulary  # noqa: E402
-from workloads import DEV_SET, compact, is_valid, messages_for  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -225,34 +225,20 @@ class _VerdictCache:
 TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
                  "{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TINY_CORPUS = ['{"name": "Alice", "age": 30}', '{"name": "Bob", "age": 7, "ok": true}',
+TINY_CORPUS = ('{"name": "Alice", "age": 30}', '{"name": "Bob", "age": 7, "ok": true}',
                '{"type": "object", "properties": {"id": {"type": "integer"}}}',
                "Convert the record below to JSON that matches this JSON Schema.",
                "Schema: Record: Answer with the JSON only. name: Alice",
-               "[1, 2, 3] null false"] * 20
+               "[1, 2, 3] null false")
 
 
 def tiny_model_and_tokenizer(seed: int = 0):
-    """A random 2-layer Llama and a byte-level BPE tokenizer trained here: a harness check only."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    """A random 2-layer Llama and a byte-level BPE tokenizer trained here (with a chat
+    template): a harness check only."""
+    from constrained_spec import testing
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TINY_CORPUS, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                        bos_token="<|im_start|>", pad_token="<|im_end|>")
-    tokenizer.chat_template = TINY_TEMPLATE
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer) + 6, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # peaked distributions, so that the int8 copy mostly agrees
-        model.lm_head.weight.mul_(8.0)
-    return model, tokenizer
+    tokenizer = testing.tiny_tokenizer(TINY_CORPUS, vocab_size=400,
+                                       special_tokens=("<|im_start|>", "<|im_end|>"),
+                                       eos_token="<|im_end|>", chat_template=TINY_TEMPLATE,
+                                       bos_token="<|im_start|>", pad_token="<|im_end|>")
+    return testing.tiny_model(tokenizer, seed, max_positions=4096), tokenizer

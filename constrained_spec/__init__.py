@@ -2,12 +2,18 @@
 
 from .compile import Constraint
 from .decode import Generator, Result, Round, Stats
-from .draft import Draft, Drafter, ModelDrafter
-from .errors import (ConstraintError, DraftHeadError, GenerationInputError, SchemaTooComplex,
-                     UnsupportedSchemaError, VocabularyMismatch)
+from .draft import Draft, Drafter, model_drafter
+from .errors import (
+                     ConstraintError,
+                     DraftHeadError,
+                     GenerationInputError,
+                     SchemaTooComplex,
+                     UnsupportedSchemaError,
+                     VocabularyMismatch,
+)
 from .head import DraftHead
 from .sample import SamplingConfig
 
 __all__ = ["Generator", "Result", "Round", "Stats", "Constraint", "Draft", "Drafter",
-           "ModelDrafter", "DraftHead", "SamplingConfig", "ConstraintError", "GenerationInputError",
+           "model_drafter", "DraftHead", "SamplingConfig", "ConstraintError", "GenerationInputError",
            "SchemaTooComplex", "UnsupportedSchemaError", "VocabularyMismatch", "DraftHeadError"]

@@ -23,8 +23,8 @@ from rich.text import Text
 
 from .decode import DRAFTS
 from .errors import ConstraintError, DraftHeadError, GenerationInputError, VocabularyMismatch
-from .head import shipped_head
 from .grammars import grammar_names, load_grammar
+from .head import shipped_head
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, ModelFetchError
 from .schema import load_schema, schema_to_regex
 
@@ -195,6 +195,7 @@ def _list_grammars(args, out: Console, err: Console) -> int:
 def _generate(args, out: Console, err: Console) -> int:
     request = _validate(args)  # before the model: loading it takes seconds
     import torch
+
     from .decode import Generator
 
     t0 = time.perf_counter()

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from outlines_core import Index, Vocabulary
 
-_OUTLINES_VERSION = importlib.metadata.version("outlines-core")  # pickled indexes are per version
-
 from .errors import ConstraintError, SchemaTooComplex
 from .vocab import TokenVocabulary
+
+_OUTLINES_VERSION = importlib.metadata.version("outlines-core")  # pickled indexes are per version
 
 FINISHED = -1  # the state after EOS: nothing is legal any more
 

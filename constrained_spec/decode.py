@@ -5,15 +5,24 @@ from __future__ import annotations
 import copy
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from . import cache as kv
 from .compile import FINISHED, Constraint, compile_regex
-from .draft import EMPTY_DRAFT, CompositeDrafter, Draft, Drafter, ModelDrafter, logits_width
+from .draft import (
+    DRAFTER_MEMBERS,
+    EMPTY_DRAFT,
+    CompositeDrafter,
+    Draft,
+    Drafter,
+    logits_width,
+    model_drafter,
+)
 from .errors import ConstraintError, GenerationInputError, VocabularyMismatch
 from .head import DraftHead, HeadDraft, has_shipped_head, load_head, shipped_head
 from .models import DEFAULT_MODEL, cache_dir as default_cache_dir
@@ -121,13 +130,14 @@ def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter |
     stats, start = Stats(), time.perf_counter()
     device = next(target.parameters()).device
     cache = kv.new_cache(target)
-    features = getattr(drafter, "uses_features", False)  # a trained head reads the target's
+    features = drafter is not None and drafter.uses_features  # a trained head reads the target's
+    prefill = torch.empty(0, 0, device=device) if features else None
     if len(prompt) > 1:
         out = kv.forward(target, cache, prompt[:-1], device, features)  # the last prompt token
         if features:                                                    # opens round 1
-            drafter.begin(prompt, out[1])
-    elif features:
-        drafter.begin(prompt, torch.empty(0, 0, device=device))
+            prefill = out[1]
+    if drafter is not None:
+        drafter.begin(prompt, prefill)
     stats.prefill_s = time.perf_counter() - start
     tokens, state = list(prompt), constraint.initial_state
     while state != FINISHED and (room := max_new_tokens - (len(tokens) - len(prompt))) > 0:
@@ -151,10 +161,8 @@ def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter |
         stats.record(draft, n)
         if adaptive is not None:
             adaptive.update(draft, n, t1 - t0, t2 - t1)
-        if features:
-            drafter.observe(committed, hidden[:len(committed)])
-        elif hasattr(drafter, "observe"):
-            drafter.observe(committed)
+        if drafter is not None:
+            drafter.observe(committed, hidden[:len(committed)] if features else None)
         if stats.target_calls == 1:
             stats.ttft_s = t2 - start
         if on_round is not None:
@@ -195,7 +203,8 @@ class Generator:
     def __init__(self, target, tokenizer, draft=None, *, whitespace: str = "",
                  cache_dir: str | Path | None = None):
         """``draft``: a transformers causal LM sharing the target's vocabulary, a trained
-        DraftHead, any object with a ``propose`` method (a Drafter), or None (masked baseline).
+        DraftHead, a Drafter (``begin``, ``propose``, ``observe``, ``uses_features``), or None
+        (masked baseline).
         ``whitespace``: regex allowed between JSON tokens; the default "" emits compact JSON."""
         self.target, self.tokenizer = target.eval(), tokenizer
         self.vocab = token_vocabulary(tokenizer)
@@ -241,9 +250,11 @@ class Generator:
     def generate(self, prompt, schema=None, regex: str | None = None, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  num_draft_tokens: int = 4, speculative: bool = True, seed: int | None = None,
-                 adaptive_k: bool = False,
-                 on_round: Callable[[Round], None] | None = None) -> Result:
-        """Text the constraint accepts, distributed exactly as plain masked sampling."""
+                 adaptive_k: bool = False, on_round: Callable[[Round], None] | None = None,
+                 drafter: Drafter | None = None) -> Result:
+        """Text the constraint accepts, distributed exactly as plain masked sampling.
+        ``drafter``: this request's drafter instead of the Generator's (a Drafter; with
+        ``speculative=False`` none is used)."""
         sampling = _check_sampling(temperature, top_k, top_p, num_draft_tokens, max_new_tokens)
         prompt_ids = self.encode_prompt(prompt)
         max_new_tokens = min(max_new_tokens, self.context - len(prompt_ids))  # then "length"
@@ -251,7 +262,8 @@ class Generator:
         constraint = self.compile(schema=schema_dict, regex=regex)
         generator = torch.Generator(device=next(self.target.parameters()).device)
         generator.manual_seed(seed if seed is not None else torch.seed())
-        drafter = self.drafter if speculative else None
+        drafter = self.drafter if drafter is None else _checked_drafter(drafter)
+        drafter = drafter if speculative else None
         adaptive = AdaptiveK(max(num_draft_tokens, 1)) if adaptive_k else None
         ids, finish, stats = decode(self.target, constraint, prompt_ids, drafter, sampling,
                                     num_draft_tokens, max_new_tokens, generator, on_round, adaptive)
@@ -318,8 +330,10 @@ def _is_head_file(draft) -> bool:
 
 
 def _as_drafter(draft, target, vocab_len: int, width: int) -> Drafter | None:
-    if draft is None or hasattr(draft, "propose"):
-        return draft
+    if draft is None:
+        return None
+    if hasattr(draft, "propose"):
+        return _checked_drafter(draft)
     if isinstance(draft, DraftHead):
         return CompositeDrafter(HeadDraft(draft.eval(), target), min_confidence=HEAD_MIN_CONFIDENCE)
     draft_width = logits_width(draft)
@@ -327,7 +341,16 @@ def _as_drafter(draft, target, vocab_len: int, width: int) -> Drafter | None:
         raise VocabularyMismatch(
             f"the draft model predicts {draft_width} tokens but the target's tokenizer has "
             f"{vocab_len}: a draft must share the target's vocabulary (same tokenizer family).")
-    return ModelDrafter(draft.eval(), width)
+    return model_drafter(draft.eval(), width)
+
+
+def _checked_drafter(drafter) -> Drafter:
+    missing = [name for name in DRAFTER_MEMBERS if not hasattr(drafter, name)]
+    if missing:
+        raise TypeError(f"{type(drafter).__name__} lacks {', '.join(missing)} of the Drafter "
+                        "protocol (constrained_spec.draft.Drafter): add them (no-ops where it "
+                        "has nothing to do).")
+    return drafter
 
 
 def _check_sampling(temperature, top_k, top_p, num_draft_tokens, max_new_tokens) -> SamplingConfig:

@@ -1,6 +1,7 @@
 """Drafters: cheap proposals of the next few tokens, every one legal under the automaton.
 
-A drafter is any object with ``propose``. Each draft token comes from one source:
+A drafter implements the ``Drafter`` protocol (``begin``, ``propose``, ``observe``,
+``uses_features``). Each draft token comes from one source:
 - "forced": the state has exactly one legal token, so p = 1 on it (free and exact);
 - "grammar": text the grammar forces (e.g. `","age":`) where several tokenizations are legal,
   spelled by greedy longest match;
@@ -36,7 +37,7 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def truncate(self, n: int) -> "Draft":
+    def truncate(self, n: int) -> Draft:
         """The first n tokens (cutting a draft by position or legality keeps the rule exact)."""
         if n >= len(self.tokens):
             return self
@@ -48,11 +49,32 @@ EMPTY_DRAFT = Draft([])
 
 
 class Drafter(Protocol):
+    """What the decode loop calls on a drafter, in this order: ``begin`` once per request,
+    then each round ``propose`` and ``observe``. Implement every member (no-ops where there is
+    nothing to do); ``Generator`` refuses an object that lacks one."""
+
+    @property
+    def uses_features(self) -> bool:
+        """Whether the loop must pass the target's features to ``begin``/``observe`` (a trained
+        draft head reads them); without it they get None."""
+        ...
+
+    def begin(self, prompt: list[int], features: torch.Tensor | None) -> None:
+        """A new request: ``prompt``'s ids, and the target's features over ``prompt[:-1]``."""
+        ...
+
     def propose(self, tokens: list[int], state: int, constraint: Constraint, k: int,
                 sampling: SamplingConfig, generator: torch.Generator) -> Draft:
         """Up to ``k`` legal tokens following ``tokens`` (prompt + committed output) from ``state``
         (plus any free forced tokens)."""
         ...
+
+    def observe(self, committed: list[int], features: torch.Tensor | None) -> None:
+        """The round committed ``committed`` (and the target's features at those positions)."""
+        ...
+
+
+DRAFTER_MEMBERS = ("uses_features", "begin", "propose", "observe")
 
 
 def logits_width(model) -> int:
@@ -134,10 +156,11 @@ class CompositeDrafter:
         """Whether the decode loop must pass the target's features (a trained draft head)."""
         return getattr(self.model, "uses_features", False)
 
-    def begin(self, prompt: list[int], features) -> None:
-        self.model.begin(prompt, features)
+    def begin(self, prompt: list[int], features: torch.Tensor | None) -> None:
+        if self.uses_features:
+            self.model.begin(prompt, features)
 
-    def observe(self, committed: list[int], features=None) -> None:
+    def observe(self, committed: list[int], features: torch.Tensor | None) -> None:
         """Learn from the tokens the target committed this round (and its features there)."""
         self.target_tokens.update(committed)
         if self.uses_features:
@@ -206,6 +229,6 @@ def _stack_rows(rows, tokens, width, sampling) -> torch.Tensor | None:
     return torch.stack([q if q is not None else hot[i] for i, q in enumerate(rows)])
 
 
-def ModelDrafter(model, width: int, **options) -> CompositeDrafter:
+def model_drafter(model, width: int, **options) -> CompositeDrafter:
     """A draft model with forced tokens and prompt lookup in the mix (options: CompositeDrafter)."""
     return CompositeDrafter(DraftModel(model, width), **options)

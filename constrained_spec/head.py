@@ -56,13 +56,13 @@ class DraftHead(nn.Module):
         self.register_buffer("draft_ids", draft_ids.long().clone())  # the sub-vocabulary
 
     @classmethod
-    def for_target(cls, target, draft_ids: torch.Tensor) -> "DraftHead":
+    def for_target(cls, target, draft_ids: torch.Tensor) -> DraftHead:
         fields = {k: getattr(target.config, k) for k in _LAYER_FIELDS
                   if getattr(target.config, k, None) is not None}
         return cls(fields, draft_ids)
 
     def forward(self, features: torch.Tensor, embeddings: torch.Tensor,
-                cache: "HeadCache | None" = None) -> torch.Tensor:
+                cache: HeadCache | None = None) -> torch.Tensor:
         """(B, n, d) features and ``pair_embeddings`` (B, n, (1 + len(COPY_NGRAMS)) d) → (B, n, d)
         predicted next features,
         causal over the n pairs and after what ``cache`` holds (which it extends).

@@ -2,7 +2,8 @@
 exactly as plain masked sampling from the target, whatever the draft.
 
 The reference distribution is enumerated: every token sequence of a small finite language, with
-its probability under the masked target policy (fresh forwards, no cache, no speculation)."""
+its probability under the masked target policy (fresh forwards, no cache, no speculation), the
+policy written out plainly in constrained_spec.testing rather than the library's own."""
 
 import copy
 
@@ -11,10 +12,8 @@ import torch
 from scipy.stats import chisquare
 
 from constrained_spec import Generator, SamplingConfig
-from constrained_spec.draft import CompositeDrafter, ModelDrafter, logits_width
-from constrained_spec.sample import policy
-
-from test_head import random_head
+from constrained_spec.draft import CompositeDrafter, logits_width, model_drafter
+from constrained_spec.testing import random_head, sequence_distribution
 
 REGEX = "(ab|ba|yes|no){1,2}"
 FORCED_REGEX = "(yes|no)\\{\\}(ab|ba)"  # "{" and "}" are single-token (forced) states
@@ -27,26 +26,9 @@ CONFIDENCE = 0.25
 P_VALUE_FLOOR = 1e-3  # fixed seeds: each run draws the same samples, so this is deterministic
 
 
-@torch.no_grad()
-def masked_sequence_distribution(target, constraint, prompt, cfg, prune=1e-6):
+def masked_sequence_distribution(target, constraint, prompt, cfg):
     """{token sequence (EOS excluded): probability} under plain masked sampling from the target."""
-    dist = {}
-
-    def walk(seq, state, prob):
-        logits = target(torch.tensor([prompt + seq])).logits[0, -1].float()
-        p = policy(logits, constraint.mask(state), cfg)
-        for token in torch.nonzero(p).flatten().tolist():
-            q = prob * p[token].item()
-            if q < prune:
-                dist["pruned"] = dist.get("pruned", 0.0) + q
-            elif token == constraint.eos_id:
-                dist[tuple(seq)] = q
-            else:
-                walk(seq + [token], constraint.step(state, token), q)
-
-    walk([], constraint.initial_state, 1.0)
-    assert dist.pop("pruned", 0.0) < 1e-3
-    return dist
+    return sequence_distribution(target, constraint, prompt, cfg.temperature, cfg.top_k, cfg.top_p)
 
 
 def assert_same_distribution(gen, exact, samples_kwargs, expect_match=True):
@@ -85,7 +67,7 @@ def drafter_for(kind, target, draft):
     if kind == "lookup+forced":  # deterministic drafts only (one-hot q)
         return CompositeDrafter(model=None)
     if kind == "confident":  # model drafts stop once the chain's estimated chance drops
-        return ModelDrafter(draft, logits_width(target), min_confidence=CONFIDENCE)
+        return model_drafter(draft, logits_width(target), min_confidence=CONFIDENCE)
     if kind == "head":  # a random draft head: q = 0 on odd ids, copy proposals mixed in
         return random_head(target)
     return draft
@@ -192,8 +174,8 @@ def test_min_confidence_bounds_model_drafts(tiny_target, tiny_draft, tiny_tokeni
     args = (prompt, constraint.initial_state, constraint, 4, SamplingConfig(),
             torch.Generator().manual_seed(0))
     width = logits_width(tiny_target)
-    assert len(ModelDrafter(tiny_draft, width, use_lookup=False).propose(*args)) >= 2
-    assert len(ModelDrafter(tiny_draft, width, use_lookup=False, min_confidence=1.0).propose(*args)) == 0
+    assert len(model_drafter(tiny_draft, width, use_lookup=False).propose(*args)) >= 2
+    assert len(model_drafter(tiny_draft, width, use_lookup=False, min_confidence=1.0).propose(*args)) == 0
 
 
 class UniformModel:

@@ -11,13 +11,19 @@ import torch
 
 from constrained_spec import Generator
 from constrained_spec import cache as kv
-from constrained_spec.draft import logits_width
 from constrained_spec.errors import DraftHeadError, VocabularyMismatch
-from constrained_spec.head import (COPY_NGRAMS, DraftHead, HeadCache, HeadDraft, copy_proposals,
-                                   load_head, pair_embeddings, shipped_head, vocabulary_positions)
+from constrained_spec.head import (
+    COPY_NGRAMS,
+    HeadCache,
+    HeadDraft,
+    copy_proposals,
+    load_head,
+    pair_embeddings,
+    shipped_head,
+    vocabulary_positions,
+)
+from constrained_spec.testing import PERSON, assert_greedy_match, random_head
 from constrained_spec.vocab import token_vocabulary
-
-from test_engine import NEAR_TIE, PERSON, first_divergence_gap
 
 
 def pair_width(head):
@@ -25,25 +31,13 @@ def pair_width(head):
     return head.fuse.in_features - head.fuse.out_features
 
 
-def random_head(target, seed=0):
-    """Random weights, q = 0 on odd ids, the copy gate open (q mixes in the copy proposals)."""
-    torch.manual_seed(seed)
-    head = DraftHead.for_target(target, torch.arange(0, logits_width(target), 2)).eval()
-    with torch.no_grad():
-        head.copy_gate.weight.normal_(0, 0.3)
-        head.copy_gate.bias.zero_()
-    return head
-
-
 @pytest.mark.parametrize("prompt", ["hello", '{"name": "Alice", "age": 30}'])
 def test_greedy_with_a_head_equals_the_masked_baseline(prompt, tiny_target, tiny_tokenizer):
     gen = Generator(tiny_target, tiny_tokenizer, draft=random_head(tiny_target), cache_dir=None)
     base = gen.generate(prompt, schema=PERSON, speculative=False, max_new_tokens=80)
     spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=4, max_new_tokens=80)
-    if spec.token_ids != base.token_ids:
-        gap = first_divergence_gap(tiny_target, gen.compile(schema=PERSON),
-                                   tiny_tokenizer.encode(prompt), base.token_ids, spec.token_ids)
-        assert gap < NEAR_TIE, f"greedy outputs diverge at a clear decision (gap {gap})"
+    assert_greedy_match(tiny_target, gen.compile(schema=PERSON), tiny_tokenizer.encode(prompt),
+                        base.token_ids, spec.token_ids)
     assert spec.stats.drafted_by_source.get("model", 0) > 0, "the head never drafted"
 
 
@@ -246,10 +240,8 @@ def test_shipped_head_on_the_default_model():
               "required": ["name", "age"]}
     base = gen.generate(messages, schema=schema, speculative=False, max_new_tokens=24)
     spec = gen.generate(messages, schema=schema, max_new_tokens=24)
-    if spec.token_ids != base.token_ids:
-        gap = first_divergence_gap(gen.target, gen.compile(schema=schema),
-                                   gen.encode_prompt(messages), base.token_ids, spec.token_ids)
-        assert gap < 1e-3, f"greedy outputs diverge at a clear decision (gap {gap})"
+    assert_greedy_match(gen.target, gen.compile(schema=schema), gen.encode_prompt(messages),
+                        base.token_ids, spec.token_ids)
     assert spec.stats.drafted_by_source.get("model", 0) > 0
     assert spec.stats.target_calls < base.stats.target_calls
 
@@ -258,10 +250,7 @@ def test_training_unroll_is_what_drafting_computes(tiny_target):
     """train_head.unrolled (EAGLE-3's training-time test) at step s, position j must equal the
     drafting head after true pairs 0..j-s and s chained steps on its own outputs: the loss trains
     what the drafter runs."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from train_head import unrolled
+    from train_head import unrolled  # benchmarks/ is on pytest's pythonpath (pyproject)
 
     head = random_head(tiny_target)
     torch.manual_seed(1)
@@ -281,10 +270,7 @@ def test_training_unroll_is_what_drafting_computes(tiny_target):
 def test_replay_gives_the_decode_loops_rounds(tiny_target, tiny_tokenizer):
     """benchmarks/replay_head.py replays head/k4's greedy rounds offline from the baseline's
     output: its round counts must be the decode loop's own, position by position."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from replay_head import prepared, replay
+    from replay_head import prepared, replay  # benchmarks/ is on pytest's pythonpath
 
     from constrained_spec.draft import CompositeDrafter
 
@@ -294,11 +280,11 @@ def test_replay_gives_the_decode_loops_rounds(tiny_target, tiny_tokenizer):
     items = []
     for prompt in ("hello", '{"name": "Al'):
         constraint = gen.compile(schema=PERSON)
-        gen.drafter = None
         base = gen.generate(prompt, schema=PERSON, max_new_tokens=40)
-        gen.drafter = CompositeDrafter(HeadDraft(head, tiny_target), use_forced=False,
-                                       use_lookup=False)
-        spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=4, max_new_tokens=40)
+        drafter = CompositeDrafter(HeadDraft(head, tiny_target), use_forced=False,
+                                   use_lookup=False)
+        spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=4, max_new_tokens=40,
+                            drafter=drafter)
         assert spec.token_ids == base.token_ids
         eos = [tiny_tokenizer.eos_token_id] if base.finish_reason == "stop" else []
         items.append(prepared(gen, gen.encode_prompt(prompt), base.token_ids + eos, constraint))

@@ -3,8 +3,15 @@
 import pytest
 import torch
 
-from constrained_spec.sample import (SamplingConfig, acceptance_probs, one_hot, policy, residual,
-                                     verify_greedy, verify_sampled)
+from constrained_spec.sample import (
+    SamplingConfig,
+    acceptance_probs,
+    one_hot,
+    policy,
+    residual,
+    verify_greedy,
+    verify_sampled,
+)
 
 
 def output_distribution(p, q):

@@ -1,0 +1,163 @@
+"""Helpers for tests and benchmark checks: tiny models built on the spot, a plain reference of
+the masked sampling policy and of the distribution it puts on a finite language, and where two
+greedy outputs first differ.
+
+Imported by tests/ and benchmarks/ only; it needs ``tokenizers`` and ``transformers`` (both
+dependencies of the package) and no network.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .compile import FINISHED, Constraint
+from .draft import logits_width
+from .head import DraftHead
+
+# A greedy output may differ from the masked baseline only where the baseline's top-2 masked
+# logits are closer than this: the logits of a k-token verify pass and of k one-token steps
+# differ in the last bits (fp32; more layers, larger differences: 1e-4 was too tight for the
+# default model).
+NEAR_TIE = 1e-3
+
+SCALE = 8.0  # lm_head gain: distributions peaked enough to be distinct, flat enough to test
+CORPUS = ('{"name": "Alice", "age": 30}', '{"name": "Bob", "age": 7, "ok": true}',
+          "abba baab abab", "yes no yes no", "[1, 2, 3]", "Zoë 東京 null false")
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer"},
+                         "ok": {"type": "boolean"},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b", None]},
+                                  "maxItems": 3}},
+          "required": ["name", "age", "ok"]}
+
+
+def tiny_tokenizer(corpus: Sequence[str] = CORPUS, vocab_size: int = 320,
+                   special_tokens: Sequence[str] = ("<eos>",), eos_token: str = "<eos>",
+                   chat_template: str | None = None, **special):
+    """A byte-level BPE tokenizer trained here on ``corpus`` (20 times over); ``special``:
+    more special-token roles for PreTrainedTokenizerFast (bos_token=, pad_token=)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(corpus) * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, **special)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def tiny_model(tokenizer, seed: int, layers: int = 2, max_positions: int = 256):
+    """A random Llama over ``tokenizer``'s vocabulary, logits padded 6 wide (as real models
+    pad them), its LM head scaled by SCALE."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer) + 6, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_positions,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger logits than the default init: peaked, distinct distributions
+        model.lm_head.weight.mul_(SCALE)
+    return model
+
+
+def random_head(target, seed: int = 0) -> DraftHead:
+    """A draft head with random weights, q = 0 on odd ids, the copy gate open (q mixes in the
+    copy proposals)."""
+    torch.manual_seed(seed)
+    head = DraftHead.for_target(target, torch.arange(0, logits_width(target), 2)).eval()
+    with torch.no_grad():
+        head.copy_gate.weight.normal_(0, 0.3)
+        head.copy_gate.bias.zero_()
+    return head
+
+
+def reference_policy(logits: Sequence[float], legal: Sequence[int], temperature: float,
+                     top_k: int | None = None, top_p: float | None = None) -> dict[int, float]:
+    """{token: probability} of masked sampling, written out plainly in float64 as an
+    independent reference for ``sample.policy``: the legal tokens' softmax at ``temperature``;
+    with top_k, only tokens whose logit is at least the k-th largest; with top_p, the most
+    likely tokens, in order, until their mass reaches top_p; renormalised."""
+    scaled = {t: float(logits[t]) / temperature for t in legal}
+    if top_k is not None:
+        kth = sorted(scaled.values(), reverse=True)[min(top_k, len(scaled)) - 1]
+        scaled = {t: v for t, v in scaled.items() if v >= kth}
+    top = max(scaled.values())
+    weights = {t: math.exp(v - top) for t, v in scaled.items()}
+    total = sum(weights.values())
+    probs = {t: w / total for t, w in weights.items()}
+    if top_p is not None:
+        kept, mass = {}, 0.0
+        for t in sorted(probs, key=probs.get, reverse=True):
+            if mass >= top_p:
+                break
+            kept[t], mass = probs[t], mass + probs[t]
+        probs = {t: p / mass for t, p in kept.items()}
+    return probs
+
+
+@torch.no_grad()
+def sequence_distribution(target, constraint: Constraint, prompt: list[int], temperature: float,
+                          top_k: int | None = None, top_p: float | None = None,
+                          prune: float = 1e-6) -> dict[tuple[int, ...], float]:
+    """{token sequence (EOS excluded): probability} under plain masked sampling from ``target``
+    (fresh forwards, no cache, no speculation), by enumerating the constraint's language;
+    branches below ``prune`` are dropped (their total must stay under 1e-3)."""
+    dist: dict[tuple[int, ...], float] = {}
+    pruned = 0.0
+
+    def walk(seq: list[int], state: int, prob: float) -> None:
+        nonlocal pruned
+        logits = target(torch.tensor([prompt + seq])).logits[0, -1].double().tolist()
+        policy = reference_policy(logits, constraint.allowed(state), temperature, top_k, top_p)
+        for token, p in policy.items():
+            if prob * p < prune:
+                pruned += prob * p
+            elif token == constraint.eos_id:
+                dist[tuple(seq)] = prob * p
+            else:
+                walk(seq + [token], constraint.step(state, token), prob * p)
+
+    walk([], constraint.initial_state, 1.0)
+    assert pruned < 1e-3, f"pruned mass {pruned:.2e}: raise prune or shorten the language"
+    assert dist, "the enumeration reached no accepting state"
+    return dist
+
+
+@torch.no_grad()
+def first_divergence(target, constraint: Constraint, prompt: list[int], reference: list[int],
+                     other: list[int]) -> tuple[int | None, float | None]:
+    """(first index where two greedy outputs differ, the reference's top-2 masked logit gap
+    there): (None, None) if identical; (the shorter length, None) if one is a prefix of the
+    other (a length cut, not a near-tie)."""
+    if reference == other:
+        return None, None
+    state = constraint.initial_state
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            logits = target(torch.tensor([prompt + reference[:i]])).logits[0, -1].float()
+            top2 = logits[: constraint.vocab_size].masked_fill(
+                ~constraint.mask(state), float("-inf")).topk(2).values
+            return i, float(top2[0] - top2[1])
+        state = constraint.step(state, a)
+        assert state is not None and state != FINISHED, "the reference left the constraint"
+    return min(len(reference), len(other)), None
+
+
+def assert_greedy_match(target, constraint: Constraint, prompt: list[int], reference: list[int],
+                        other: list[int]) -> None:
+    """Identical greedy outputs, or a first difference at a near-tie of the reference."""
+    index, gap = first_divergence(target, constraint, prompt, reference, other)
+    assert index is None or (gap is not None and gap < NEAR_TIE), \
+        f"greedy outputs diverge at token {index}, a clear decision (top-2 gap {gap})"
