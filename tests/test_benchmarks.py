@@ -4,6 +4,7 @@ Timing is never asserted (machines are noisy); validity, greedy identity and the
 """
 
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -14,6 +15,7 @@ import run
 import torch
 import workloads
 
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 # Finite languages: a random model's masked output always finishes within max_new_tokens.
 SCHEMAS = [
     {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
