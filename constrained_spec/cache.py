@@ -1,4 +1,5 @@
-"""Every KV-cache operation in one place (transformers 5's DynamicCache; its API quirks stay here).
+"""Every KV-cache operation in one place: transformers 5's DynamicCache (its API quirks stay
+here) and the compact forward's cache (``llama.CompactCache``, with the same two methods).
 
 Invariant, asserted after each round: a cache holds exactly the committed tokens minus the last
 one, which is fed at the start of the next verify (or draft) pass.
@@ -12,8 +13,12 @@ from functools import cache as memoize
 import torch
 from transformers import DynamicCache
 
+from .llama import CompactLlama
 
-def new_cache(model) -> DynamicCache:
+
+def new_cache(model):
+    if isinstance(model, CompactLlama):
+        return model.new_cache()
     return DynamicCache(config=model.config)
 
 
@@ -33,6 +38,9 @@ def crop(cache: DynamicCache, length: int) -> None:
 def forward(model, cache: DynamicCache, input_ids: list[int], device, features: bool = False):
     """Feed ``input_ids`` after what the cache holds; returns their logits, (n, V) float32, and
     with ``features`` also the LM head's inputs, (n, d): what a trained draft head reads."""
+    if isinstance(model, CompactLlama):
+        logits, hidden = model.step(torch.tensor(input_ids, dtype=torch.long, device=device), cache)
+        return (logits, hidden) if features else logits
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # (1, n)
     kwargs = {_cache_argument(type(model)): cache}
     seen = []

@@ -25,7 +25,7 @@ from .decode import DRAFTS
 from .errors import ConstraintError, DraftHeadError, GenerationInputError, VocabularyMismatch
 from .grammars import grammar_names, load_grammar
 from .head import shipped_head
-from .models import BUILTIN_MODELS, DEFAULT_MODEL, ModelFetchError
+from .models import BUILTIN_MODELS, DEFAULT_MODEL, WEIGHTS, ModelFetchError
 from .schema import load_schema, schema_to_regex
 
 EXIT_USAGE = 2
@@ -84,8 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="drafter: " + "; ".join(f"'{k}' = {v}" for k, v in DRAFTS.items())
                      + "; or a trained head's .safetensors file, or a draft model name/path "
                      "sharing the target's tokenizer (default: auto)")
+    gen.add_argument("--weights", default="auto", choices=list(WEIGHTS),
+                     help="how the target runs: " + "; ".join(f"'{k}' = {v}" for k, v in
+                                                              WEIGHTS.items())
+                     + ". The baseline uses the same (default: auto)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                     help="target weights dtype; the baseline uses the same (default: float32)")
+                     help="target weights dtype for --weights float (default: float32)")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
                      help="sampling temperature, 0 = greedy (default: 0)")
     gen.add_argument("--top-k", type=int, default=None, metavar="K",
@@ -158,6 +162,12 @@ def _validate(args) -> Request:
         _check_model_name(draft, "--draft")
     if draft == "head":
         shipped_head(args.model)  # raises DraftHeadError naming the heads there are
+    if args.dtype != "float32" and args.weights in ("int4", "int8"):
+        raise UsageError(f"--weights {args.weights} fixes its own numerics: drop --dtype "
+                         f"{args.dtype}, or pass --weights float.")
+    if draft in ("int8", "bf16") and args.weights in ("int4", "int8"):
+        raise UsageError(f"--draft {draft} copies a float target: pass --weights float, or "
+                         "--draft head or lookup.")
     if draft == "int8" and args.dtype != "float32":
         raise UsageError(f"--draft int8 quantizes a float32 target: drop --dtype {args.dtype}, "
                          "or pass --draft none or a draft model.")
@@ -200,7 +210,7 @@ def _generate(args, out: Console, err: Console) -> int:
 
     t0 = time.perf_counter()
     try:  # no spinner here: the first load shows its own download / conversion progress
-        gen = Generator.from_pretrained(args.model, draft=request.draft,
+        gen = Generator.from_pretrained(args.model, draft=request.draft, weights=args.weights,
                                         dtype=getattr(torch, args.dtype))
     except ModelFetchError as e:  # not the user's input: no network, corrupt download
         err.print(Text.assemble(("error: ", "bold red"), str(e)))
@@ -229,7 +239,8 @@ def _generate(args, out: Console, err: Console) -> int:
         err.print(f"stopped at --max-new-tokens {args.max_new_tokens}: the output is incomplete "
                   "and may not satisfy the constraint.", style="yellow", markup=False)
     if args.stats:
-        err.print(stats_table(result, meter, load_s, wall_s, args, request))
+        err.print(stats_table(result, meter, load_s, wall_s, args, request,
+                              getattr(gen, "weights_choice", gen.weights)))
     return 0
 
 
@@ -328,7 +339,8 @@ def render_round(r, piece, step) -> Text:
     return out
 
 
-def stats_table(result, meter: _Meter, load_s: float, wall_s: float, args, request) -> Table:
+def stats_table(result, meter: _Meter, load_s: float, wall_s: float, args, request,
+                weights: str = "") -> Table:
     s = result.stats
     n = meter.committed  # generated tokens, EOS included (the baseline makes one call per token)
     tpot = (s.total_s - s.ttft_s) / (n - meter.first_round) if n > meter.first_round else 0.0
@@ -341,8 +353,9 @@ def stats_table(result, meter: _Meter, load_s: float, wall_s: float, args, reque
     table.add_column(style="bold")
     table.add_column()
     rows = [
-        ("model / draft", f"{args.model} ({args.dtype}) / "
+        ("model / draft", f"{args.model} / "
                           f"{'none (baseline)' if request.draft is None or args.no_speculation else request.draft}"),
+        ("target weights", weights),
         ("finish", f"{result.finish_reason}, {n} tokens"),
         ("target calls", f"{s.target_calls} ({n / s.target_calls if s.target_calls else 0:.2f} "
                          "tokens per call)"),

@@ -23,7 +23,8 @@ from .draft import (
     logits_width,
     model_drafter,
 )
-from .errors import ConstraintError, GenerationInputError, VocabularyMismatch
+from .errors import ConstraintError, GenerationInputError, VocabularyMismatch, WeightsError
+from .llama import CompactLlama
 from .head import DraftHead, HeadDraft, has_shipped_head, load_head, shipped_head
 from .models import DEFAULT_MODEL, cache_dir as default_cache_dir
 from .sample import SamplingConfig, one_hot, policy, verify_greedy, verify_sampled
@@ -219,25 +220,36 @@ class Generator:
 
     @classmethod
     def from_pretrained(cls, target: str = DEFAULT_MODEL, draft: str | None = "auto",
-                        dtype: torch.dtype = torch.float32, skinny_matmul: bool = True,
-                        **kwargs) -> "Generator":
+                        weights: str = "auto", dtype: torch.dtype = torch.float32,
+                        skinny_matmul: bool = True, **kwargs) -> "Generator":
         """Load a built-in model name, a local path or a hub id. ``draft``: one of DRAFTS (no
         extra download), a draft head file (.safetensors) or a draft model name/path sharing
-        the target's tokenizer. ``skinny_matmul``: on the CPU, verify passes (2–32 tokens) use
+        the target's tokenizer. ``weights``: one of models.WEIGHTS; "auto" runs the built-in
+        model's own 4-bit blocks where this machine runs them faster (measured once, cached).
+        ``skinny_matmul``: on the CPU, float verify passes (2–32 tokens) use
         models.SkinnyLinear, cheaper (docs/measurements.md); one-token steps are unchanged."""
-        from .models import load_model, skinny_matmul as use_skinny  # keeps the import light
+        from .models import describe_weights, load_model, skinny_matmul as use_skinny
 
         if draft == "auto":
             draft = "head" if has_shipped_head(target) else "lookup"
+        if weights == "auto" and draft in ("int8", "bf16"):  # copies of a transformers target
+            weights = "float"
         head = shipped_head(target) if draft == "head" else draft if _is_head_file(draft) else None
-        model, tokenizer = load_model(target, dtype)
+        model, tokenizer = load_model(target, dtype, weights)
         if head is not None:
             draft = load_head(model, token_vocabulary(tokenizer), head)
         else:
             draft = _named_draft(draft, model, dtype)  # copies of the target first: int8
         if skinny_matmul and next(model.parameters()).device.type == "cpu":  # quantizes only
             use_skinny(model)                                               # plain nn.Linear
-        return cls(model, tokenizer, draft=draft, **kwargs)
+        gen = cls(model, tokenizer, draft=draft, **kwargs)
+        gen.weights_choice = describe_weights(target, weights, gen.weights)
+        return gen
+
+    @property
+    def weights(self) -> str:
+        """Which forward runs the target: "int4"/"int8" (the compact forward) or "float"."""
+        return getattr(self.target, "weights", "float")
 
     def compile(self, schema=None, regex: str | None = None) -> Constraint:
         """The compiled constraint for this tokenizer: a JSON Schema or a regex, exactly one."""
@@ -318,6 +330,10 @@ def _named_draft(draft: str | None, model, dtype: torch.dtype):
         return None
     if draft == "lookup":
         return CompositeDrafter(model=None)
+    if draft in ("int8", "bf16") and isinstance(model, CompactLlama):
+        raise WeightsError(f"draft={draft!r} copies a transformers target, and this one runs "
+                           f"weights={model.weights!r}: pass weights='float', or use "
+                           "draft='head' or 'lookup'.")
     if draft == "int8":
         return quantize_int8(model)
     if draft == "bf16":

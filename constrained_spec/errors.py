@@ -31,3 +31,7 @@ class VocabularyMismatch(ValueError):
 
 class DraftHeadError(ValueError):
     """The trained draft head's weight file is missing, corrupt or does not fit the target."""
+
+
+class WeightsError(ValueError):
+    """The requested weights option cannot run this model on this machine."""

@@ -35,6 +35,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .errors import WeightsError
+
 __all__ = [
     "BUILTIN_MODELS",
     "BuiltinModel",
@@ -45,6 +47,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "quantize_int8",
+    "WEIGHTS",
 ]
 
 CACHE_ENV = "CONSTRAINED_SPEC_CACHE"
@@ -90,15 +93,131 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32):
-    """Load `(model, tokenizer)`, the model in eval mode with weights in `dtype`.
+WEIGHTS = {
+    "auto": "int4 or float, whichever runs faster here (measured once per CPU and torch version, "
+            "then cached); float for models that are not built in",
+    "int4": "4-bit weight-only linears in a compact forward: the built-in GGUF's own Q4_1 blocks "
+            "(other Llama-family models quantized the same way), bf16 activations into the "
+            "matmuls; the 8-bit LM head exact in float32",
+    "int8": "8-bit weight-only linears (Q8_0 blocks) for Llama-family models, same forward",
+    "float": "transformers' own forward over float weights in `dtype` (for a GGUF: dequantized)",
+}
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
+               weights: str = "float"):
+    """Load `(model, tokenizer)`, the model in eval mode.
 
     `name_or_path` is a key of `BUILTIN_MODELS` (downloaded and converted once, then cached),
     a local `save_pretrained` folder, a local `.gguf` file, or a Hugging Face hub id.
+    `weights` is a key of `WEIGHTS`: "float" gives the transformers model with weights in
+    `dtype`; "int4"/"int8" a `llama.CompactLlama` (its `weights` attribute says which).
     `model.generation_config` is left as the checkpoint has it.
     """
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype such as torch.float32: {dtype!r}")
+    if weights not in WEIGHTS:
+        raise WeightsError(f"weights={weights!r} is not an option: choose one of "
+                           f"{', '.join(WEIGHTS)}.")
+    if weights == "auto":  # a float dtype other than float32 asks for the float path
+        weights = choose_weights(name_or_path) if dtype == torch.float32 else "float"
+    if weights != "float" and dtype != torch.float32:
+        raise WeightsError(f"weights={weights!r} fixes its own numerics: drop dtype={dtype} "
+                           "or use weights='float'.")
+    if weights == "int4" and name_or_path in BUILTIN_MODELS:
+        return _load_builtin_int4(name_or_path)
+    model, tokenizer = _load_float(name_or_path, dtype)
+    if weights != "float":
+        from . import llama
+
+        model = llama.from_transformers(model, weights)
+    return model.eval(), tokenizer
+
+
+def choose_weights(name_or_path: str) -> str:
+    """"int4" where this machine runs the built-in model's 4-bit linears faster than float32
+    ones, else "float"; models that are not built in stay "float" (4-bit is an opt-in there).
+    The measurement (about a second) is cached per CPU model, torch version and thread count."""
+    if name_or_path not in BUILTIN_MODELS:
+        return "float"
+    return "int4" if calibration(name_or_path)["choice"] == "int4" else "float"
+
+
+def describe_weights(name: str, requested: str, used: str) -> str:
+    """One line for --stats and the benchmark: what runs, and why (the measurement for auto)."""
+    if requested != "auto" or name not in BUILTIN_MODELS:
+        return f"{used} ({'asked for' if requested != 'auto' else 'auto: not a built-in model'})"
+    c = calibration(name)
+    return (f"{used} (auto: linears {c['int4_ms']:.1f} ms in int4 vs {c['float_ms']:.1f} ms in "
+            f"float32 on this CPU, {c['measured']})")
+
+
+def calibration(name: str) -> dict:
+    """The linear-kernel timings behind ``choose_weights`` for a built-in model, cached."""
+    from transformers import AutoConfig
+
+    from . import kernels
+
+    key = f"{name} | {_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    path = cache_dir() / "calibration.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known, dict) and isinstance(known.get(key), dict) and "choice" in known[key]:
+        return known[key]
+    config = AutoConfig.from_pretrained(_converted_copy(name, BUILTIN_MODELS[name]))
+    d, i = config.hidden_size, config.intermediate_size
+    hd = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    h, kv = config.num_attention_heads, config.num_key_value_heads
+    layer = [((h + 2 * kv) * hd, d), (d, h * hd), (2 * i, d), (d, i)]
+    timings = kernels.measure_linears(layer * 4)  # 4 layers: more than a CPU cache holds in fp32
+    result = {**{f"{k}_ms": round(v, 3) for k, v in timings.items()},
+              "choice": min(timings, key=timings.get), "measured": "linears of 4 layers, 1 + 5 rows"}
+    known = known if isinstance(known, dict) else {}
+    known[key] = result
+    try:
+        _atomic_write(path, json.dumps(known, indent=1))
+    except OSError as err:  # a read-only cache still runs, measuring again next time
+        _say(f"could not cache the kernel calibration in {path}: {err}")
+    return result
+
+
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".tmp-", delete=False) as f:
+        f.write(text)
+    os.replace(f.name, path)
+
+
+def _load_builtin_int4(name: str):
+    """The built-in model as it ships: its GGUF's blocks in the compact forward."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from . import llama
+
+    spec = BUILTIN_MODELS[name]
+    path = _converted_copy(name, spec)  # the tokenizer and config (and the GGUF, verified)
+    gguf = _verified_gguf(spec, cache_dir() / name)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = llama.from_gguf(gguf, AutoConfig.from_pretrained(path))
+    _check_builtin(model, tokenizer, spec, f"Delete {cache_dir() / name} to have it rebuilt.")
+    return model.eval(), tokenizer
+
+
+def _load_float(name_or_path: str, dtype: torch.dtype):
     if name_or_path in BUILTIN_MODELS:
         return _load_builtin(name_or_path, dtype)
     path = Path(name_or_path).expanduser()
@@ -115,7 +234,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
         except (OSError, ValueError) as err:  # hub failures: offline, no such repo, invalid id
             detail = f"loading it as a Hugging Face hub id failed ({type(err).__name__}: {err})."
             raise ValueError(_unknown_model(name_or_path, detail)) from err
-    return model.eval(), tokenizer
+    return model, tokenizer
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL):

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import cache as kv
 from .compile import FINISHED, Constraint
 from .draft import logits_width
 from .head import DraftHead
@@ -108,6 +109,13 @@ def reference_policy(logits: Sequence[float], legal: Sequence[int], temperature:
 
 
 @torch.no_grad()
+@torch.no_grad()
+def last_logits(target, ids: list[int]) -> torch.Tensor:
+    """The target's next-token logits after ``ids``, from a fresh cache (a transformers model or
+    the compact forward alike)."""
+    return kv.forward(target, kv.new_cache(target), ids, next(target.parameters()).device)[-1]
+
+
 def sequence_distribution(target, constraint: Constraint, prompt: list[int], temperature: float,
                           top_k: int | None = None, top_p: float | None = None,
                           prune: float = 1e-6) -> dict[tuple[int, ...], float]:
@@ -119,7 +127,7 @@ def sequence_distribution(target, constraint: Constraint, prompt: list[int], tem
 
     def walk(seq: list[int], state: int, prob: float) -> None:
         nonlocal pruned
-        logits = target(torch.tensor([prompt + seq])).logits[0, -1].double().tolist()
+        logits = last_logits(target, prompt + seq).double().tolist()
         policy = reference_policy(logits, constraint.allowed(state), temperature, top_k, top_p)
         for token, p in policy.items():
             if prob * p < prune:
@@ -146,7 +154,7 @@ def first_divergence(target, constraint: Constraint, prompt: list[int], referenc
     state = constraint.initial_state
     for i, (a, b) in enumerate(zip(reference, other)):
         if a != b:
-            logits = target(torch.tensor([prompt + reference[:i]])).logits[0, -1].float()
+            logits = last_logits(target, prompt + reference[:i])
             top2 = logits[: constraint.vocab_size].masked_fill(
                 ~constraint.mask(state), float("-inf")).topk(2).values
             return i, float(top2[0] - top2[1])

@@ -16,7 +16,8 @@ from constrained_spec.grammars import grammar_names
 ROOT = Path(__file__).resolve().parent.parent
 PERSON = ROOT / "examples" / "person.json"
 FLAGS = ["--schema", "--regex", "--grammar", "--raw-prompt", "--system", "--model", "--draft",
-         "--dtype", "--temperature", "--top-k", "--top-p", "--seed", "--max-new-tokens",
+         "--weights", "--dtype", "--temperature", "--top-k", "--top-p", "--seed",
+         "--max-new-tokens",
          "--num-draft-tokens", "--adaptive-k", "--no-speculation", "--stats", "--show"]
 
 

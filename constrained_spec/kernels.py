@@ -1,0 +1,155 @@
+"""Linear layers over GGUF-style blocks, and the measurement that picks their kernel per machine.
+
+Q4_1 (w = d·q + m, q in 0..15, per block of 32 input weights) is exactly torch's int4 weight-only
+format with group 32: scale d, zero m + 8d, since torch dequantizes as (q − 8)·scale + zero.
+Q8_0 (w = d·q, q int8) is dequantized once to float32, where d·q is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP = 32
+SKINNY_MAX = 32  # up to this many rows, W·xᵀ streams the weight once where x·Wᵀ packs it
+
+
+# --- blocks -------------------------------------------------------------------------------------
+
+
+def split_q4_1(raw: torch.Tensor):
+    """GGUF Q4_1 rows (N, blocks·20 bytes) → q (N, K) uint8, d and m (N, K/32) float32.
+    A block is d (fp16), m (fp16), 16 bytes: element j in the low nibble of byte j, j+16 high."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 20)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()   # (N, K/32)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+    nibbles = blocks[..., 4:]                                                   # (N, K/32, 16)
+    q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(rows, -1)     # (N, K)
+    return q, d, m
+
+
+def quantize_q4_1(w: torch.Tensor):
+    """float (N, K) → Q4_1 as llama.cpp quantizes: per block d = (max − min)/15, m = min."""
+    blocks = w.float().reshape(w.shape[0], -1, GROUP)                           # (N, K/32, 32)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    d = ((high - low) / 15).half().float()
+    m = low.half().float()
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = ((blocks - m[..., None]) * inverse[..., None] + 0.5).floor().clamp(0, 15)
+    return q.to(torch.uint8).reshape(w.shape), d, m
+
+
+def dequantize_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    blocks = q.float().reshape(q.shape[0], -1, GROUP)
+    return (blocks * d[..., None] + m[..., None]).reshape(q.shape)
+
+
+def split_q8_0(raw: torch.Tensor):
+    """GGUF Q8_0 rows (N, blocks·34 bytes) → q (N, K) int8, d (N, K/32) float32."""
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    q = blocks[..., 2:].contiguous().view(torch.int8).reshape(raw.shape[0], -1)
+    return q, d
+
+
+def quantize_q8_0(w: torch.Tensor):
+    """float (N, K) → Q8_0 as llama.cpp quantizes: per block d = max|w|/127."""
+    blocks = w.float().reshape(w.shape[0], -1, GROUP)
+    d = (blocks.abs().amax(-1) / 127).half().float()
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = (blocks * inverse[..., None]).round().clamp(-127, 127)
+    return q.to(torch.int8).reshape(w.shape), d
+
+
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    blocks = q.float().reshape(q.shape[0], -1, GROUP)
+    return (blocks * d[..., None]).reshape(q.shape)  # exact: |q| ≤ 127 times an fp16 value
+
+
+# --- layers -------------------------------------------------------------------------------------
+
+
+class DenseLinear(nn.Module):
+    """y = x·Wᵀ in float32, up to 32 rows as W·xᵀ: the CPU BLAS streams W once that way instead
+    of packing it, and one row goes as two (its matrix-vector product ran the LM head at a third
+    of the speed: 9.5 against 3.3 ms, docs/measurements.md)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float().contiguous(), requires_grad=False)  # (N, K)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if n == 1 and x.device.type == "cpu":
+            return torch.mm(self.weight, x.repeat(2, 1).T)[:, :1].T
+        if n <= SKINNY_MAX and x.device.type == "cpu":
+            return torch.mm(self.weight, x.T).T
+        return F.linear(x, self.weight)
+
+
+class Int4Linear(nn.Module):
+    """W = (q − 8)·scale + zero per group of 32 inputs (q in 0..15), run by torch's int4
+    weight-only CPU kernel with bf16 activations and bf16 scales, float32 accumulation."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, copies: int = 1):
+        super().__init__()
+        n, k = q.shape
+        assert k % GROUP == 0, f"int4 groups need inputs in multiples of {GROUP}, got {k}"
+        self.copies = copies  # the input is repeated this many times along K (see from_q8_0)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32).contiguous(), 8))                               # (N, K/2) uint8
+        scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1)        # (K/32, N, 2)
+        self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
+
+    @classmethod
+    def from_q4_1(cls, q, d, m) -> "Int4Linear":
+        """Q4_1: w = d·q + m = d·(q − 8) + (m + 8d)."""
+        return cls(q, d, m + 8 * d)
+
+    @classmethod
+    def from_q8_0(cls, q, d) -> "Int4Linear":
+        """Q8_0 as two 4-bit halves of u = q + 128 = 16h + l, the input fed twice:
+        d·q = 16d·(h − 8) + d·(l − 8) + 8d. Its 8 bits and block scales survive (bf16 scales)."""
+        u = q.to(torch.int16) + 128                                            # (N, K) 0..255
+        h, l = u // 16, u % 16
+        zero = torch.zeros_like(d)
+        return cls(torch.cat((h, l), 1), torch.cat((16 * d, d), 1), torch.cat((zero, 8 * d), 1),
+                   copies=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        if self.copies > 1:
+            x = x.repeat(1, self.copies)                                       # (n, copies·K)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP,
+                                                          self.scale_zero).float()
+
+
+# --- choosing by measurement ----------------------------------------------------------------------
+
+
+def measure_linears(shapes: list[tuple[int, int]], rows: tuple[int, ...] = (1, 5),
+                    repeats: int = 5) -> dict[str, float]:
+    """Milliseconds for one pass over ``shapes`` ((N, K) weights, random, distinct so that they
+    are read from memory as a model's are), per kernel, summed over inputs of ``rows`` rows:
+    a one-token step and a typical verify pass."""
+    import time
+
+    makers = {"int4": lambda w: Int4Linear.from_q4_1(*quantize_q4_1(w)), "float": DenseLinear}
+    result = {}
+    for name, make in makers.items():
+        layers = [make(torch.randn(n, k) * 0.02) for n, k in shapes]
+        total = 0.0
+        for m in rows:
+            xs = {k: torch.randn(m, k) for _, k in shapes}
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for layer, (_, k) in zip(layers, shapes):
+                    layer(xs[k])
+                best = min(best, time.perf_counter() - start)
+            total += best
+        result[name] = 1e3 * total
+        del layers
+    return result

@@ -1,0 +1,236 @@
+"""A compact Llama forward (in the style of gpt-fast) over weights kept as they ship: the fast target.
+
+The built-in model ships as a GGUF of 210 Q4_1 tensors (w = d·q + m per block of 32 weights, d and
+m in fp16) and one Q8_0 token embedding (w = d·q, q int8) tied to the LM head. Here every Q4_1
+tensor stays 4-bit and runs through a weight-only kernel (`kernels.py`), the Q8_0 tensor is
+dequantized exactly to float32 (d·q is exact in float32), norms, rotary, attention and the KV cache
+stay float32. transformers' eager forward is not used: its per-layer bookkeeping cost more than
+the 4-bit matmuls themselves (docs/measurements.md).
+
+Any other Llama-family transformers model can be converted too (``from_transformers``): its
+linear layers quantized the same way as Q4_1 (group 32, affine) or kept as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import kernels
+from .errors import WeightsError
+
+class CompactCache:
+    """Keys and values of every layer in one preallocated tensor; ``length`` positions are valid.
+    Cropping is setting ``length``: rejected drafts' entries are simply overwritten next round."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, limit: int):
+        self.keys = torch.empty(layers, kv_heads, capacity, head_dim)  # (L, KV, T_cap, hd)
+        self.values = torch.empty_like(self.keys)
+        self.length, self.limit = 0, limit
+
+    def get_seq_length(self) -> int:  # the names cache.py uses for transformers' caches too
+        return self.length
+
+    def crop(self, length: int) -> None:
+        self.length = length if length >= 0 else self.length + length
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` more positions (doubling, up to the model's context)."""
+        need = self.length + n
+        if need <= self.keys.shape[2]:
+            return
+        assert need <= self.limit, f"{need} positions exceed the model's context {self.limit}"
+        capacity = min(max(need, 2 * self.keys.shape[2]), self.limit)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    eps: float
+    context: int
+
+
+class CompactLlama(nn.Module):
+    """A Llama-family causal LM: ``step(ids, cache)`` → (logits (n, V), LM-head inputs (n, d)).
+
+    Offers what the rest of the package reads off a transformers model: ``config``,
+    ``get_input_embeddings()``, ``get_output_embeddings().weight`` (the draft head uses them)."""
+
+    def __init__(self, config, embed: torch.Tensor, lm_head: torch.Tensor, norms: list,
+                 linears: list, weights: str):
+        super().__init__()
+        self.config, self.weights = config, weights
+        self.shape = _shape(config)
+        self.embed = nn.Embedding.from_pretrained(embed, freeze=True)             # (V, d)
+        self.lm_head = kernels.DenseLinear(lm_head)                                # (V, d)
+        self.norms = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in norms)
+        self.linears = nn.ModuleList(linears)  # per layer: qkv, o, gate_up, down
+        self.rope = _rope_inverse_frequencies(self.shape)
+        self.kernel_choice: dict = {}          # what kernels.calibrate picked, for --stats
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def new_cache(self) -> CompactCache:
+        s = self.shape
+        return CompactCache(s.layers, s.kv_heads, s.head_dim, min(256, s.context), s.context)
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor, cache: CompactCache):
+        """Feed ``ids`` (n,) after the cache's positions; returns their logits and features."""
+        s, n, start = self.shape, ids.shape[0], cache.length
+        cache.reserve(n)
+        positions = torch.arange(start, start + n, dtype=torch.float32)
+        angles = positions[:, None] * self.rope[None, :]                   # (n, hd/2)
+        cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)    # (n, hd)
+        # a new token sees every cached position and the new ones up to itself
+        mask = None if n == 1 else torch.ones(n, start + n, dtype=torch.bool).tril(start)
+        x = self.embed(ids)                                                # (n, d)
+        for layer in range(s.layers):
+            qkv, o, gate_up, down = self.linears[4 * layer: 4 * layer + 4]
+            h = qkv(F.rms_norm(x, (s.hidden,), self.norms[2 * layer], s.eps))
+            h = h.view(n, s.heads + 2 * s.kv_heads, s.head_dim).transpose(0, 1)  # (H+2KV, n, hd)
+            qk = _rotate(h[: s.heads + s.kv_heads], cos, sin)             # q and k heads at once
+            cache.keys[layer, :, start: start + n] = qk[s.heads:]          # (KV, n, hd)
+            cache.values[layer, :, start: start + n] = h[s.heads + s.kv_heads:]
+            a = F.scaled_dot_product_attention(
+                qk[None, : s.heads], cache.keys[None, layer, :, : start + n],
+                cache.values[None, layer, :, : start + n], attn_mask=mask, enable_gqa=True)
+            x = x + o(a[0].transpose(0, 1).reshape(n, -1))                 # (1, H, n, hd) → (n, d)
+            g, u = gate_up(F.rms_norm(x, (s.hidden,), self.norms[2 * layer + 1], s.eps)).chunk(2, -1)
+            x = x + down(F.silu(g) * u)
+        cache.length = start + n
+        features = F.rms_norm(x, (s.hidden,), self.norms[-1], s.eps)       # (n, d)
+        return self.lm_head(features), features
+
+
+def _shape(config) -> Shape:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if rope.get("rope_type", "default") != "default":
+        raise WeightsError(f"rope type {rope['rope_type']!r} is not supported by the compact "
+                           "forward: use weights='float' (transformers' own forward).")
+    return Shape(config.num_hidden_layers, config.hidden_size, heads, config.num_key_value_heads,
+                 head_dim, float(theta), float(config.rms_norm_eps),
+                 config.max_position_embeddings)
+
+
+def _rope_inverse_frequencies(s: Shape) -> torch.Tensor:
+    return 1.0 / s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2  # transformers' layout: the rotated pairs are (i, i + hd/2)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def from_gguf(path: str | Path, config) -> CompactLlama:
+    """The model of a llama GGUF whose linears are Q4_1 and token embedding Q8_0, as shipped."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    s = _shape(config)
+
+    def blocks(name: str, kind: str):
+        t = tensors[name]
+        if t.tensor_type.name != kind:
+            raise WeightsError(f"{Path(path).name}: {name} is {t.tensor_type.name}, the 4-bit path "
+                               f"reads {kind}: use weights='float'.")
+        return torch.from_numpy(t.data.copy())  # (rows, bytes per row)
+
+    embed = kernels.dequantize_q8_0(*kernels.split_q8_0(blocks("token_embd.weight", "Q8_0")))
+    norms, linears = [], []
+    for i in range(s.layers):
+        norms += [_f32(tensors[f"blk.{i}.attn_norm.weight"]), _f32(tensors[f"blk.{i}.ffn_norm.weight"])]
+        q4 = {name: kernels.split_q4_1(blocks(f"blk.{i}.{name}.weight", "Q4_1"))
+              for name in GGUF_LINEARS}
+        # GGUF stores q and k rows permuted for llama.cpp's rotary layout: undo it, as transformers does
+        q4["attn_q"] = tuple(_unpermute(t, s.heads) for t in q4["attn_q"])
+        q4["attn_k"] = tuple(_unpermute(t, s.kv_heads) for t in q4["attn_k"])
+        linears += _layer_linears([q4[name] for name in GGUF_LINEARS])
+    norms.append(_f32(tensors["output_norm.weight"]))
+    lm_head = embed if "output.weight" not in tensors else \
+        kernels.dequantize_q8_0(*kernels.split_q8_0(blocks("output.weight", "Q8_0")))
+    return CompactLlama(config, embed, lm_head, norms, linears, "int4")
+
+
+def from_transformers(model, weights: str = "int4") -> CompactLlama:
+    """A Llama-family transformers model's weights in the compact forward: ``"int4"`` quantizes
+    its linears as Q4_1, ``"int8"`` as Q8_0, both with the LM head as Q8_0 (as llama.cpp
+    quantizes them); ``"float"`` keeps every weight as it is, in float32."""
+    config = model.config
+    if config.model_type not in ("llama", "mistral", "qwen2") or \
+            not hasattr(getattr(model, "model", None), "layers"):
+        raise WeightsError(f"weights={weights!r} runs Llama-family models (llama, mistral, qwen2 "
+                           f"configs); {type(model).__name__} is not one: use weights='float'.")
+    if any(getattr(config, flag, False) for flag in ("attention_bias", "mlp_bias")) or \
+            getattr(config, "sliding_window", None) or config.hidden_act != "silu":
+        raise WeightsError(f"{type(model).__name__}'s layers (biases, sliding window or a "
+                           "non-silu MLP) are not what the compact forward computes: use "
+                           "weights='float'.")
+    linear = {"int4": lambda w: kernels.Int4Linear.from_q4_1(*kernels.quantize_q4_1(w)),
+              "int8": lambda w: kernels.Int4Linear.from_q8_0(*kernels.quantize_q8_0(w)),
+              "float": kernels.DenseLinear}[weights]
+    lm_head = model.get_output_embeddings().weight.detach().float()
+    embed = model.get_input_embeddings().weight.detach().float()
+    if weights != "float":
+        tied = lm_head.data_ptr() == embed.data_ptr()
+        lm_head = kernels.dequantize_q8_0(*kernels.quantize_q8_0(lm_head))
+        embed = lm_head if tied else embed
+    norms, linears = [], []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        w = [m.weight.detach().float() for m in (attn.q_proj, attn.k_proj, attn.v_proj,
+                                                 attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                                                 mlp.down_proj)]
+        linears += [linear(torch.cat(w[:3])), linear(w[3]), linear(torch.cat(w[4:6])), linear(w[6])]
+        norms += [layer.input_layernorm.weight.detach().float(),
+                  layer.post_attention_layernorm.weight.detach().float()]
+    norms.append(model.model.norm.weight.detach().float())
+    return CompactLlama(config, embed, lm_head, norms, linears, weights)
+
+
+def _layer_linears(q4: list) -> list:
+    """q, k, v, o, gate, up, down as Q4_1 blocks → the four matmuls of a layer (q/k/v and
+    gate/up fused along their outputs: fewer, larger kernel calls)."""
+    def cat(parts):
+        return tuple(torch.cat(p) for p in zip(*parts))
+    return [kernels.Int4Linear.from_q4_1(*cat(q4[:3])), kernels.Int4Linear.from_q4_1(*q4[3]),
+            kernels.Int4Linear.from_q4_1(*cat(q4[4:6])), kernels.Int4Linear.from_q4_1(*q4[6])]
+
+
+def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's convert script interleaves each head's rotary halves; rows back to HF order."""
+    rows = t.shape[0]
+    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def _f32(tensor) -> torch.Tensor:
+    return torch.from_numpy(tensor.data.copy()).float()
