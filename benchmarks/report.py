@@ -296,6 +296,8 @@ def markdown(results: dict, summary: dict, preds: list[dict], plots: list[str]) 
           *(["**Partial run** (stopped early): the requests finished so far.", ""]
             if meta.get("partial") else []),
           f"Command: `{meta['command']}`", "",
+          *([f"Target weights (engine configurations but `baseline-float`): {meta['weights']}", ""]
+            if meta.get("weights") else []),
           f"Run {started}, {minutes:.0f} min; {n} requests × {len(meta['configs'])} "
           "configurations "
           f"(interleaved per request, order rotated), max_new_tokens={args['max_new_tokens']}, "
@@ -465,6 +467,13 @@ def _calibration_section(calibration: dict | None) -> list[str]:
     lines = ["## Forward costs (bare forwards, before the run)", "",
              f"After a {calibration['context_tokens']}-token context, median of 3:", "",
              *_table(["k drafts", "tokens fed", "target ms", "÷ one-token step"], rows), ""]
+    if "bandwidth_limit_ms" in calibration:
+        one = ms[min(ms, key=int)]
+        lines += [f"ms per step against the bandwidth limit: a one-token step reads "
+                  f"{calibration['weight_bytes'] / 1e6:.0f} MB of weights; at the measured read "
+                  f"bandwidth ({calibration['read_gb_s']:.1f} GB/s, summing a 1 GiB tensor) that "
+                  f"takes {calibration['bandwidth_limit_ms']:.1f} ms; the step takes {one:.1f} ms "
+                  f"({one / calibration['bandwidth_limit_ms']:.1f}× the limit).", ""]
     if "draft_step_ms" in calibration:
         lines += [f"int8 draft: {calibration['draft_step_ms']:.1f} ms per one-token step "
                   f"(c = {calibration['cost_ratio']:.2f} of a target step); its prefill of the "

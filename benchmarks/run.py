@@ -68,7 +68,13 @@ from constrained_spec import Generator  # noqa: E402
 from constrained_spec.compile import Constraint, run_bounded  # noqa: E402
 from constrained_spec.draft import CompositeDrafter, DraftModel, logits_width, model_drafter  # noqa: E402
 from constrained_spec.head import DraftHead, HeadDraft, load_head, shipped_head  # noqa: E402
-from constrained_spec.models import DEFAULT_MODEL  # noqa: E402
+from constrained_spec.llama import CompactLlama, from_transformers  # noqa: E402
+from constrained_spec.models import (  # noqa: E402
+    DEFAULT_MODEL,
+    WEIGHTS,
+    describe_weights,
+    load_model,
+)
 from constrained_spec.testing import NEAR_TIE, first_divergence  # noqa: E402
 
 KS = (2, 4, 8)
@@ -87,6 +93,7 @@ class Config:
     temperature: float = 0.0
     min_confidence: float = 0.0  # engine: CompositeDrafter.min_confidence (an early stop)
     after_lookup: bool = False   # engine: CompositeDrafter.model_after_lookup (an ablation)
+    float_target: bool = False   # engine: the float32 transformers target, whatever --weights
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +107,7 @@ class Config:
 def all_configs() -> list[Config]:
     hot = lambda c: replace(c, name=f"{c.name}@t{HOT_T:g}", temperature=HOT_T)  # noqa: E731
     base = Config("baseline", "engine")
+    base_float = Config("baseline-float", "engine", float_target=True)
     forced, lookup = Config("forced", "engine", "forced"), Config("lookup", "engine", "lookup")
     model = {d: [Config(f"{d}/k{k}", "engine", d, k) for k in KS]
              + [Config(f"{d}/adaptive", "engine", d, ADAPTIVE_K_MAX, adaptive=True)]
@@ -113,9 +121,9 @@ def all_configs() -> list[Config]:
              Config("hf-assisted-lookup+outlines", "hf-assisted", "lookup"),
              Config("hf-assisted-int8+outlines", "hf-assisted", "int8"),
              Config("llama.cpp", "llama.cpp")]
-    return ([base, forced, lookup, *model["int8"], *model["int8+lookup"], *model["bf16+lookup"],
+    return ([base, base_float, forced, lookup, *model["int8"], *model["int8+lookup"], *model["bf16+lookup"],
              *model["head"][:-1], *model["head+lookup"]]
-            + [hot(base), hot(lookup), hot(model["int8"][1]), hot(model["int8+lookup"][1]),
+            + [hot(base), hot(base_float), hot(lookup), hot(model["int8"][1]), hot(model["int8+lookup"][1]),
                hot(model["int8+lookup"][-1]), hot(model["head"][1]), hot(model["head+lookup"][1]),
                *(hot(c) for c in model["head+lookup"]
                  if c.min_confidence and not c.after_lookup)]
@@ -228,6 +236,7 @@ class Bench:
     def __init__(self, args, model, tokenizer, configs):
         self.args, self.model, self.tokenizer = args, model, tokenizer
         self.gen = Generator(model, tokenizer, draft=None)
+        self.float_gen = self._float_gen(args) if any(c.float_target for c in configs) else None
         self.eos = self.gen.vocab.eos_id
         self._outlines = None       # outlines Transformers model, or the exception it raised
         self._indexes: dict = {}    # request id → outlines-core Index, or the exception
@@ -245,6 +254,15 @@ class Bench:
         self.head = self._head(args, model) if any(
             (c.drafter or "").startswith("head") for c in configs) else None
         self.meter = Meter(model)
+
+    def _float_gen(self, args):
+        """The float32 transformers target next to a quantized one: the masked baseline as it
+        ran before the compact forward."""
+        if not isinstance(self.model, CompactLlama):
+            return self.gen
+        model = workloads.tiny_model_and_tokenizer()[0] if args.quick else \
+            load_model(args.model, weights="float")[0]
+        return Generator(model, self.tokenizer, draft=None)
 
     def _head(self, args, model):
         if args.quick:  # the tiny model has no trained head: a random one exercises the path
@@ -292,9 +310,10 @@ class Bench:
     def run_engine(self, config, request, seed, max_new_tokens) -> dict:
         drafter = self.drafter(config)
         speculative = drafter is not None
+        gen = self.float_gen if config.float_target else self.gen
         self.meter.reset()
         t0 = time.perf_counter()
-        result = self.gen.generate(request.messages, schema=request.schema,
+        result = gen.generate(request.messages, schema=request.schema,
                                    max_new_tokens=max_new_tokens,
                                    temperature=config.temperature, seed=seed,
                                    num_draft_tokens=max(config.k, 1), speculative=speculative,
@@ -497,7 +516,8 @@ def calibrate(target, draft, context: list[int], reps: int = 3) -> dict:
         return statistics.median(forward_ms(model, context, n, reps)[1:])
 
     out = {"context_tokens": len(context),
-           "target_ms": {n: step_ms(target, n) for n in (1, 2, 3, 5, 9, 17)}}
+           "target_ms": {n: step_ms(target, n) for n in (1, 2, 3, 4, 5, 8, 9, 17)},
+           **bandwidth_limit(target)}
     if draft is not None:
         out["draft_step_ms"] = step_ms(draft, 1)
         t = time.perf_counter()
@@ -505,6 +525,25 @@ def calibrate(target, draft, context: list[int], reps: int = 3) -> dict:
         out["draft_prefill_ms"] = 1e3 * (time.perf_counter() - t)
         out["cost_ratio"] = out["draft_step_ms"] / out["target_ms"][1]
     return out
+
+
+def bandwidth_limit(target) -> dict:
+    """The one-token step's floor on this machine: the bytes of weights a step reads (every
+    parameter and buffer but the input embedding's rows, which are looked up) over the memory
+    read bandwidth measured by summing a 1 GiB tensor."""
+    embed = target.get_input_embeddings().weight
+    tensors = {t.data_ptr(): t for t in [*target.parameters(), *target.buffers()]}
+    if embed.data_ptr() != target.get_output_embeddings().weight.data_ptr():
+        tensors.pop(embed.data_ptr(), None)  # untied: its rows are gathered, not streamed
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    big = torch.ones(2**28)  # 1 GiB of float32
+    big.sum()
+    t = time.perf_counter()
+    for _ in range(3):
+        big.sum()
+    read_gb_s = 3 * big.numel() * 4 / (time.perf_counter() - t) / 1e9
+    return {"weight_bytes": weight_bytes, "read_gb_s": read_gb_s,
+            "bandwidth_limit_ms": weight_bytes / read_gb_s / 1e6}
 
 
 # --- correctness fields ------------------------------------------------------------------------
@@ -535,8 +574,8 @@ def judge(row: dict, request: Request, config: Config, reference: dict | None, g
     if not config.greedy or reference is None:
         row["identical"] = None
         return
-    if config.peer:  # another regex may tokenize the same text differently: compare texts
-        row["identical"] = row["text"] == reference["text"]
+    if config.peer or config.float_target:  # other weights (or another tokenization of the
+        row["identical"] = row["text"] == reference["text"]  # same text): compare texts
         return
     row["identical"] = row["token_ids"] == reference["token_ids"]
     if not row["identical"]:
@@ -577,10 +616,11 @@ def machine_info(args) -> dict:
 def load(args):
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.quick:
-        return workloads.tiny_model_and_tokenizer()
-    from constrained_spec.models import load_model
-    return load_model(args.model)
+    if args.quick:  # the tiny model quantized as a Llama-family model would be
+        model, tokenizer = workloads.tiny_model_and_tokenizer()
+        return (model if args.weights in ("auto", "float") else
+                from_transformers(model, args.weights)), tokenizer
+    return load_model(args.model, weights=args.weights)
 
 
 def main(argv=None) -> int:
@@ -621,7 +661,9 @@ def measure(args, configs, bench, out: Path, argv, say) -> int:
             else shlex.join(["benchmarks/run.py", *argv]),
             "args": vars(args), "machine": machine_info(args), "started": time.time(),
             "model": "tiny random (quick)" if args.quick else args.model,
-            "configs": [asdict(c) for c in configs], "near_tie": NEAR_TIE}
+            "configs": [asdict(c) for c in configs], "near_tie": NEAR_TIE,
+            "weights": describe_weights(args.model, args.weights, getattr(
+                bench.model, "weights", "float")) if not args.quick else args.weights}
 
     if args.calibrate:
         say("measuring forward costs ...")
@@ -680,6 +722,9 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--configs", default="default", help="comma-separated names/patterns/groups")
     p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--weights", default="auto", choices=list(WEIGHTS),
+                   help="the target's weights for every engine configuration but "
+                        "baseline-float (default: auto, as Generator.from_pretrained)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 256 (40 with --quick)")
     p.add_argument("--seed", type=int, default=0, help="selects the requests; seeds T>0 sampling")
     p.add_argument("--data", default=str(workloads.DATA),

@@ -39,7 +39,7 @@ def forward(model, cache: DynamicCache, input_ids: list[int], device, features: 
     """Feed ``input_ids`` after what the cache holds; returns their logits, (n, V) float32, and
     with ``features`` also the LM head's inputs, (n, d): what a trained draft head reads."""
     if isinstance(model, CompactLlama):
-        logits, hidden = model.step(torch.tensor(input_ids, dtype=torch.long, device=device), cache)
+        logits, hidden = model(torch.tensor(input_ids, dtype=torch.long, device=device), cache)
         return (logits, hidden) if features else logits
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # (1, n)
     kwargs = {_cache_argument(type(model)): cache}

@@ -65,7 +65,7 @@ class Shape:
 
 
 class CompactLlama(nn.Module):
-    """A Llama-family causal LM: ``step(ids, cache)`` → (logits (n, V), LM-head inputs (n, d)).
+    """A Llama-family causal LM: ``model(ids, cache)`` → (logits (n, V), LM-head inputs (n, d)).
 
     Offers what the rest of the package reads off a transformers model: ``config``,
     ``get_input_embeddings()``, ``get_output_embeddings().weight`` (the draft head uses them)."""
@@ -93,7 +93,7 @@ class CompactLlama(nn.Module):
         return CompactCache(s.layers, s.kv_heads, s.head_dim, min(256, s.context), s.context)
 
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor, cache: CompactCache):
+    def forward(self, ids: torch.Tensor, cache: CompactCache):
         """Feed ``ids`` (n,) after the cache's positions; returns their logits and features."""
         s, n, start = self.shape, ids.shape[0], cache.length
         cache.reserve(n)
