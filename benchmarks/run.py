@@ -80,6 +80,7 @@ from constrained_spec.testing import NEAR_TIE, first_divergence  # noqa: E402
 KS = (2, 4, 8)
 CONFIDENCES = (0.1, 0.2, 0.3, 0.5, 0.7)  # early stops tried with the head at k = max(KS)
 ADAPTIVE_K_MAX = 8
+DRAFT_CAPS = (3, 7, 11, 15)  # max_draft values tried (verify widths 4, 8, 12, 16)
 HOT_T = 0.7
 
 
@@ -94,6 +95,7 @@ class Config:
     min_confidence: float = 0.0  # engine: CompositeDrafter.min_confidence (an early stop)
     after_lookup: bool = False   # engine: CompositeDrafter.model_after_lookup (an ablation)
     float_target: bool = False   # engine: the float32 transformers target, whatever --weights
+    max_draft: int | None = None  # engine: CompositeDrafter.max_draft (None: its default)
 
     @property
     def greedy(self) -> bool:
@@ -117,12 +119,19 @@ def all_configs() -> list[Config]:
     model["head+lookup"].append(Config(f"head+lookup/k{KS[-1]}/c0.3/after-lookup", "engine",
                                        "head+lookup", KS[-1], min_confidence=0.3,
                                        after_lookup=True))
+    # draft-length caps: on the int4 target a verify's cost grows in steps of 4 tokens
+    capped = [replace(c, name=f"{c.name}/d{d}", max_draft=d) for d in DRAFT_CAPS
+              for c in (lookup, *(c for c in model["head+lookup"] if c.min_confidence == 0.3
+                                  and not c.after_lookup),
+                        Config("head+lookup/k4/c0.3", "engine", "head+lookup", 4,
+                               min_confidence=0.3))]
     peers = [Config("outlines", "outlines"), Config("hf+outlines", "hf"),
              Config("hf-assisted-lookup+outlines", "hf-assisted", "lookup"),
              Config("hf-assisted-int8+outlines", "hf-assisted", "int8"),
              Config("llama.cpp", "llama.cpp")]
     return ([base, base_float, forced, lookup, *model["int8"], *model["int8+lookup"], *model["bf16+lookup"],
              *model["head"][:-1], *model["head+lookup"]]
+            + capped + [hot(c) for c in capped]
             + [hot(base), hot(base_float), hot(lookup), hot(model["int8"][1]), hot(model["int8+lookup"][1]),
                hot(model["int8+lookup"][-1]), hot(model["head"][1]), hot(model["head+lookup"][1]),
                *(hot(c) for c in model["head+lookup"]
@@ -277,7 +286,7 @@ class Bench:
             return None
         if config.name not in self._drafters:
             width, stop = self.gen.width, config.min_confidence
-            self._drafters[config.name] = {
+            drafter = {
                 "forced": lambda: CompositeDrafter(model=None, use_lookup=False),
                 "lookup": lambda: CompositeDrafter(model=None),
                 "int8": lambda: CompositeDrafter(DraftModel(self.int8, width), use_forced=False,
@@ -291,6 +300,9 @@ class Bench:
                                                         min_confidence=stop,
                                                         model_after_lookup=config.after_lookup),
             }[config.drafter]()
+            if config.max_draft is not None:
+                drafter.max_draft = config.max_draft
+            self._drafters[config.name] = drafter
         return self._drafters[config.name]
 
     def run(self, config: Config, request: Request, seed: int, max_new_tokens: int) -> dict:
