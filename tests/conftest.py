@@ -21,3 +21,12 @@ def tiny_target(tiny_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_draft(tiny_tokenizer):
     return testing.tiny_model(tiny_tokenizer, seed=1, layers=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_int4_target(tiny_tokenizer):
+    """The tiny target's weights quantized as the default model ships (Q4_1 linears, Q8_0 LM
+    head), in the compact forward."""
+    from constrained_spec import llama
+
+    return llama.from_transformers(testing.tiny_model(tiny_tokenizer, seed=0), "int4")

@@ -16,7 +16,8 @@ from constrained_spec import (
 )
 from constrained_spec import decode as decode_module
 from constrained_spec.compile import FINISHED
-from constrained_spec.testing import PERSON, assert_greedy_match
+from constrained_spec.llama import CompactCache
+from constrained_spec.testing import PERSON, assert_greedy_match, last_logits, random_head
 
 # PERSON with a bounded age: a finite language whose longest text (~110 bytes) fits in 200 tokens
 BOUNDED = {**PERSON, "properties": {**PERSON["properties"],
@@ -36,6 +37,25 @@ def test_greedy_speculative_equals_the_masked_baseline(prompt, k, tiny_target, t
                         base.token_ids, spec.token_ids)
     assert spec.finish_reason == base.finish_reason
     assert spec.stats.drafted > 0
+
+
+@pytest.mark.parametrize("drafter", ["model", "head"])
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("k", [1, 3, 4, 8])
+def test_greedy_speculative_equals_the_masked_baseline_on_int4(prompt, k, drafter,
+                                                               tiny_int4_target, tiny_draft,
+                                                               tiny_tokenizer):
+    """The compact int4 target: its verify pass of k+1 tokens must pick what its one-token
+    steps pick (int4 kernel rows are independent of how many are fed)."""
+    draft = tiny_draft if drafter == "model" else random_head(tiny_int4_target)
+    gen = Generator(tiny_int4_target, tiny_tokenizer, draft=draft, cache_dir=None)
+    base = gen.generate(prompt, schema=PERSON, speculative=False, max_new_tokens=80)
+    spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=k, max_new_tokens=80)
+    assert base.stats.target_calls == len(base.token_ids) + (base.finish_reason == "stop")
+    assert_greedy_match(tiny_int4_target, gen.compile(schema=PERSON),
+                        tiny_tokenizer.encode(prompt), base.token_ids, spec.token_ids)
+    assert spec.finish_reason == base.finish_reason
+    assert spec.stats.drafted_by_source.get("model", 0) > 0, spec.stats.drafted_by_source
 
 
 class IllegalDrafter:
@@ -96,6 +116,33 @@ def test_kv_caches_after_rollback_equal_a_fresh_forward(temperature, tiny_target
             via_cache = model(torch.tensor([ids[-1:]]), cache=copy.deepcopy(cache)).logits[0, -1]
             fresh = model(torch.tensor([ids])).logits[0, -1]
             torch.testing.assert_close(via_cache, fresh, atol=1e-4, rtol=1e-4)
+        checked.append(rnd.accepted < len(rnd.drafted))
+
+    gen.generate("hello", schema=PERSON, temperature=temperature, seed=1, max_new_tokens=60,
+                 on_round=check)
+    assert any(checked), "no round rejected a draft: the rollback was not exercised"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compact_cache_after_rollback_equals_a_fresh_forward(temperature, tiny_int4_target,
+                                                             tiny_draft, tiny_tokenizer,
+                                                             monkeypatch):
+    """The same on the compact int4 target: its cache (cropped by setting a length, rejected
+    entries left to be overwritten) + the last committed token gives a fresh forward's logits."""
+    gen = Generator(tiny_int4_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
+    caches, committed, checked = [], tiny_tokenizer.encode("hello"), []
+    real_new_cache = decode_module.kv.new_cache
+    monkeypatch.setattr(decode_module.kv, "new_cache",
+                        lambda model: caches.append(real_new_cache(model)) or caches[-1])
+
+    def check(rnd):
+        committed.extend(rnd.committed)
+        cache = caches[0]
+        assert isinstance(cache, CompactCache) and cache.get_seq_length() == len(committed) - 1
+        via_cache = decode_module.kv.forward(tiny_int4_target, copy.deepcopy(cache),
+                                             committed[-1:], "cpu")[-1]
+        torch.testing.assert_close(via_cache, last_logits(tiny_int4_target, committed),
+                                   atol=1e-4, rtol=1e-4)
         checked.append(rnd.accepted < len(rnd.drafted))
 
     gen.generate("hello", schema=PERSON, temperature=temperature, seed=1, max_new_tokens=60,

@@ -107,6 +107,34 @@ def test_speculative_sampling_is_exact(case, tiny_target, tiny_draft, tiny_token
         assert "model" in sources, f"the draft model never drafted: {set(sources)}"
 
 
+@pytest.mark.parametrize("case", [
+    dict(temperature=1.0, num_draft_tokens=3),
+    dict(temperature=0.7, top_p=0.9, num_draft_tokens=4),
+    dict(temperature=1.0, num_draft_tokens=4, drafter="anti"),
+    dict(temperature=1.0, num_draft_tokens=3, regex=FORCED_REGEX, prompt=LOOKUP_PROMPT,
+         drafter="head"),
+], ids=["T1", "T0.7-top_p", "anti-draft", "head+lookup+forced"])
+def test_speculative_sampling_is_exact_on_int4_weights(case, tiny_int4_target, tiny_draft,
+                                                       tiny_tokenizer):
+    """The same test on the compact int4 target (Q4_1 blocks, bf16 activations): the reference
+    enumerates its own policy, so exactness holds whatever the quantization costs in accuracy."""
+    case = dict(case)
+    draft = drafter_for(case.pop("drafter", None), tiny_int4_target, tiny_draft)
+    case["prompt"] = tiny_tokenizer.encode(case.get("prompt", "hello"))
+    gen = Generator(tiny_int4_target, tiny_tokenizer, draft=draft, cache_dir=None)
+    assert gen.weights == "int4"
+    cfg = SamplingConfig(case["temperature"], case.get("top_k"), case.get("top_p"))
+    constraint = gen.compile(regex=case.get("regex", REGEX))
+    exact = masked_sequence_distribution(tiny_int4_target, constraint, case["prompt"], cfg)
+    sources = {}
+    case["on_round"] = lambda rnd: sources.update(dict.fromkeys(rnd.sources))
+    p_value, tv = assert_same_distribution(gen, exact, case)
+    print(f"int4 chi-square p={p_value:.3f}, TV={tv:.3f}")
+    assert "model" in sources, f"the draft never drafted: {set(sources)}"
+    if case.get("regex") == FORCED_REGEX:
+        assert {"forced", "lookup"} <= set(sources), f"sources exercised: {set(sources)}"
+
+
 def test_the_statistical_test_has_power(tiny_target, tiny_draft, tiny_tokenizer):
     prompt = tiny_tokenizer.encode("hello")
     """Negative control: samples from the draft's own masked policy must fail the same test."""

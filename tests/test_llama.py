@@ -1,0 +1,356 @@
+"""The fast target: the compact Llama forward, its KV cache, the GGUF block formats and the
+int4 kernels, each against an independent reference (transformers' forward, the gguf package's
+quantizer, a plain float matmul, llama.cpp's permutation written out here)."""
+
+import copy
+import json
+import time
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
+
+from constrained_spec import cache as kv
+from constrained_spec import kernels, llama, models, testing
+from constrained_spec.decode import Generator
+from constrained_spec.errors import WeightsError
+
+BF16 = 2.0**-8  # unit roundoff of bf16 (8 significant bits): relative error of one rounding
+# The tiny tokenizer's corpus, each text alone and all joined: 94 teacher-forced positions
+TEXTS = [*testing.CORPUS, " ".join(testing.CORPUS)]
+
+
+def logits_of(model, ids, cache=None):
+    """(n, V) logits of ``ids`` after what ``cache`` holds (a fresh cache when None)."""
+    return kv.forward(model, model.new_cache() if cache is None else cache, ids, "cpu")
+
+
+@torch.no_grad()
+def transformers_logits(model, ids):
+    return model(torch.tensor([ids])).logits[0]
+
+
+# --- the compact forward and its cache ----------------------------------------------------------
+
+
+def test_float_compact_forward_equals_transformers(tiny_target, tiny_tokenizer):
+    compact = llama.from_transformers(tiny_target, "float")
+    ids = tiny_tokenizer.encode(TEXTS[-1])
+    expected = transformers_logits(tiny_target, ids)                        # (n, V)
+    torch.testing.assert_close(logits_of(compact, ids), expected, atol=1e-4, rtol=0)
+    cache, chunks = compact.new_cache(), (ids[:1], ids[1:20], ids[20:])  # one token, then many
+    incremental = torch.cat([logits_of(compact, chunk, cache) for chunk in chunks])
+    assert cache.get_seq_length() == len(ids)
+    torch.testing.assert_close(incremental, expected, atol=1e-4, rtol=0)
+    _, features = kv.forward(compact, compact.new_cache(), ids, "cpu", features=True)
+    torch.testing.assert_close(compact.get_output_embeddings()(features), expected,
+                               atol=1e-4, rtol=0)
+
+
+def test_crop_then_refeed_equals_a_fresh_forward_past_the_initial_capacity(tiny_tokenizer):
+    """Rejected positions are overwritten after a crop, including after the cache grew (it
+    starts at 256 positions and doubles, copying what it holds)."""
+    model = testing.tiny_model(tiny_tokenizer, seed=0, max_positions=1024)
+    compact = llama.from_transformers(model, "float")
+    text = tiny_tokenizer.encode(TEXTS[-1])
+    ids = (text * 8)[:300]
+    other = tiny_tokenizer.encode("yes no yes no abba")                       # the "rejected" draft
+    cache = compact.new_cache()
+    initial = cache.keys.shape[2]
+    logits_of(compact, ids[:200], cache)
+    logits_of(compact, ids[200:260] + other, cache)       # grows past 256 with 200 positions held
+    assert cache.keys.shape[2] > initial == 256, "the cache never grew: nothing was checked"
+    cache.crop(260)
+    assert cache.get_seq_length() == 260
+    via_cache = logits_of(compact, ids[260:], cache)
+    expected = transformers_logits(model, ids)[260:]
+    torch.testing.assert_close(via_cache, expected, atol=1e-4, rtol=0)
+    cache.crop(-len(ids[250:]))                       # transformers' form: drop the last n
+    assert cache.get_seq_length() == 250
+    torch.testing.assert_close(logits_of(compact, other, cache),
+                               transformers_logits(model, ids[:250] + other)[250:],
+                               atol=1e-4, rtol=0)
+
+
+# --- block formats: the gguf package's quantizer as the reference ------------------------------
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return (np.random.default_rng(0).standard_normal((64, 128)) * 0.05).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_block_split_and_dequantize_equal_gguf(kind, rows):
+    qtype = getattr(gguf.GGMLQuantizationType, kind.upper())
+    raw = gguf.quants.quantize(rows, qtype)                                  # (64, bytes per row)
+    parts = getattr(kernels, f"split_{kind}")(torch.from_numpy(raw.copy()))
+    dequantized = getattr(kernels, f"dequantize_{kind}")(*parts)
+    np.testing.assert_array_equal(dequantized.numpy(), gguf.quants.dequantize(raw, qtype))
+    assert not np.array_equal(dequantized.numpy(), rows), "a lossless round trip checks nothing"
+
+
+@pytest.mark.parametrize("kind, max_changed", [("q4_1", 0.003), ("q8_0", 0.012)])
+def test_quantize_matches_gguf_up_to_nearest_rounding(kind, max_changed, rows):
+    """The scales (d, and m for Q4_1) equal llama.cpp's bit for bit. The 4/8-bit values do in all
+    but ~0.17% (Q4_1) / ~0.7% (Q8_0) of the weights, where they differ by one step: llama.cpp
+    rounds w/d with d and m before their fp16 rounding, kernels.quantize_* with the stored fp16
+    values, so its q is the nearest grid point of what is stored (never a worse one)."""
+    qtype = getattr(gguf.GGMLQuantizationType, kind.upper())
+    w = torch.from_numpy(rows)
+    split, dequantize = getattr(kernels, f"split_{kind}"), getattr(kernels, f"dequantize_{kind}")
+    ours = getattr(kernels, f"quantize_{kind}")(w)
+    theirs = split(torch.from_numpy(gguf.quants.quantize(rows, qtype)))
+    for a, b in zip(ours[1:], theirs[1:]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    step = ours[0].int() - theirs[0].int()
+    assert step.abs().max() <= 1 and (step != 0).float().mean() <= max_changed, \
+        f"{(step != 0).float().mean():.4f} of q changed, up to {step.abs().max()}"
+    error, gguf_error = (dequantize(*ours) - w).abs(), (dequantize(*theirs) - w).abs()
+    assert (error <= gguf_error).all(), "a q that is not the nearest of the stored grid"
+    # the nearest of the stored grid, checked directly: no neighbour of q is closer to w
+    d = ours[1].repeat_interleave(kernels.GROUP, 1)
+    for neighbour in (-1, 1):
+        moved = ours[0].int() + neighbour
+        legal = (moved >= 0) & (moved <= 15) if kind == "q4_1" else moved.abs() <= 127
+        other = moved * d + (ours[2].repeat_interleave(kernels.GROUP, 1) if kind == "q4_1" else 0)
+        assert ((other - w).abs() >= error)[legal].all()
+
+
+# --- the int4 kernel ----------------------------------------------------------------------------
+
+
+def kernel_cases():
+    torch.manual_seed(0)
+    w = torch.randn(96, 128) * 0.05
+    q, d, m = kernels.quantize_q4_1(w)
+    q8, d8 = kernels.quantize_q8_0(w)
+    # per weight: the bound on its change from rounding scale and zero to bf16 (relative BF16 each)
+    q4_bound = BF16 * ((q.float() - 8).abs() * d.repeat_interleave(32, 1)
+                       + (m + 8 * d).abs().repeat_interleave(32, 1))
+    q8_bound = BF16 * (q8.float().abs() * d8.repeat_interleave(32, 1))
+    return {"q4_1": (kernels.Int4Linear.from_q4_1(q, d, m), kernels.dequantize_q4_1(q, d, m),
+                     q4_bound),
+            "q8_0": (kernels.Int4Linear.from_q8_0(q8, d8), kernels.dequantize_q8_0(q8, d8),
+                     q8_bound)}
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int4_linear_computes_x_times_the_dequantized_weights(kind):
+    """x·Wᵀ up to the kernel's roundings: x to bf16 (done in the reference too), scales and zeros
+    to bf16 (bounded per weight), the output to bf16 (relative BF16)."""
+    layer, w, weight_bound = kernel_cases()[kind]
+    x = torch.randn(9, w.shape[1], generator=torch.Generator().manual_seed(1))
+    xb = x.bfloat16().float()
+    expected = xb @ w.T                                                      # (9, N)
+    scales = xb.abs() @ weight_bound.T                                       # (9, N)
+    bound = scales + BF16 * (expected.abs() + scales) + 1e-6
+    error = (layer(x) - expected).abs()
+    assert (error <= bound).all(), f"error {error.max():.2e}, bound there {bound[error > bound]}"
+    assert bound.max() < 0.02 * expected.abs().max(), "a bound this loose checks little"
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int4_linear_rows_do_not_depend_on_how_many_are_fed(kind):
+    """A verify pass of M tokens must give each token the logits a one-token step gives it:
+    that is what keeps greedy speculative decoding identical to the baseline."""
+    layer, w, _ = kernel_cases()[kind]
+    x = torch.randn(25, w.shape[1], generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+    for m in [*range(1, 10), 25]:  # 25: the longest verify pass (max_draft 24 + 1)
+        torch.testing.assert_close(layer(x[:m]), alone[:m], atol=1e-5, rtol=0)
+
+
+# --- loading helpers ------------------------------------------------------------------------------
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rows (i, i + hd/2) interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("heads", [2, 4])
+def test_unpermute_inverts_llama_cpp_permutation(heads):
+    rows = heads * 8
+    for shape in [(rows, 32), (rows, 2)]:  # weights or q, and per-block scales
+        w = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+        permuted = llama_cpp_permute(w, heads)
+        hd = rows // heads
+        assert (permuted[1] == w[hd // 2]).all(), "the reference permutation is not llama.cpp's"
+        restored = llama._unpermute(torch.from_numpy(permuted), heads)
+        np.testing.assert_array_equal(restored.numpy(), w)
+
+
+# --- quantized tiny targets: close to the float one -----------------------------------------------
+
+
+@pytest.mark.parametrize("weights, floor, rel_to_float", [("int4", 0.85, 0.15), ("int8", 0.95, 0.02)])
+def test_quantized_tiny_target_agrees_with_float(weights, floor, rel_to_float, tiny_target,
+                                                 tiny_tokenizer):
+    """Measured on these 94 positions: top-1 agreement 0.904 (int4) and 0.989 (int8); the
+    logits' relative error 0.10 / 0.010 at worst (hidden size 32: one block per row)."""
+    compact = llama.from_transformers(tiny_target, weights)
+    assert compact.weights == weights
+    agree, worst = [], 0.0
+    for text in TEXTS:
+        ids = tiny_tokenizer.encode(text)
+        ours, theirs = logits_of(compact, ids), transformers_logits(tiny_target, ids)
+        agree += (ours.argmax(-1) == theirs.argmax(-1)).tolist()
+        worst = max(worst, float(((ours - theirs).norm(dim=-1) / theirs.norm(dim=-1)).max()))
+    assert len(agree) == 94
+    assert sum(agree) / len(agree) >= floor, f"top-1 agreement {sum(agree) / len(agree):.3f}"
+    assert worst <= rel_to_float, f"relative logit error {worst:.4f}"
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_quantized_forward_equals_transformers_on_the_same_blocks(weights, tiny_target,
+                                                                  tiny_tokenizer):
+    """The compact int4/int8 forward against transformers' forward over the very weights it
+    holds (linears and LM head dequantized): only the kernels' bf16 roundings differ (measured
+    0.0034 relative; against the float weights 0.07 for int4)."""
+    quantize = {"int4": kernels.quantize_q4_1, "int8": kernels.quantize_q8_0}[weights]
+    dequantize = {"int4": kernels.dequantize_q4_1, "int8": kernels.dequantize_q8_0}[weights]
+    reference = copy.deepcopy(tiny_target)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name.endswith("_proj.weight"):
+                p.copy_(dequantize(*quantize(p)))
+        reference.lm_head.weight.copy_(kernels.dequantize_q8_0(
+            *kernels.quantize_q8_0(reference.lm_head.weight)))
+    ids = tiny_tokenizer.encode(TEXTS[-1])
+    ours, theirs = logits_of(llama.from_transformers(tiny_target, weights), ids), \
+        transformers_logits(reference, ids)
+    rel = ((ours - theirs).norm(dim=-1) / theirs.norm(dim=-1)).max()
+    assert rel < 0.006, f"relative logit error {rel:.4f}"
+
+
+# --- errors before model work -------------------------------------------------------------------
+
+
+def explode(*args, **kwargs):
+    raise AssertionError("model work before the weights option was checked")
+
+
+def test_unknown_weights_fail_before_loading(monkeypatch):
+    for name in ("_load_float", "_load_builtin_int4", "_converted_copy", "calibration"):
+        monkeypatch.setattr(models, name, explode)
+    start = time.perf_counter()
+    with pytest.raises(WeightsError, match="int3.*auto, int4, int8, float"):
+        models.load_model(models.DEFAULT_MODEL, weights="int3")
+    assert time.perf_counter() - start < 1.0
+
+
+def test_weights_of_a_non_llama_model_point_to_float():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50,
+                                      n_positions=32, bos_token_id=0, eos_token_id=0))
+    with pytest.raises(WeightsError, match="GPT2LMHeadModel is not one: use weights='float'"):
+        llama.from_transformers(gpt2, "int4")
+
+
+def test_llama_variants_the_compact_forward_does_not_compute_point_to_float(tiny_tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = dict(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64,
+                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    for extra, words in [(dict(attention_bias=True), "biases"),
+                         (dict(rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                "rope_theta": 10000.0}), "rope type 'linear'")]:
+        model = LlamaForCausalLM(LlamaConfig(**base, **extra))
+        with pytest.raises(WeightsError, match=f"{words}.*weights='float'"):
+            llama.from_transformers(model, "int8")
+
+
+def test_int8_draft_of_a_compact_target_is_refused(tiny_target, tiny_tokenizer, monkeypatch):
+    """draft='int8' copies a transformers model; a compact target has none to copy. (Refused
+    after loading today; the arguments alone decide it, so refusing before would pass too.)"""
+    monkeypatch.setattr(models, "load_model", lambda name, dtype=torch.float32, weights="float": (
+        llama.from_transformers(tiny_target, weights), tiny_tokenizer))
+    for draft in ("int8", "bf16"):
+        with pytest.raises(WeightsError, match=f"draft='{draft}'.*weights='int4'.*weights='float'"):
+            Generator.from_pretrained("tiny", draft=draft, weights="int4", cache_dir=None)
+
+
+# --- the cached kernel measurement behind weights="auto" ------------------------------------------
+
+
+def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_target):
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(models, "_converted_copy", lambda name, spec: tmp_path / "converted")
+    monkeypatch.setattr(AutoConfig, "from_pretrained", lambda *a, **k: tiny_target.config)
+    calls = []
+    monkeypatch.setattr(kernels, "measure_linears",
+                        lambda shapes: calls.append(shapes) or {"int4": 1.0, "float": 2.0})
+    name, path = models.DEFAULT_MODEL, tmp_path / "calibration.json"
+
+    assert models.choose_weights(name) == "int4"
+    layer = [(64, 32), (32, 32), (128, 32), (32, 64)]  # the tiny config's qkv, o, gate_up, down
+    assert calls == [layer * 4]
+    (stored,) = json.loads(path.read_text()).values()
+    assert stored == {"int4_ms": 1.0, "float_ms": 2.0, "choice": "int4",
+                      "measured": "linears of 4 layers, 1 + 5 rows"}
+    assert models.calibration(name) == stored and models.choose_weights(name) == "int4"
+    assert "1.0 ms in int4 vs 2.0 ms" in models.describe_weights(name, "auto", "int4")
+    assert len(calls) == 1, "measured again although cached"
+
+    path.write_text("{not json")
+    assert models.calibration(name) == stored and len(calls) == 2
+    (rewritten,) = json.loads(path.read_text()).values()
+    assert rewritten == stored, "the corrupt file was not rewritten"
+
+    monkeypatch.setattr(kernels, "measure_linears", explode)
+    assert models.choose_weights(str(tmp_path / "some-local-model")) == "float"
+
+
+# --- the real default model -----------------------------------------------------------------------
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"},
+     {"role": "assistant", "content": "The capital of France is Paris."}],
+    [{"role": "user", "content": "Give me a JSON object with a name and an age."},
+     {"role": "assistant", "content": '{"name": "Alice", "age": 30}'}],
+    [{"role": "user", "content": "Write a haiku about the sea."},
+     {"role": "assistant", "content": "Waves fold into foam,\nsalt wind carries gull voices,\n"
+                                      "the tide keeps its time."}],
+]
+
+
+@pytest.mark.real_model
+def test_real_default_model_int4_is_its_gguf_blocks():
+    """load_model(weights="int4") runs the GGUF's own Q4_1 blocks: dequantized, they equal the
+    float copy's weights exactly (q and k through the un-permutation); the loaded kernels hold
+    them (up to bf16 scales); top-1 agreement with the float model stays high."""
+    model, tokenizer = models.load_model(models.DEFAULT_MODEL, weights="int4")
+    float_model, _ = models.load_model(models.DEFAULT_MODEL)
+    assert isinstance(model, llama.CompactLlama) and model.weights == "int4"
+    s, fm = model.shape, float_model.model
+    path = models.cache_dir() / models.DEFAULT_MODEL / \
+        models.BUILTIN_MODELS[models.DEFAULT_MODEL].gguf_member.split("/")[-1]
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    q_rows, kv_rows = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    cases = [("blk.0.attn_q.weight", s.heads, fm.layers[0].self_attn.q_proj, 0, slice(0, q_rows)),
+             ("blk.3.attn_k.weight", s.kv_heads, fm.layers[3].self_attn.k_proj, 12,
+              slice(q_rows, q_rows + kv_rows)),
+             ("blk.5.ffn_down.weight", None, fm.layers[5].mlp.down_proj, 23, slice(None))]
+    for name, heads, float_linear, index, rows in cases:
+        q, d, m = kernels.split_q4_1(torch.from_numpy(tensors[name].data.copy()))
+        if heads is not None:
+            q, d, m = (llama._unpermute(t, heads) for t in (q, d, m))
+        w = kernels.dequantize_q4_1(q, d, m)
+        torch.testing.assert_close(w, float_linear.weight, atol=0, rtol=0, msg=name)
+        eye = torch.eye(w.shape[1])
+        loaded = model.linears[index](eye).T[rows]                           # (N, K)
+        scales = BF16 * ((q.float() - 8).abs() * d.repeat_interleave(32, 1)
+                         + (m + 8 * d).abs().repeat_interleave(32, 1))
+        bound = scales + BF16 * (w.abs() + scales)  # bf16 scale and zero, then a bf16 output
+        assert ((loaded - w).abs() <= bound).all(), f"{name}: the kernel holds other weights"
+    agree = []
+    for chat in CHATS:
+        ids = tokenizer.apply_chat_template(chat, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        ours, theirs = logits_of(model, ids), transformers_logits(float_model, ids)
+        agree += (ours.argmax(-1) == theirs.argmax(-1)).tolist()
+    rate = sum(agree) / len(agree)
+    print(f"int4 vs float top-1 agreement: {rate:.3f} over {len(agree)} positions")
+    assert len(agree) >= 90 and rate >= 0.9, f"top-1 agreement {rate:.3f} over {len(agree)}"
