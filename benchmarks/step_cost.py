@@ -3,9 +3,13 @@ torch.compile (inductor, dynamic shapes) — the "cheaper target steps" probe of
 
     python benchmarks/step_cost.py eager-skinny
     python benchmarks/step_cost.py compile-skinny     # first call compiles (minutes on 2 cores)
+    python benchmarks/step_cost.py phases              # the int4 compact forward, per phase
 
-Modes: "eager" or "compile", with "-skinny" for models.skinny_matmul (the library default).
-Prints, for n = 1, 2, 5, 1: the median of 10 timed steps and the first (compiling) step.
+Modes: "eager" or "compile", with "-skinny" for models.skinny_matmul (the library default):
+prints, for n = 1, 2, 5, 1, the median of 10 timed steps and the first (compiling) step.
+"phases": the built-in model with weights="int4" and "float", n = 1, 4, 8, 9, 17 and prefills of
+100, 300 and 1000 tokens: wall ms (median of 10), and for int4 the profiler's split into the
+4-bit matmuls, the LM head, attention and everything else (op dispatch, norms, rotary, cache).
 """
 
 import statistics
@@ -16,12 +20,48 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from constrained_spec import cache as kv  # noqa: E402
 from constrained_spec.models import DEFAULT_MODEL, load_model, skinny_matmul  # noqa: E402
 from run import forward_ms  # noqa: E402
 
 
 
+PHASES = {"aten::_weight_int4pack_mm_for_cpu": "4-bit matmuls", "aten::mm": "LM head",
+          "aten::_scaled_dot_product_flash_attention_for_cpu": "attention"}
+
+
+def phases() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    context = list(range(1000, 1400))[:300]
+    for weights in ("int4", "float"):
+        model, _ = load_model(DEFAULT_MODEL, weights=weights)
+        if weights == "float":
+            skinny_matmul(model)
+        for n in (1, 4, 8, 9, 17):
+            median = statistics.median(forward_ms(model, context, n, reps=10)[1:])
+            line = f"{weights} n={n}: {median:.1f} ms"
+            if weights == "int4":
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    forward_ms(model, context, n, reps=10)
+                split = {name: 0.0 for name in [*PHASES.values(), "other"]}
+                for event in prof.key_averages():
+                    split[PHASES.get(event.key, "other")] += event.self_cpu_time_total / 1e3
+                total = sum(split.values())
+                line += " (" + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items()) + ")"
+            print(line, flush=True)
+        for n in (100, 300, 1000):
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                kv.forward(model, kv.new_cache(model), list(range(1000, 1000 + n)), "cpu")
+                times.append(1e3 * (time.perf_counter() - t))
+            print(f"{weights} prefill of {n} tokens: {min(times):.0f} ms", flush=True)
+
+
 def main(mode: str) -> None:
+    if mode == "phases":
+        return phases()
     model, _ = load_model(DEFAULT_MODEL)
     model.eval()
     if "skinny" in mode:

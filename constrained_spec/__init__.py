@@ -10,10 +10,12 @@ from .errors import (
                      SchemaTooComplex,
                      UnsupportedSchemaError,
                      VocabularyMismatch,
+                     WeightsError,
 )
 from .head import DraftHead
 from .sample import SamplingConfig
 
 __all__ = ["Generator", "Result", "Round", "Stats", "Constraint", "Draft", "Drafter",
            "model_drafter", "DraftHead", "SamplingConfig", "ConstraintError", "GenerationInputError",
-           "SchemaTooComplex", "UnsupportedSchemaError", "VocabularyMismatch", "DraftHeadError"]
+           "SchemaTooComplex", "UnsupportedSchemaError", "VocabularyMismatch", "DraftHeadError",
+           "WeightsError"]

@@ -24,7 +24,6 @@ from .draft import (
     model_drafter,
 )
 from .errors import ConstraintError, GenerationInputError, VocabularyMismatch, WeightsError
-from .llama import CompactLlama
 from .head import DraftHead, HeadDraft, has_shipped_head, load_head, shipped_head
 from .models import DEFAULT_MODEL, cache_dir as default_cache_dir
 from .sample import SamplingConfig, one_hot, policy, verify_greedy, verify_sampled
@@ -232,7 +231,11 @@ class Generator:
 
         if draft == "auto":
             draft = "head" if has_shipped_head(target) else "lookup"
-        if weights == "auto" and draft in ("int8", "bf16"):  # copies of a transformers target
+        if draft in ("int8", "bf16") and weights != "float":  # copies of a transformers target
+            if weights != "auto":
+                raise WeightsError(f"draft={draft!r} copies a float target, and weights="
+                                   f"{weights!r} is not one: pass weights='float', or use "
+                                   "draft='head' or 'lookup'.")
             weights = "float"
         head = shipped_head(target) if draft == "head" else draft if _is_head_file(draft) else None
         model, tokenizer = load_model(target, dtype, weights)
@@ -330,10 +333,6 @@ def _named_draft(draft: str | None, model, dtype: torch.dtype):
         return None
     if draft == "lookup":
         return CompositeDrafter(model=None)
-    if draft in ("int8", "bf16") and isinstance(model, CompactLlama):
-        raise WeightsError(f"draft={draft!r} copies a transformers target, and this one runs "
-                           f"weights={model.weights!r}: pass weights='float', or use "
-                           "draft='head' or 'lookup'.")
     if draft == "int8":
         return quantize_int8(model)
     if draft == "bf16":

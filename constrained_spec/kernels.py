@@ -31,7 +31,8 @@ def split_q4_1(raw: torch.Tensor):
 
 
 def quantize_q4_1(w: torch.Tensor):
-    """float (N, K) → Q4_1 as llama.cpp quantizes: per block d = (max − min)/15, m = min."""
+    """float (N, K) → Q4_1 with llama.cpp's block scales (d = (max − min)/15, m = min, stored in
+    fp16), each weight rounded to the nearest value those stored scales represent."""
     blocks = w.float().reshape(w.shape[0], -1, GROUP)                           # (N, K/32, 32)
     low, high = blocks.amin(-1), blocks.amax(-1)
     d = ((high - low) / 15).half().float()
@@ -55,7 +56,8 @@ def split_q8_0(raw: torch.Tensor):
 
 
 def quantize_q8_0(w: torch.Tensor):
-    """float (N, K) → Q8_0 as llama.cpp quantizes: per block d = max|w|/127."""
+    """float (N, K) → Q8_0 with llama.cpp's block scale (d = max|w|/127, stored in fp16), each
+    weight rounded to the nearest value that stored scale represents."""
     blocks = w.float().reshape(w.shape[0], -1, GROUP)
     d = (blocks.abs().amax(-1) / 127).half().float()
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
@@ -91,7 +93,8 @@ class DenseLinear(nn.Module):
 
 class Int4Linear(nn.Module):
     """W = (q − 8)·scale + zero per group of 32 inputs (q in 0..15), run by torch's int4
-    weight-only CPU kernel with bf16 activations and bf16 scales, float32 accumulation."""
+    weight-only CPU kernel: bf16 activations, scales and outputs, float32 accumulation. (The
+    kernel takes float32 too, but ran 8× slower here: docs/measurements.md.)"""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, copies: int = 1):
         super().__init__()

@@ -109,7 +109,6 @@ def reference_policy(logits: Sequence[float], legal: Sequence[int], temperature:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def last_logits(target, ids: list[int]) -> torch.Tensor:
     """The target's next-token logits after ``ids``, from a fresh cache (a transformers model or
     the compact forward alike)."""
