@@ -229,16 +229,19 @@ class Generator:
         models.SkinnyLinear, cheaper (docs/measurements.md); one-token steps are unchanged."""
         from .models import describe_weights, load_model, skinny_matmul as use_skinny
 
-        if draft == "auto":
-            draft = "head" if has_shipped_head(target) else "lookup"
         if draft in ("int8", "bf16") and weights != "float":  # copies of a transformers target
             if weights != "auto":
                 raise WeightsError(f"draft={draft!r} copies a float target, and weights="
                                    f"{weights!r} is not one: pass weights='float', or use "
                                    "draft='head' or 'lookup'.")
             weights = "float"
-        head = shipped_head(target) if draft == "head" else draft if _is_head_file(draft) else None
+        if draft == "head":
+            shipped_head(target)  # a clear DraftHeadError before loading, where none ships
         model, tokenizer = load_model(target, dtype, weights)
+        if draft == "auto":  # the head pays on the float target, not on the 4-bit one (DRAFTS)
+            quantized = getattr(model, "weights", "float") != "float"
+            draft = "head" if has_shipped_head(target) and not quantized else "lookup"
+        head = shipped_head(target) if draft == "head" else draft if _is_head_file(draft) else None
         if head is not None:
             draft = load_head(model, token_vocabulary(tokenizer), head)
         else:
@@ -313,8 +316,9 @@ class Generator:
 
 # Drafts that need no download. "auto" is what measured fastest on the default model on a 2-core
 # CPU (docs/measurements.md): the trained head with forced tokens and prompt lookup, else lookup.
-DRAFTS = {"auto": "the fastest measured here: \"head\" where a head ships for the target "
-                  "(the default model), else \"lookup\"",
+DRAFTS = {"auto": "the fastest measured here: \"head\" where a head ships for a float target "
+                  "(the default model with weights='float'), else \"lookup\" (the 4-bit "
+                  "target's step is cheap enough that a head step costs 0.7 of it)",
           "lookup": "grammar-forced tokens + prompt lookup (free drafts, no draft model)",
           "int8": "a dynamically int8-quantized copy of the target, plus forced + lookup",
           "bf16": "a bfloat16 copy of the target, plus forced + lookup",
@@ -326,13 +330,26 @@ DRAFTS = {"auto": "the fastest measured here: \"head\" where a head ships for th
 HEAD_MIN_CONFIDENCE = 0.3
 
 
+# The longest draft a CompositeDrafter proposes to a 4-bit (or 8-bit) target: its kernel runs
+# inputs in blocks of 4 rows and each new token attends by itself, so a verify pass costs 1.6
+# one-token steps at 4 tokens, 2.5 at 8 and 3.9 at 17. Tuned on 10 extract requests (--seed 1):
+# drafts of at most 3 / 7 / 11 / 24 tokens ran lookup at 1.31 / 1.32 / 1.26 / 1.16× the
+# baseline (docs/measurements.md). The float target keeps CompositeDrafter's default (24).
+QUANTIZED_MAX_DRAFT = 7
+
+
+def _draft_limits(target) -> dict:
+    return {"max_draft": QUANTIZED_MAX_DRAFT} if getattr(target, "weights", "float") != "float" \
+        else {}
+
+
 def _named_draft(draft: str | None, model, dtype: torch.dtype):
     from .models import load_model, quantize_int8
 
     if draft in (None, "none"):
         return None
     if draft == "lookup":
-        return CompositeDrafter(model=None)
+        return CompositeDrafter(model=None, **_draft_limits(model))
     if draft == "int8":
         return quantize_int8(model)
     if draft == "bf16":
@@ -350,13 +367,14 @@ def _as_drafter(draft, target, vocab_len: int, width: int) -> Drafter | None:
     if hasattr(draft, "propose"):
         return _checked_drafter(draft)
     if isinstance(draft, DraftHead):
-        return CompositeDrafter(HeadDraft(draft.eval(), target), min_confidence=HEAD_MIN_CONFIDENCE)
+        return CompositeDrafter(HeadDraft(draft.eval(), target), min_confidence=HEAD_MIN_CONFIDENCE,
+                                **_draft_limits(target))
     draft_width = logits_width(draft)
     if draft_width < vocab_len:
         raise VocabularyMismatch(
             f"the draft model predicts {draft_width} tokens but the target's tokenizer has "
             f"{vocab_len}: a draft must share the target's vocabulary (same tokenizer family).")
-    return model_drafter(draft.eval(), width)
+    return model_drafter(draft.eval(), width, **_draft_limits(target))
 
 
 def _checked_drafter(drafter) -> Drafter:
