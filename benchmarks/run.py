@@ -136,7 +136,7 @@ def all_configs() -> list[Config]:
                hot(model["int8+lookup"][-1]), hot(model["head"][1]), hot(model["head+lookup"][1]),
                *(hot(c) for c in model["head+lookup"]
                  if c.min_confidence and not c.after_lookup)]
-            + peers + [hot(peers[1])])
+            + peers + [hot(peers[1]), hot(peers[4])])
 
 
 def select_configs(spec: str) -> list[Config]:

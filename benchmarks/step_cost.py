@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from constrained_spec import cache as kv  # noqa: E402
-from constrained_spec.models import DEFAULT_MODEL, load_model, skinny_matmul  # noqa: E402
 from run import forward_ms  # noqa: E402
 
-
+from constrained_spec import cache as kv  # noqa: E402
+from constrained_spec.models import DEFAULT_MODEL, load_model, skinny_matmul  # noqa: E402
 
 PHASES = {"aten::_weight_int4pack_mm_for_cpu": "4-bit matmuls", "aten::mm": "LM head",
           "aten::_scaled_dot_product_flash_attention_for_cpu": "attention"}

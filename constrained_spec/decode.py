@@ -25,7 +25,8 @@ from .draft import (
 )
 from .errors import ConstraintError, GenerationInputError, VocabularyMismatch, WeightsError
 from .head import DraftHead, HeadDraft, has_shipped_head, load_head, shipped_head
-from .models import DEFAULT_MODEL, cache_dir as default_cache_dir
+from .models import DEFAULT_MODEL
+from .models import cache_dir as default_cache_dir
 from .sample import SamplingConfig, one_hot, policy, verify_greedy, verify_sampled
 from .schema import load_schema, schema_to_regex
 from .vocab import token_vocabulary
@@ -220,14 +221,15 @@ class Generator:
     @classmethod
     def from_pretrained(cls, target: str = DEFAULT_MODEL, draft: str | None = "auto",
                         weights: str = "auto", dtype: torch.dtype = torch.float32,
-                        skinny_matmul: bool = True, **kwargs) -> "Generator":
+                        skinny_matmul: bool = True, **kwargs) -> Generator:
         """Load a built-in model name, a local path or a hub id. ``draft``: one of DRAFTS (no
         extra download), a draft head file (.safetensors) or a draft model name/path sharing
         the target's tokenizer. ``weights``: one of models.WEIGHTS; "auto" runs the built-in
         model's own 4-bit blocks where this machine runs them faster (measured once, cached).
         ``skinny_matmul``: on the CPU, float verify passes (2–32 tokens) use
         models.SkinnyLinear, cheaper (docs/measurements.md); one-token steps are unchanged."""
-        from .models import describe_weights, load_model, skinny_matmul as use_skinny
+        from .models import describe_weights, load_model
+        from .models import skinny_matmul as use_skinny
 
         if draft in ("int8", "bf16") and weights != "float":  # copies of a transformers target
             if weights != "auto":

@@ -107,18 +107,19 @@ class Int4Linear(nn.Module):
         self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
 
     @classmethod
-    def from_q4_1(cls, q, d, m) -> "Int4Linear":
+    def from_q4_1(cls, q, d, m) -> Int4Linear:
         """Q4_1: w = d·q + m = d·(q − 8) + (m + 8d)."""
         return cls(q, d, m + 8 * d)
 
     @classmethod
-    def from_q8_0(cls, q, d) -> "Int4Linear":
-        """Q8_0 as two 4-bit halves of u = q + 128 = 16h + l, the input fed twice:
-        d·q = 16d·(h − 8) + d·(l − 8) + 8d. Its 8 bits and block scales survive (bf16 scales)."""
+    def from_q8_0(cls, q, d) -> Int4Linear:
+        """Q8_0 as two 4-bit halves of u = q + 128 = 16·high + low, the input fed twice:
+        d·q = 16d·(high − 8) + d·(low − 8) + 8d. Its 8 bits and block scales survive (bf16
+        scales)."""
         u = q.to(torch.int16) + 128                                            # (N, K) 0..255
-        h, l = u // 16, u % 16
+        high, low = u // 16, u % 16
         zero = torch.zeros_like(d)
-        return cls(torch.cat((h, l), 1), torch.cat((16 * d, d), 1), torch.cat((zero, 8 * d), 1),
+        return cls(torch.cat((high, low), 1), torch.cat((16 * d, d), 1), torch.cat((zero, 8 * d), 1),
                    copies=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch import nn
 from . import kernels
 from .errors import WeightsError
 
+
 class CompactCache:
     """Keys and values of every layer in one preallocated tensor; ``length`` positions are valid.
     Cropping is setting ``length``: rejected drafts' entries are simply overwritten next round."""
