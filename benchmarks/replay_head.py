@@ -37,23 +37,35 @@ GREEDY = SamplingConfig(temperature=0.0)
 
 def requests_with_outputs(gen, run: Path):
     """Each request of ``run`` with a baseline output, ready for ``replay``; max_new_tokens."""
-    max_new_tokens = json.loads((run / "results.json").read_text())["meta"]["args"]["max_new_tokens"]
+    max_new_tokens = json.loads((run / "results.json").read_text())["meta"]["args"][
+        "max_new_tokens"
+    ]
     requests = json.loads((run / "requests.json").read_text())["requests"]
-    results = {r["request"]: r for r in map(json.loads, open(run / "results.jsonl"))
-               if r["config"] == "baseline" and r["status"] == "ok"}
+    results = {
+        r["request"]: r
+        for r in map(json.loads, open(run / "results.jsonl"))
+        if r["config"] == "baseline" and r["status"] == "ok"
+    }
     items = []
     for r in requests:
         if r["id"] in results:
             eos = [gen.vocab.eos_id] if results[r["id"]]["finish_reason"] == "stop" else []
-            items.append(prepared(gen, gen.encode_prompt(r["messages"]),
-                                  results[r["id"]]["token_ids"] + eos, gen.compile(schema=r["schema"])))
+            items.append(
+                prepared(
+                    gen,
+                    gen.encode_prompt(r["messages"]),
+                    results[r["id"]]["token_ids"] + eos,
+                    gen.compile(schema=r["schema"]),
+                )
+            )
     return items, max_new_tokens
 
 
 def prepared(gen, prompt: list[int], output: list[int], constraint):
     """(prompt, committed output, constraint, the target's features over both)."""
-    _, features = kv.forward(gen.target, kv.new_cache(gen.target), prompt + output, "cpu",
-                             features=True)
+    _, features = kv.forward(
+        gen.target, kv.new_cache(gen.target), prompt + output, "cpu", features=True
+    )
     return prompt, output, constraint, features.float()
 
 
@@ -77,12 +89,17 @@ def replay(head, gen, items, k: int, max_new_tokens: int) -> dict:
         for token in output:
             states.append(constraint.step(states[-1], token))
         drafter = CompositeDrafter(HeadDraft(head, gen.target), use_forced=False, use_lookup=False)
-        drafter.begin(prompt, features[:n - 1])
+        drafter.begin(prompt, features[: n - 1])
         done = 0
         while done < len(output):  # one round, drafted as the decode loop drafts it
             room = max_new_tokens - done  # the loop cuts drafts to fit max_new_tokens
-            draft = drafter.propose(prompt + output[:done], states[done], constraint, k, GREEDY,
-                                    None).truncate(room - 1).tokens if room > 1 else []
+            draft = (
+                drafter.propose(prompt + output[:done], states[done], constraint, k, GREEDY, None)
+                .truncate(room - 1)
+                .tokens
+                if room > 1
+                else []
+            )
             match = 0
             while match < len(draft) and draft[match] == output[done + match]:
                 match += 1
@@ -90,14 +107,14 @@ def replay(head, gen, items, k: int, max_new_tokens: int) -> dict:
                 drafted[i] += 1
                 accepted[i] += i < match
             step = min(match + 1, len(output) - done)
-            drafter.observe(output[done:done + step], features[n - 1 + done:n + done + match])
+            drafter.observe(output[done : done + step], features[n - 1 + done : n + done + match])
             calls, committed, done = calls + 1, committed + step, done + step
         drafter = HeadDraft(head, gen.target)  # teacher-forced first drafts
-        drafter.begin(prompt, features[:n - 1])
+        drafter.begin(prompt, features[: n - 1])
         proposals = copy_proposals(prompt + output)
         for j, token in enumerate(output):
             if j:  # the feature of the token before output[j] is known now
-                drafter.observe([], features[n - 2 + j:n - 1 + j])
+                drafter.observe([], features[n - 2 + j : n - 1 + j])
             if len(constraint.allowed(states[j])) > 1:
                 guess = first_draft(drafter, prompt + output[:j], states[j], constraint)
                 copy = proposals[n + j - 1][0]
@@ -109,16 +126,21 @@ def replay(head, gen, items, k: int, max_new_tokens: int) -> dict:
     lo, hi = 0.0, 1.0
     for _ in range(50):  # α with 1 + α + … + α^k = tokens per call
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(mid ** i for i in range(k + 1)) < per_call else (lo, mid)
-    given_earlier = [round(accepted[i] / max(accepted[i - 1] if i else drafted[0], 1), 3)
-                     for i in range(k)]
-    return {"tokens_per_call": round(per_call, 3), "alpha": round(lo, 3),
-            "accepted_by_position": accepted, "drafted_by_position": drafted,
-            "acceptance_by_position_given_earlier": given_earlier,
-            "non_forced_positions": positions,
-            "head_first_draft_right": round(head_right / positions, 3),
-            "bigram_proposal_right": round(copy_right / positions, 3),
-            "head_takes_a_right_proposal": round(head_takes_copy / max(copy_right, 1), 3)}
+        lo, hi = (mid, hi) if sum(mid**i for i in range(k + 1)) < per_call else (lo, mid)
+    given_earlier = [
+        round(accepted[i] / max(accepted[i - 1] if i else drafted[0], 1), 3) for i in range(k)
+    ]
+    return {
+        "tokens_per_call": round(per_call, 3),
+        "alpha": round(lo, 3),
+        "accepted_by_position": accepted,
+        "drafted_by_position": drafted,
+        "acceptance_by_position_given_earlier": given_earlier,
+        "non_forced_positions": positions,
+        "head_first_draft_right": round(head_right / positions, 3),
+        "bigram_proposal_right": round(copy_right / positions, 3),
+        "head_takes_a_right_proposal": round(head_takes_copy / max(copy_right, 1), 3),
+    }
 
 
 def main(argv=None) -> int:
@@ -126,15 +148,26 @@ def main(argv=None) -> int:
     p.add_argument("runs", nargs="+", type=Path, help="benchmark result folders (with a baseline)")
     p.add_argument("--head", type=Path, default=None, help="default: the shipped head")
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--weights", default="float", help="the target's (models.WEIGHTS)")
     args = p.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    gen = Generator.from_pretrained(draft="none", skinny_matmul=False)
+    gen = Generator.from_pretrained(draft="none", weights=args.weights, skinny_matmul=False)
     head = load_head(gen.target, gen.vocab, args.head or shipped_head(DEFAULT_MODEL))
     for run in args.runs:
         items, max_new_tokens = requests_with_outputs(gen, run)
         result = replay(head, gen, items, args.k, max_new_tokens)
-        print(json.dumps({"run": str(run), "head": str(args.head or "shipped"), "k": args.k,
-                          **result}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "run": str(run),
+                    "head": str(args.head or "shipped"),
+                    "k": args.k,
+                    "weights": args.weights,
+                    **result,
+                }
+            ),
+            flush=True,
+        )
     return 0
 
 

@@ -4,18 +4,33 @@ from .compile import Constraint
 from .decode import Generator, Result, Round, Stats
 from .draft import Draft, Drafter, model_drafter
 from .errors import (
-                     ConstraintError,
-                     DraftHeadError,
-                     GenerationInputError,
-                     SchemaTooComplex,
-                     UnsupportedSchemaError,
-                     VocabularyMismatch,
-                     WeightsError,
+    ConstraintError,
+    DraftHeadError,
+    GenerationInputError,
+    SchemaTooComplex,
+    UnsupportedSchemaError,
+    VocabularyMismatch,
+    WeightsError,
 )
 from .head import DraftHead
 from .sample import SamplingConfig
 
-__all__ = ["Generator", "Result", "Round", "Stats", "Constraint", "Draft", "Drafter",
-           "model_drafter", "DraftHead", "SamplingConfig", "ConstraintError", "GenerationInputError",
-           "SchemaTooComplex", "UnsupportedSchemaError", "VocabularyMismatch", "DraftHeadError",
-           "WeightsError"]
+__all__ = [
+    "Generator",
+    "Result",
+    "Round",
+    "Stats",
+    "Constraint",
+    "Draft",
+    "Drafter",
+    "model_drafter",
+    "DraftHead",
+    "SamplingConfig",
+    "ConstraintError",
+    "GenerationInputError",
+    "SchemaTooComplex",
+    "UnsupportedSchemaError",
+    "VocabularyMismatch",
+    "DraftHeadError",
+    "WeightsError",
+]

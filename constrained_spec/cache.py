@@ -44,8 +44,13 @@ def forward(model, cache: DynamicCache, input_ids: list[int], device, features: 
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # (1, n)
     kwargs = {_cache_argument(type(model)): cache}
     seen = []
-    hook = model.get_output_embeddings().register_forward_pre_hook(
-        lambda module, args: seen.append(args[0])) if features else None
+    hook = (
+        model.get_output_embeddings().register_forward_pre_hook(
+            lambda module, args: seen.append(args[0])
+        )
+        if features
+        else None
+    )
     try:
         logits = model(input_ids=ids, use_cache=True, **kwargs).logits  # (1, n, V)
     finally:

@@ -40,12 +40,14 @@ class UsageError(Exception):
 @dataclass(frozen=True)
 class Request:
     """A validated ``generate`` invocation."""
-    constraint: dict            # {"schema": dict} or {"regex": str}
-    prompt: str | list[dict]    # raw text, or chat messages (the chat template is applied)
-    draft: str | None           # "int8", another model name/path, or None (baseline only)
+
+    constraint: dict  # {"schema": dict} or {"regex": str}
+    prompt: str | list[dict]  # raw text, or chat messages (the chat template is applied)
+    draft: str | None  # "int8", another model name/path, or None (baseline only)
 
 
 # ---------------------------------------------------------------- argument parsing
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + message; still exit code 2
@@ -53,71 +55,151 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="constrained-spec", description=(
-        "Generate text that a JSON Schema, a regex or a named grammar accepts, with exact "
-        "speculative decoding (the output is distributed exactly as plain masked sampling "
-        "from the target model)."))
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                     parser_class=_Parser)
+    parser = _Parser(
+        prog="constrained-spec",
+        description=(
+            "Generate text that a JSON Schema, a regex or a named grammar accepts, with exact "
+            "speculative decoding (the output is distributed exactly as plain masked sampling "
+            "from the target model)."
+        ),
+    )
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+    )
 
-    gen = commands.add_parser("generate", help="generate constrained text for a prompt",
-                              description="Print the generated text (JSON for a schema) on "
-                              "stdout; the live view, stats and errors go to stderr.")
-    gen.add_argument("prompt", metavar="PROMPT",
-                     help="the request, sent as one user chat message (see --raw-prompt)")
+    gen = commands.add_parser(
+        "generate",
+        help="generate constrained text for a prompt",
+        description="Print the generated text (JSON for a schema) on "
+        "stdout; the live view, stats and errors go to stderr.",
+    )
+    gen.add_argument(
+        "prompt",
+        metavar="PROMPT",
+        help="the request, sent as one user chat message (see --raw-prompt)",
+    )
     which = gen.add_mutually_exclusive_group(required=True)
-    which.add_argument("--schema", metavar="FILE",
-                       help="JSON Schema file the output must satisfy (or an inline JSON object)")
-    which.add_argument("--regex", metavar="RE",
-                       help="regex the whole output must match (no ^/$ needed)")
-    which.add_argument("--grammar", metavar="NAME",
-                       help="a ready-made constraint shipped with the package (list: "
-                       "`constrained-spec grammars`)")
-    gen.add_argument("--raw-prompt", action="store_true",
-                     help="feed PROMPT to the model as is, without the chat template")
-    gen.add_argument("--system", metavar="TEXT",
-                     help="a system message placed before PROMPT (chat template only)")
-    gen.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
-                     help=f"target model: a built-in name, a local path or a Hugging Face hub "
-                     f"id (default: {DEFAULT_MODEL})")
-    gen.add_argument("--draft", default="auto", metavar="DRAFT",
-                     help="drafter: " + "; ".join(f"'{k}' = {v}" for k, v in DRAFTS.items())
-                     + "; or a trained head's .safetensors file, or a draft model name/path "
-                     "sharing the target's tokenizer (default: auto)")
-    gen.add_argument("--weights", default="auto", choices=list(WEIGHTS),
-                     help="how the target runs: " + "; ".join(f"'{k}' = {v}" for k, v in
-                                                              WEIGHTS.items())
-                     + ". The baseline uses the same (default: auto)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                     help="target weights dtype for --weights float (default: float32)")
-    gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                     help="sampling temperature, 0 = greedy (default: 0)")
-    gen.add_argument("--top-k", type=int, default=None, metavar="K",
-                     help="keep the K most likely legal tokens (default: off)")
-    gen.add_argument("--top-p", type=float, default=None, metavar="P",
-                     help="nucleus sampling: keep the smallest set of legal tokens with mass P "
-                     "(default: off)")
-    gen.add_argument("--seed", type=int, default=None,
-                     help="random seed for sampling (default: random)")
-    gen.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
-                     help="stop after N generated tokens (default: 256)")
-    gen.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
-                     help="tokens drafted per round, verified by one target call (default: 4)")
-    gen.add_argument("--adaptive-k", action="store_true",
-                     help="choose the model-drafted tokens per round (up to --num-draft-tokens) "
-                     "from the measured acceptance and draft cost")
-    gen.add_argument("--no-speculation", action="store_true",
-                     help="plain masked decoding, one target call per token (the baseline)")
-    gen.add_argument("--stats", action="store_true",
-                     help="print target calls, tokens per call, acceptance by draft position, "
-                     "TTFT, time per output token, total time and peak memory on stderr")
-    gen.add_argument("--show", action="store_true",
-                     help="live view on stderr: accepted drafts green, rejected draft struck "
-                     "through orange, the target's own token blue, forced tokens underlined")
+    which.add_argument(
+        "--schema",
+        metavar="FILE",
+        help="JSON Schema file the output must satisfy (or an inline JSON object)",
+    )
+    which.add_argument(
+        "--regex", metavar="RE", help="regex the whole output must match (no ^/$ needed)"
+    )
+    which.add_argument(
+        "--grammar",
+        metavar="NAME",
+        help="a ready-made constraint shipped with the package (list: `constrained-spec grammars`)",
+    )
+    gen.add_argument(
+        "--raw-prompt",
+        action="store_true",
+        help="feed PROMPT to the model as is, without the chat template",
+    )
+    gen.add_argument(
+        "--system",
+        metavar="TEXT",
+        help="a system message placed before PROMPT (chat template only)",
+    )
+    gen.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="NAME",
+        help=f"target model: a built-in name, a local path or a Hugging Face hub "
+        f"id (default: {DEFAULT_MODEL})",
+    )
+    gen.add_argument(
+        "--draft",
+        default="auto",
+        metavar="DRAFT",
+        help="drafter: "
+        + "; ".join(f"'{k}' = {v}" for k, v in DRAFTS.items())
+        + "; or a trained head's .safetensors file, or a draft model name/path "
+        "sharing the target's tokenizer (default: auto)",
+    )
+    gen.add_argument(
+        "--weights",
+        default="auto",
+        choices=list(WEIGHTS),
+        help="how the target runs: "
+        + "; ".join(f"'{k}' = {v}" for k, v in WEIGHTS.items())
+        + ". The baseline uses the same (default: auto)",
+    )
+    gen.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="target weights dtype for --weights float (default: float32)",
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="sampling temperature, 0 = greedy (default: 0)",
+    )
+    gen.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="keep the K most likely legal tokens (default: off)",
+    )
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="nucleus sampling: keep the smallest set of legal tokens with mass P (default: off)",
+    )
+    gen.add_argument(
+        "--seed", type=int, default=None, help="random seed for sampling (default: random)"
+    )
+    gen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="stop after N generated tokens (default: 256)",
+    )
+    gen.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=4,
+        metavar="K",
+        help="tokens drafted per round, verified by one target call (default: 4)",
+    )
+    gen.add_argument(
+        "--adaptive-k",
+        action="store_true",
+        help="choose the model-drafted tokens per round (up to --num-draft-tokens) "
+        "from the measured acceptance and draft cost",
+    )
+    gen.add_argument(
+        "--no-speculation",
+        action="store_true",
+        help="plain masked decoding, one target call per token (the baseline)",
+    )
+    gen.add_argument(
+        "--stats",
+        action="store_true",
+        help="print target calls, tokens per call, acceptance by draft position, "
+        "TTFT, time per output token, total time and peak memory on stderr",
+    )
+    gen.add_argument(
+        "--show",
+        action="store_true",
+        help="live view on stderr: accepted drafts green, rejected draft struck "
+        "through orange, the target's own token blue, forced tokens underlined",
+    )
     gen.set_defaults(run=_generate)
 
-    lst = commands.add_parser("grammars", help="list the ready-made grammars (--grammar NAME)",
-                              description="List the shipped grammars with a description.")
+    lst = commands.add_parser(
+        "grammars",
+        help="list the ready-made grammars (--grammar NAME)",
+        description="List the shipped grammars with a description.",
+    )
     lst.set_defaults(run=_list_grammars)
     return parser
 
@@ -163,19 +245,26 @@ def _validate(args) -> Request:
     if draft == "head":
         shipped_head(args.model)  # raises DraftHeadError naming the heads there are
     if args.dtype != "float32" and args.weights in ("int4", "int8"):
-        raise UsageError(f"--weights {args.weights} fixes its own numerics: drop --dtype "
-                         f"{args.dtype}, or pass --weights float.")
+        raise UsageError(
+            f"--weights {args.weights} fixes its own numerics: drop --dtype "
+            f"{args.dtype}, or pass --weights float."
+        )
     if draft in ("int8", "bf16") and args.weights in ("int4", "int8"):
-        raise UsageError(f"--draft {draft} copies a float target: pass --weights float, or "
-                         "--draft head or lookup.")
+        raise UsageError(
+            f"--draft {draft} copies a float target: pass --weights float, or "
+            "--draft head or lookup."
+        )
     if draft == "int8" and args.dtype != "float32":
-        raise UsageError(f"--draft int8 quantizes a float32 target: drop --dtype {args.dtype}, "
-                         "or pass --draft none or a draft model.")
+        raise UsageError(
+            f"--draft int8 quantizes a float32 target: drop --dtype {args.dtype}, "
+            "or pass --draft none or a draft model."
+        )
     if args.raw_prompt:
         prompt = args.prompt
     else:
-        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                 [{"role": "user", "content": args.prompt}]
+        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
     return Request(constraint, prompt, draft)
 
 
@@ -186,11 +275,14 @@ def _check_model_name(name: str, flag: str) -> None:
         return
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")):
         return  # a hub id: only the load can tell whether it exists
-    raise UsageError(f"{flag} {name!r} is not a built-in model, a local path or a hub id "
-                     f"(owner/name): built-in models are {', '.join(sorted(builtin))}.")
+    raise UsageError(
+        f"{flag} {name!r} is not a built-in model, a local path or a hub id "
+        f"(owner/name): built-in models are {', '.join(sorted(builtin))}."
+    )
 
 
 # ---------------------------------------------------------------- commands
+
 
 def _list_grammars(args, out: Console, err: Console) -> int:
     names = grammar_names()
@@ -210,25 +302,35 @@ def _generate(args, out: Console, err: Console) -> int:
 
     t0 = time.perf_counter()
     try:  # no spinner here: the first load shows its own download / conversion progress
-        gen = Generator.from_pretrained(args.model, draft=request.draft, weights=args.weights,
-                                        dtype=getattr(torch, args.dtype))
+        gen = Generator.from_pretrained(
+            args.model, draft=request.draft, weights=args.weights, dtype=getattr(torch, args.dtype)
+        )
     except ModelFetchError as e:  # not the user's input: no network, corrupt download
         err.print(Text.assemble(("error: ", "bold red"), str(e)))
         return 1
     except (OSError, ValueError) as e:  # unknown name, missing path or hub id, bad files
         message = _first_line(e)
-        raise UsageError(message if args.model in message else
-                         f"cannot load model {args.model!r}: {message}") from None
+        raise UsageError(
+            message if args.model in message else f"cannot load model {args.model!r}: {message}"
+        ) from None
     load_s = time.perf_counter() - t0
 
     meter, t1 = _Meter(), time.perf_counter()
     view = RoundView(gen, gen.compile(**request.constraint), err) if args.show else None
     try:
         result = gen.generate(
-            request.prompt, **request.constraint, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            num_draft_tokens=args.num_draft_tokens, speculative=not args.no_speculation,
-            seed=args.seed, adaptive_k=args.adaptive_k, on_round=meter.chain(view))
+            request.prompt,
+            **request.constraint,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            num_draft_tokens=args.num_draft_tokens,
+            speculative=not args.no_speculation,
+            seed=args.seed,
+            adaptive_k=args.adaptive_k,
+            on_round=meter.chain(view),
+        )
     finally:
         wall_s = time.perf_counter() - t1
         if view is not None:
@@ -236,15 +338,29 @@ def _generate(args, out: Console, err: Console) -> int:
     sys.stdout.write(result.text + "\n")  # exactly the text: no markup, emoji or wrapping
     sys.stdout.flush()
     if result.finish_reason == "length":
-        err.print(f"stopped at --max-new-tokens {args.max_new_tokens}: the output is incomplete "
-                  "and may not satisfy the constraint.", style="yellow", markup=False)
+        err.print(
+            f"stopped at --max-new-tokens {args.max_new_tokens}: the output is incomplete "
+            "and may not satisfy the constraint.",
+            style="yellow",
+            markup=False,
+        )
     if args.stats:
-        err.print(stats_table(result, meter, load_s, wall_s, args, request,
-                              getattr(gen, "weights_choice", gen.weights)))
+        err.print(
+            stats_table(
+                result,
+                meter,
+                load_s,
+                wall_s,
+                args,
+                request,
+                getattr(gen, "weights_choice", gen.weights),
+            )
+        )
     return 0
 
 
 # ---------------------------------------------------------------- live view and stats
+
 
 class _Meter:
     """Counts committed tokens per round (EOS included), for tokens-per-call and TPOT."""
@@ -259,6 +375,7 @@ class _Meter:
                 self.first_round = len(r.committed)
             if then is not None:
                 then(r)
+
         return on_round
 
 
@@ -282,9 +399,14 @@ class RoundView:
         if self.live is not None:
             self.live.update(self._render())
         elif self.console.is_terminal:  # started on the first round: errors before it stay clean
-            self.live = Live(self._render(), console=self.console, refresh_per_second=10,
-                             vertical_overflow="visible", redirect_stdout=False,
-                             redirect_stderr=False)
+            self.live = Live(
+                self._render(),
+                console=self.console,
+                refresh_per_second=10,
+                vertical_overflow="visible",
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
             self.live.start()
 
     def close(self) -> None:
@@ -311,12 +433,24 @@ class RoundView:
     def _render(self):
         per_call = self.tokens / self.calls if self.calls else 0.0
         counter = Text.assemble(
-            ("target calls ", "bold"), str(self.calls), ("  vs  tokens ", "bold"), str(self.tokens),
+            ("target calls ", "bold"),
+            str(self.calls),
+            ("  vs  tokens ", "bold"),
+            str(self.tokens),
             f"  ({per_call:.2f} tokens/call; drafts accepted {self.accepted}/{self.drafted}, "
-            f"forced {self.forced})", style="dim")
-        legend = Text.assemble(("accepted draft", "green"), "  ", ("rejected draft", STRUCK),
-                               "  ", ("target token", "blue"), "  ", ("forced", "underline"),
-                               style="dim")
+            f"forced {self.forced})",
+            style="dim",
+        )
+        legend = Text.assemble(
+            ("accepted draft", "green"),
+            "  ",
+            ("rejected draft", STRUCK),
+            "  ",
+            ("target token", "blue"),
+            "  ",
+            ("forced", "underline"),
+            style="dim",
+        )
         return Group(self.text, counter, legend)
 
 
@@ -339,32 +473,45 @@ def render_round(r, piece, step) -> Text:
     return out
 
 
-def stats_table(result, meter: _Meter, load_s: float, wall_s: float, args, request,
-                weights: str = "") -> Table:
+def stats_table(
+    result, meter: _Meter, load_s: float, wall_s: float, args, request, weights: str = ""
+) -> Table:
     s = result.stats
     n = meter.committed  # generated tokens, EOS included (the baseline makes one call per token)
     tpot = (s.total_s - s.ttft_s) / (n - meter.first_round) if n > meter.first_round else 0.0
-    by_position = "  ".join(f"{i + 1}: {a / d:.0%}" for i, (a, d) in
-                            enumerate(zip(s.accepted_by_position, s.drafted_by_position)) if d)
+    by_position = "  ".join(
+        f"{i + 1}: {a / d:.0%}"
+        for i, (a, d) in enumerate(zip(s.accepted_by_position, s.drafted_by_position))
+        if d
+    )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak_mb = peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes vs KiB
-    table = Table(title="generation stats", show_header=False, box=None, pad_edge=False,
-                  title_justify="left")
+    table = Table(
+        title="generation stats", show_header=False, box=None, pad_edge=False, title_justify="left"
+    )
     table.add_column(style="bold")
     table.add_column()
     rows = [
-        ("model / draft", f"{args.model} / "
-                          f"{'none (baseline)' if request.draft is None or args.no_speculation else request.draft}"),
+        (
+            "model / draft",
+            f"{args.model} / "
+            f"{'none (baseline)' if request.draft is None or args.no_speculation else request.draft}",
+        ),
         ("target weights", weights),
         ("finish", f"{result.finish_reason}, {n} tokens"),
-        ("target calls", f"{s.target_calls} ({n / s.target_calls if s.target_calls else 0:.2f} "
-                         "tokens per call)"),
+        (
+            "target calls",
+            f"{s.target_calls} ({n / s.target_calls if s.target_calls else 0:.2f} tokens per call)",
+        ),
         ("drafts accepted", f"{s.accepted}/{s.drafted} ({s.acceptance_rate:.0%})"),
         ("acceptance by position", by_position or "-"),
         ("TTFT", f"{s.ttft_s * 1e3:.0f} ms (prefill {s.prefill_s * 1e3:.0f} ms)"),
         ("time per output token", f"{tpot * 1e3:.1f} ms"),
-        ("total", f"{s.total_s:.2f} s ({n / s.total_s if s.total_s else 0:.1f} tok/s; draft "
-                  f"{s.draft_s:.2f} s, verify {s.verify_s:.2f} s; with compile {wall_s:.2f} s)"),
+        (
+            "total",
+            f"{s.total_s:.2f} s ({n / s.total_s if s.total_s else 0:.1f} tok/s; draft "
+            f"{s.draft_s:.2f} s, verify {s.verify_s:.2f} s; with compile {wall_s:.2f} s)",
+        ),
         ("model load", f"{load_s:.1f} s"),
         ("peak memory (RSS)", f"{peak_mb:.0f} MiB"),
     ]
@@ -374,6 +521,7 @@ def stats_table(result, meter: _Meter, load_s: float, wall_s: float, args, reque
 
 
 # ---------------------------------------------------------------- entry point
+
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__

@@ -43,9 +43,11 @@ class Constraint:
         self.index, self.vocab, self.vocab_size, self.regex = index, vocab, vocab_size, regex
         self.eos_id = vocab.eos_id
         if TERMINATOR not in vocab.token_bytes:
-            raise ConstraintError("the tokenizer has no single-byte NUL token, which the compiler "
-                                  "needs as its end-of-match terminator: use a byte-level BPE or a "
-                                  "byte-fallback SentencePiece tokenizer.")
+            raise ConstraintError(
+                "the tokenizer has no single-byte NUL token, which the compiler "
+                "needs as its end-of-match terminator: use a byte-level BPE or a "
+                "byte-fallback SentencePiece tokenizer."
+            )
         self.terminator = vocab.token_bytes.index(TERMINATOR)
         self.initial_state: int = index.get_initial_state()
         self._allowed: dict[int, np.ndarray] = {}
@@ -111,9 +113,11 @@ class Constraint:
         """The only byte that may come next, if exactly one; computed once per state."""
         if state not in self._forced_bytes:
             legal = self._legal(state)
-            first = {self.vocab.token_bytes[i][0] for i in legal.tolist()} \
-                if len(legal) <= 256 and state != FINISHED and not self.accepting(state) \
-                else set()  # free text (or the end): nothing forced, skip the scan
+            first = (
+                {self.vocab.token_bytes[i][0] for i in legal.tolist()}
+                if len(legal) <= 256 and state != FINISHED and not self.accepting(state)
+                else set()
+            )  # free text (or the end): nothing forced, skip the scan
             self._forced_bytes[state] = first.pop() if len(first) == 1 else None
         return self._forced_bytes[state]
 
@@ -141,8 +145,10 @@ class Constraint:
         if key not in self._masks:
             legal = self._legal(state)
             if not len(legal):
-                raise ConstraintError(f"state {state} has no legal token: the constraint cannot "
-                                      "be completed with this vocabulary.")
+                raise ConstraintError(
+                    f"state {state} has no legal token: the constraint cannot "
+                    "be completed with this vocabulary."
+                )
             m = np.zeros(self.vocab_size, dtype=bool)
             m[legal] = True  # numpy scatter: ~50x faster than torch index_put on CPU here
             self._masks[key] = torch.from_numpy(m).to(device)
@@ -182,14 +188,16 @@ def _outlines_vocabulary(vocab: TokenVocabulary) -> Vocabulary:
 _compiled: dict[tuple[str, str, int], Constraint] = {}
 
 
-def compile_regex(regex: str, vocab: TokenVocabulary, vocab_size: int,
-                  cache_dir: Path | None = None) -> Constraint:
+def compile_regex(
+    regex: str, vocab: TokenVocabulary, vocab_size: int, cache_dir: Path | None = None
+) -> Constraint:
     """Compile ``regex`` for this vocabulary; cached in memory and (if ``cache_dir``) on disk."""
     key = (regex, vocab.fingerprint, vocab_size)
     if key not in _compiled:
         pattern = f"(?:{regex})\\x00"  # see TERMINATOR
-        _compiled[key] = Constraint(_load_or_build_index(pattern, vocab, cache_dir), vocab,
-                                    vocab_size, regex)
+        _compiled[key] = Constraint(
+            _load_or_build_index(pattern, vocab, cache_dir), vocab, vocab_size, regex
+        )
     return _compiled[key]
 
 
@@ -208,8 +216,11 @@ def _load_or_build_index(pattern: str, vocab: TokenVocabulary, cache_dir: Path |
     try:
         # a small regex without repetition is a small finite language: not worth a fork (~70 ms)
         trivial = len(pattern) <= 1000 and not any(c in pattern for c in "*+{")
-        index = run_bounded(lambda: Index(pattern, outlines_vocab), "compiling the constraint",
-                            timeout_s=0 if trivial else None)
+        index = run_bounded(
+            lambda: Index(pattern, outlines_vocab),
+            "compiling the constraint",
+            timeout_s=0 if trivial else None,
+        )
     except SchemaTooComplex:
         raise
     except Exception as e:
@@ -235,10 +246,16 @@ def run_bounded(fn, what: str, timeout_s: float | None = None, memory_gb: float 
     """``fn()`` in a forked child with a time and memory bound; its (picklable) result.
     Raises SchemaTooComplex naming the exceeded limit; re-raises the child's own errors."""
     env = os.environ.get
-    timeout_s = float(env("CONSTRAINED_SPEC_COMPILE_TIMEOUT", DEFAULT_COMPILE_TIMEOUT_S)) \
-        if timeout_s is None else timeout_s
-    memory_gb = float(env("CONSTRAINED_SPEC_COMPILE_MEMORY_GB", DEFAULT_COMPILE_MEMORY_GB)) \
-        if memory_gb is None else memory_gb
+    timeout_s = (
+        float(env("CONSTRAINED_SPEC_COMPILE_TIMEOUT", DEFAULT_COMPILE_TIMEOUT_S))
+        if timeout_s is None
+        else timeout_s
+    )
+    memory_gb = (
+        float(env("CONSTRAINED_SPEC_COMPILE_MEMORY_GB", DEFAULT_COMPILE_MEMORY_GB))
+        if memory_gb is None
+        else memory_gb
+    )
     if timeout_s <= 0 or memory_gb <= 0 or "fork" not in mp.get_all_start_methods():
         return fn()
     parent, child = mp.get_context("fork").Pipe(duplex=False)
@@ -250,20 +267,24 @@ def run_bounded(fn, what: str, timeout_s: float | None = None, memory_gb: float 
             raise SchemaTooComplex(
                 f"{what} took longer than {timeout_s:g} s. Simplify the schema (fewer optional "
                 "properties, smaller maxLength/maxItems, shallower nesting) or raise the limit "
-                "with CONSTRAINED_SPEC_COMPILE_TIMEOUT=<seconds> (0 = no limit).")
+                "with CONSTRAINED_SPEC_COMPILE_TIMEOUT=<seconds> (0 = no limit)."
+            )
         status, payload = pickle.loads(parent.recv_bytes())
     except EOFError:  # the child died without answering: killed for memory, or aborted
         raise SchemaTooComplex(
             f"{what} ran out of its {memory_gb:g} GB memory limit. Simplify the schema or "
-            "raise the limit with CONSTRAINED_SPEC_COMPILE_MEMORY_GB=<GB> (0 = no limit).") from None
+            "raise the limit with CONSTRAINED_SPEC_COMPILE_MEMORY_GB=<GB> (0 = no limit)."
+        ) from None
     finally:
         if proc.is_alive():
             proc.kill()
         proc.join()
         parent.close()
     if status == "memory":
-        raise SchemaTooComplex(f"{what} ran out of its {memory_gb:g} GB memory limit. Simplify "
-                               "the schema or raise CONSTRAINED_SPEC_COMPILE_MEMORY_GB.")
+        raise SchemaTooComplex(
+            f"{what} ran out of its {memory_gb:g} GB memory limit. Simplify "
+            "the schema or raise CONSTRAINED_SPEC_COMPILE_MEMORY_GB."
+        )
     if status == "error":
         raise payload
     return payload

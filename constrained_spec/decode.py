@@ -36,10 +36,11 @@ from .vocab import token_vocabulary
 class Round:
     """What one round committed; passed to ``on_round`` (only committed tokens, never drafts
     that were rolled back, except as ``rejected`` for display)."""
-    drafted: list[int]     # the draft proposed this round
-    accepted: int          # how many of its tokens the target accepted
-    token: int             # the target's own token: correction (accepted < drafted) or bonus
-    committed: list[int]   # drafted[:accepted] + [token], cut after EOS / at max_new_tokens
+
+    drafted: list[int]  # the draft proposed this round
+    accepted: int  # how many of its tokens the target accepted
+    token: int  # the target's own token: correction (accepted < drafted) or bonus
+    committed: list[int]  # drafted[:accepted] + [token], cut after EOS / at max_new_tokens
     sources: tuple[str, ...] = ()  # each drafted token's source: forced/grammar/lookup/model
 
 
@@ -56,7 +57,7 @@ class Stats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
-    ttft_s: float = 0.0   # prompt in → first committed token
+    ttft_s: float = 0.0  # prompt in → first committed token
     total_s: float = 0.0
 
     @property
@@ -70,9 +71,14 @@ class Stats:
         self.accepted += accepted
         for i, source in enumerate(draft.sources):
             self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + 1
-            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + (i < accepted)
-        for hist, n in ((self.accepted_lengths, accepted + 1), (self.drafted_by_position, drafted),
-                        (self.accepted_by_position, accepted)):
+            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + (
+                i < accepted
+            )
+        for hist, n in (
+            (self.accepted_lengths, accepted + 1),
+            (self.drafted_by_position, drafted),
+            (self.accepted_by_position, accepted),
+        ):
             hist.extend([0] * (n - len(hist)))
         self.accepted_lengths[accepted] += 1
         for i in range(drafted):
@@ -84,15 +90,23 @@ class Stats:
 @dataclass(frozen=True)
 class Result:
     text: str
-    value: Any                 # the parsed JSON when a schema was given and generation stopped
-    token_ids: list[int]       # generated ids, EOS excluded
-    finish_reason: str         # "stop" (EOS in an accepting state) | "length" (max_new_tokens)
+    value: Any  # the parsed JSON when a schema was given and generation stopped
+    token_ids: list[int]  # generated ids, EOS excluded
+    finish_reason: str  # "stop" (EOS in an accepting state) | "length" (max_new_tokens)
     stats: Stats
 
 
-def speculative_step(target, cache, constraint: Constraint, tokens: list[int], state: int,
-                     draft: Draft, sampling: SamplingConfig, generator: torch.Generator,
-                     features: bool = False):
+def speculative_step(
+    target,
+    cache,
+    constraint: Constraint,
+    tokens: list[int],
+    state: int,
+    draft: Draft,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    features: bool = False,
+):
     """One round: ONE target forward over [last committed] + draft, exact acceptance, commit.
 
     Returns (accepted, token, state, features): the draft's accepted length, the target's own
@@ -110,23 +124,34 @@ def speculative_step(target, cache, constraint: Constraint, tokens: list[int], s
     device = next(target.parameters()).device
     out = kv.forward(target, cache, [tokens[-1]] + draft.tokens, device, features)
     logits, hidden = out if features else (out, None)  # (k+1, V), (k+1, d)
-    masks = torch.stack([constraint.mask(s, device) for s in states])     # (k+1, V)
+    masks = torch.stack([constraint.mask(s, device) for s in states])  # (k+1, V)
     draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # (k,)
     if sampling.greedy:
         n, token = verify_greedy(logits, masks, draft_ids)
     else:
         target_probs = policy(logits, masks, sampling)  # (k+1, V)
-        draft_probs = draft.probs if draft.probs is not None else \
-            one_hot(draft.tokens, logits.shape[-1], device)  # (k, V)
+        draft_probs = (
+            draft.probs
+            if draft.probs is not None
+            else one_hot(draft.tokens, logits.shape[-1], device)
+        )  # (k, V)
         n, token = verify_sampled(target_probs, draft_probs, draft_ids, generator)
     n, token = torch.stack([n, token]).tolist()  # the round's one host sync
     return n, token, constraint.step(states[n], token), hidden
 
 
-def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter | None,
-           sampling: SamplingConfig, num_draft_tokens: int, max_new_tokens: int,
-           generator: torch.Generator, on_round: Callable[[Round], None] | None = None,
-           adaptive: AdaptiveK | None = None):
+def decode(
+    target,
+    constraint: Constraint,
+    prompt: list[int],
+    drafter: Drafter | None,
+    sampling: SamplingConfig,
+    num_draft_tokens: int,
+    max_new_tokens: int,
+    generator: torch.Generator,
+    on_round: Callable[[Round], None] | None = None,
+    adaptive: AdaptiveK | None = None,
+):
     """Generate until EOS or ``max_new_tokens``; returns (new token ids, finish_reason, stats)."""
     stats, start = Stats(), time.perf_counter()
     device = next(target.parameters()).device
@@ -135,7 +160,7 @@ def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter |
     prefill = torch.empty(0, 0, device=device) if features else None
     if len(prompt) > 1:
         out = kv.forward(target, cache, prompt[:-1], device, features)  # the last prompt token
-        if features:                                                    # opens round 1
+        if features:  # opens round 1
             prefill = out[1]
     if drafter is not None:
         drafter.begin(prompt, prefill)
@@ -144,11 +169,15 @@ def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter |
     while state != FINISHED and (room := max_new_tokens - (len(tokens) - len(prompt))) > 0:
         k = adaptive.choose() if adaptive is not None else num_draft_tokens
         t0 = time.perf_counter()
-        draft = drafter.propose(tokens, state, constraint, k, sampling, generator).truncate(room - 1) \
-            if drafter is not None and room > 1 else EMPTY_DRAFT
+        draft = (
+            drafter.propose(tokens, state, constraint, k, sampling, generator).truncate(room - 1)
+            if drafter is not None and room > 1
+            else EMPTY_DRAFT
+        )
         t1 = time.perf_counter()
-        n, token, state, hidden = speculative_step(target, cache, constraint, tokens, state,
-                                                   draft, sampling, generator, features)
+        n, token, state, hidden = speculative_step(
+            target, cache, constraint, tokens, state, draft, sampling, generator, features
+        )
         committed = draft.tokens[:n] + [token]
         if constraint.eos_id in committed:  # a draft may end in EOS: nothing after it counts
             committed = committed[: committed.index(constraint.eos_id) + 1]
@@ -163,13 +192,13 @@ def decode(target, constraint: Constraint, prompt: list[int], drafter: Drafter |
         if adaptive is not None:
             adaptive.update(draft, n, t1 - t0, t2 - t1)
         if drafter is not None:
-            drafter.observe(committed, hidden[:len(committed)] if features else None)
+            drafter.observe(committed, hidden[: len(committed)] if features else None)
         if stats.target_calls == 1:
             stats.ttft_s = t2 - start
         if on_round is not None:
             on_round(Round(draft.tokens, n, token, committed, draft.sources))
     stats.total_s = time.perf_counter() - start
-    output = tokens[len(prompt):]
+    output = tokens[len(prompt) :]
     return output, ("stop" if state == FINISHED else "length"), stats
 
 
@@ -178,10 +207,11 @@ class AdaptiveK:
     """Draft-model tokens per round, chosen to maximise the expected tokens per unit of cost
     (1 − α^(k+1)) / ((1 − α)(k·c + 1)) (Leviathan et al. 2023, §3.4), from running estimates of
     α (acceptance of a model-drafted token) and c (draft step cost / target verify cost)."""
+
     k_max: int
-    alpha: float = 0.7    # prior until the first rounds are seen
-    cost: float = 0.4     # prior: an int8 copy of the target costs ≈ 0.4 of a target step
-    decay: float = 0.8    # weight of the past in the running estimates
+    alpha: float = 0.7  # prior until the first rounds are seen
+    cost: float = 0.4  # prior: an int8 copy of the target costs ≈ 0.4 of a target step
+    decay: float = 0.8  # weight of the past in the running estimates
 
     def choose(self) -> int:
         a, c = min(self.alpha, 0.99), self.cost
@@ -201,8 +231,15 @@ class AdaptiveK:
 class Generator:
     """A target model (and optionally a drafter) ready to generate under constraints."""
 
-    def __init__(self, target, tokenizer, draft=None, *, whitespace: str = "",
-                 cache_dir: str | Path | None = None):
+    def __init__(
+        self,
+        target,
+        tokenizer,
+        draft=None,
+        *,
+        whitespace: str = "",
+        cache_dir: str | Path | None = None,
+    ):
         """``draft``: a transformers causal LM sharing the target's vocabulary, a trained
         DraftHead, a Drafter (``begin``, ``propose``, ``observe``, ``uses_features``), or None
         (masked baseline).
@@ -211,17 +248,25 @@ class Generator:
         self.vocab = token_vocabulary(tokenizer)
         self.width = logits_width(target)  # may be padded above len(tokenizer)
         if self.width < len(tokenizer):
-            raise VocabularyMismatch(f"the target's logits width {self.width} is smaller than the "
-                                     f"tokenizer's {len(tokenizer)} tokens: pass its own tokenizer.")
+            raise VocabularyMismatch(
+                f"the target's logits width {self.width} is smaller than the "
+                f"tokenizer's {len(tokenizer)} tokens: pass its own tokenizer."
+            )
         self.drafter = _as_drafter(draft, target, len(tokenizer), self.width)
         self.whitespace = whitespace
         self.context = getattr(target.config, "max_position_embeddings", None) or 2**31
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
 
     @classmethod
-    def from_pretrained(cls, target: str = DEFAULT_MODEL, draft: str | None = "auto",
-                        weights: str = "auto", dtype: torch.dtype = torch.float32,
-                        skinny_matmul: bool = True, **kwargs) -> Generator:
+    def from_pretrained(
+        cls,
+        target: str = DEFAULT_MODEL,
+        draft: str | None = "auto",
+        weights: str = "auto",
+        dtype: torch.dtype = torch.float32,
+        skinny_matmul: bool = True,
+        **kwargs,
+    ) -> Generator:
         """Load a built-in model name, a local path or a hub id. ``draft``: one of DRAFTS (no
         extra download), a draft head file (.safetensors) or a draft model name/path sharing
         the target's tokenizer. ``weights``: one of models.WEIGHTS; "auto" runs the built-in
@@ -233,9 +278,11 @@ class Generator:
 
         if draft in ("int8", "bf16") and weights != "float":  # copies of a transformers target
             if weights != "auto":
-                raise WeightsError(f"draft={draft!r} copies a float target, and weights="
-                                   f"{weights!r} is not one: pass weights='float', or use "
-                                   "draft='head' or 'lookup'.")
+                raise WeightsError(
+                    f"draft={draft!r} copies a float target, and weights="
+                    f"{weights!r} is not one: pass weights='float', or use "
+                    "draft='head' or 'lookup'."
+                )
             weights = "float"
         if draft == "head":
             shipped_head(target)  # a clear DraftHeadError before loading, where none ships
@@ -249,7 +296,7 @@ class Generator:
         else:
             draft = _named_draft(draft, model, dtype)  # copies of the target first: int8
         if skinny_matmul and next(model.parameters()).device.type == "cpu":  # quantizes only
-            use_skinny(model)                                               # plain nn.Linear
+            use_skinny(model)  # plain nn.Linear
         gen = cls(model, tokenizer, draft=draft, **kwargs)
         gen.weights_choice = describe_weights(target, weights, gen.weights)
         return gen
@@ -267,11 +314,22 @@ class Generator:
             regex = schema_to_regex(load_schema(schema), self.whitespace)
         return compile_regex(regex, self.vocab, self.width, self.cache_dir)
 
-    def generate(self, prompt, schema=None, regex: str | None = None, max_new_tokens: int = 256,
-                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 num_draft_tokens: int = 4, speculative: bool = True, seed: int | None = None,
-                 adaptive_k: bool = False, on_round: Callable[[Round], None] | None = None,
-                 drafter: Drafter | None = None) -> Result:
+    def generate(
+        self,
+        prompt,
+        schema=None,
+        regex: str | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        num_draft_tokens: int = 4,
+        speculative: bool = True,
+        seed: int | None = None,
+        adaptive_k: bool = False,
+        on_round: Callable[[Round], None] | None = None,
+        drafter: Drafter | None = None,
+    ) -> Result:
         """Text the constraint accepts, distributed exactly as plain masked sampling.
         ``drafter``: this request's drafter instead of the Generator's (a Drafter; with
         ``speculative=False`` none is used)."""
@@ -285,8 +343,18 @@ class Generator:
         drafter = self.drafter if drafter is None else _checked_drafter(drafter)
         drafter = drafter if speculative else None
         adaptive = AdaptiveK(max(num_draft_tokens, 1)) if adaptive_k else None
-        ids, finish, stats = decode(self.target, constraint, prompt_ids, drafter, sampling,
-                                    num_draft_tokens, max_new_tokens, generator, on_round, adaptive)
+        ids, finish, stats = decode(
+            self.target,
+            constraint,
+            prompt_ids,
+            drafter,
+            sampling,
+            num_draft_tokens,
+            max_new_tokens,
+            generator,
+            on_round,
+            adaptive,
+        )
         token_ids = [t for t in ids if t != self.vocab.eos_id]
         text = self.vocab.decode(token_ids)
         value = json.loads(text) if schema_dict is not None and finish == "stop" else None
@@ -297,36 +365,46 @@ class Generator:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=False
+            )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
             if any(not 0 <= t < len(self.tokenizer) for t in ids):
-                raise GenerationInputError(f"prompt token ids must lie in [0, {len(self.tokenizer)}).")
+                raise GenerationInputError(
+                    f"prompt token ids must lie in [0, {len(self.tokenizer)})."
+                )
         else:
-            raise GenerationInputError("prompt must be a str, a list of chat messages "
-                                       "({'role': ..., 'content': ...}) or a list of token ids.")
+            raise GenerationInputError(
+                "prompt must be a str, a list of chat messages "
+                "({'role': ..., 'content': ...}) or a list of token ids."
+            )
         if not ids:
-            raise GenerationInputError("the prompt is empty: give the model something to respond to.")
+            raise GenerationInputError(
+                "the prompt is empty: give the model something to respond to."
+            )
         if len(ids) >= self.context:
             raise GenerationInputError(
                 f"the prompt has {len(ids)} tokens but the model's context holds {self.context}: "
-                "shorten the prompt.")
+                "shorten the prompt."
+            )
         return ids
 
 
 # Drafts that need no download. "auto" is what measured fastest on the default model on a 2-core
 # CPU (docs/measurements.md): the trained head with forced tokens and prompt lookup, else lookup.
-DRAFTS = {"auto": "the fastest measured here: \"head\" where a head ships for a float target "
-                  "(the default model with weights='float'), else \"lookup\" (the 4-bit "
-                  "target's step is cheap enough that a head step costs 0.7 of it)",
-          "lookup": "grammar-forced tokens + prompt lookup (free drafts, no draft model)",
-          "int8": "a dynamically int8-quantized copy of the target, plus forced + lookup",
-          "bf16": "a bfloat16 copy of the target, plus forced + lookup",
-          "head": "the draft head trained for the target (EAGLE-style), plus forced + lookup; "
-                  "it stops drafting when its chain turns unlikely",
-          "none": "no drafts: the masked baseline"}
+DRAFTS = {
+    "auto": 'the fastest measured here: "head" where a head ships for a float target '
+    "(the default model with weights='float'), else \"lookup\" (the 4-bit "
+    "target's step is cheap enough that a head step costs 0.7 of it)",
+    "lookup": "grammar-forced tokens + prompt lookup (free drafts, no draft model)",
+    "int8": "a dynamically int8-quantized copy of the target, plus forced + lookup",
+    "bf16": "a bfloat16 copy of the target, plus forced + lookup",
+    "head": "the draft head trained for the target (EAGLE-style), plus forced + lookup; "
+    "it stops drafting when its chain turns unlikely",
+    "none": "no drafts: the masked baseline",
+}
 # The head's drafting stops once its chain's estimated chance of full acceptance drops below this
 # (thresholds 0.1-0.7 measured within a few % of each other: docs/measurements.md).
 HEAD_MIN_CONFIDENCE = 0.3
@@ -341,8 +419,9 @@ QUANTIZED_MAX_DRAFT = 7
 
 
 def _draft_limits(target) -> dict:
-    return {"max_draft": QUANTIZED_MAX_DRAFT} if getattr(target, "weights", "float") != "float" \
-        else {}
+    return (
+        {"max_draft": QUANTIZED_MAX_DRAFT} if getattr(target, "weights", "float") != "float" else {}
+    )
 
 
 def _named_draft(draft: str | None, model, dtype: torch.dtype):
@@ -369,22 +448,28 @@ def _as_drafter(draft, target, vocab_len: int, width: int) -> Drafter | None:
     if hasattr(draft, "propose"):
         return _checked_drafter(draft)
     if isinstance(draft, DraftHead):
-        return CompositeDrafter(HeadDraft(draft.eval(), target), min_confidence=HEAD_MIN_CONFIDENCE,
-                                **_draft_limits(target))
+        return CompositeDrafter(
+            HeadDraft(draft.eval(), target),
+            min_confidence=HEAD_MIN_CONFIDENCE,
+            **_draft_limits(target),
+        )
     draft_width = logits_width(draft)
     if draft_width < vocab_len:
         raise VocabularyMismatch(
             f"the draft model predicts {draft_width} tokens but the target's tokenizer has "
-            f"{vocab_len}: a draft must share the target's vocabulary (same tokenizer family).")
+            f"{vocab_len}: a draft must share the target's vocabulary (same tokenizer family)."
+        )
     return model_drafter(draft.eval(), width, **_draft_limits(target))
 
 
 def _checked_drafter(drafter) -> Drafter:
     missing = [name for name in DRAFTER_MEMBERS if not hasattr(drafter, name)]
     if missing:
-        raise TypeError(f"{type(drafter).__name__} lacks {', '.join(missing)} of the Drafter "
-                        "protocol (constrained_spec.draft.Drafter): add them (no-ops where it "
-                        "has nothing to do).")
+        raise TypeError(
+            f"{type(drafter).__name__} lacks {', '.join(missing)} of the Drafter "
+            "protocol (constrained_spec.draft.Drafter): add them (no-ops where it "
+            "has nothing to do)."
+        )
     return drafter
 
 

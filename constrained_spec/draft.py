@@ -32,7 +32,7 @@ UNTEMPERED = SamplingConfig(temperature=1.0)  # a greedy draft's confidence: its
 class Draft:
     tokens: list[int]
     probs: torch.Tensor | None = None  # (k, V) q rows; None when every token is deterministic
-    sources: tuple[str, ...] = ()       # "forced" | "grammar" | "lookup" | "model", per token
+    sources: tuple[str, ...] = ()  # "forced" | "grammar" | "lookup" | "model", per token
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -41,8 +41,9 @@ class Draft:
         """The first n tokens (cutting a draft by position or legality keeps the rule exact)."""
         if n >= len(self.tokens):
             return self
-        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
-                     self.sources[:n])
+        return Draft(
+            self.tokens[:n], None if self.probs is None else self.probs[:n], self.sources[:n]
+        )
 
 
 EMPTY_DRAFT = Draft([])
@@ -63,8 +64,15 @@ class Drafter(Protocol):
         """A new request: ``prompt``'s ids, and the target's features over ``prompt[:-1]``."""
         ...
 
-    def propose(self, tokens: list[int], state: int, constraint: Constraint, k: int,
-                sampling: SamplingConfig, generator: torch.Generator) -> Draft:
+    def propose(
+        self,
+        tokens: list[int],
+        state: int,
+        constraint: Constraint,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+    ) -> Draft:
         """Up to ``k`` legal tokens following ``tokens`` (prompt + committed output) from ``state``
         (plus any free forced tokens)."""
         ...
@@ -101,8 +109,10 @@ class DraftModel:
         """Crop the cache to its longest prefix still in ``context``; return what to feed."""
         keep = len(self.cached_ids)
         if context[:keep] != self.cached_ids:
-            keep = next((i for i, (a, b) in enumerate(zip(self.cached_ids, context)) if a != b),
-                        min(keep, len(context)))
+            keep = next(
+                (i for i, (a, b) in enumerate(zip(self.cached_ids, context)) if a != b),
+                min(keep, len(context)),
+            )
         keep = min(keep, len(context) - 1)  # the last token is always fed: its logits are needed
         kv.crop(self.cache, keep)
         self.cached_ids = context[:]
@@ -122,7 +132,7 @@ def lookup(text: bytes, min_match: int = 4, max_match: int = 32, max_bytes: int 
     for n in range(min(max_match, len(text) - 1), min_match - 1, -1):
         start = text.rfind(text[-n:], 0, len(text) - 1)
         if start >= 0:
-            return text[start + n:start + n + max_bytes]
+            return text[start + n : start + n + max_bytes]
     return b""
 
 
@@ -136,9 +146,9 @@ class CompositeDrafter:
     model: DraftModel | None = None
     use_forced: bool = True
     use_lookup: bool = True
-    min_match: int = 4        # shortest text suffix that may trigger a lookup, in bytes
-    max_lookup: int = 10      # tokens copied per match
-    max_draft: int = 24       # longest draft of any mix (the verify pass widens with it)
+    min_match: int = 4  # shortest text suffix that may trigger a lookup, in bytes
+    max_lookup: int = 10  # tokens copied per match
+    max_draft: int = 24  # longest draft of any mix (the verify pass widens with it)
     # Stop model drafting once the chain's chance of being accepted whole, estimated as the
     # product of the model's top probabilities, would fall below this (0: only k stops it). A
     # verify pass widens with every drafted token; unlikely tokens cost more than they return.
@@ -174,10 +184,15 @@ class CompositeDrafter:
             forced_text = constraint.forced_text(state) if self.use_forced else b""
             if ids := constraint.tokenize(state, forced_text, room, self.target_tokens):
                 step = [(t, None, "grammar") for t in ids]
-            elif self.use_lookup and (ids := constraint.tokenize(state, lookup(text, self.min_match), room)):
+            elif self.use_lookup and (
+                ids := constraint.tokenize(state, lookup(text, self.min_match), room)
+            ):
                 step = [(t, None, "lookup") for t in ids]
-            elif self.model is not None and model_steps < k and (
-                    self.model_after_lookup or "lookup" not in sources):
+            elif (
+                self.model is not None
+                and model_steps < k
+                and (self.model_after_lookup or "lookup" not in sources)
+            ):
                 drawn = self._model_token(context, state, constraint, sampling, generator, chance)
                 if drawn is None:  # no legal proposal, or too unlikely to be accepted
                     break
@@ -192,8 +207,10 @@ class CompositeDrafter:
                 rows.append(q)
                 text += constraint.vocab.token_bytes[token] or b""
                 state = constraint.step(state, token)
-        drafted = context[len(tokens):]
-        return Draft(drafted, _stack_rows(rows, drafted, constraint.vocab_size, sampling), tuple(sources))
+        drafted = context[len(tokens) :]
+        return Draft(
+            drafted, _stack_rows(rows, drafted, constraint.vocab_size, sampling), tuple(sources)
+        )
 
     def _model_token(self, context, state, constraint, sampling, generator, chance: float):
         """(token, q row | None, chance × its top probability) from the model's masked policy, or
@@ -210,13 +227,17 @@ class CompositeDrafter:
         top = float(probs.max())  # host sync: so is the draw, which the automaton needs next
         if chance * top < self.min_confidence:
             return None
-        pick = int(probs.argmax() if sampling.greedy else
-                   torch.multinomial(probs, 1, generator=generator))
+        pick = int(
+            probs.argmax() if sampling.greedy else torch.multinomial(probs, 1, generator=generator)
+        )
         token = pick if ids is None else int(ids[pick])
         if sampling.greedy:
             return token, None, chance * top
-        q = probs if ids is None else \
-            torch.zeros(constraint.vocab_size, device=probs.device).index_put_((ids,), probs)
+        q = (
+            probs
+            if ids is None
+            else torch.zeros(constraint.vocab_size, device=probs.device).index_put_((ids,), probs)
+        )
         return token, q, chance * top
 
 

@@ -30,8 +30,10 @@ def _files() -> dict[str, Traversable]:
             if dot and "." + suffix in SUFFIXES:
                 found[stem] = entry
     if not found:
-        raise FileNotFoundError(f"no grammar files in {GRAMMAR_DIR}: this constrained_spec install "
-                                f"lacks its package data; reinstall it.")
+        raise FileNotFoundError(
+            f"no grammar files in {GRAMMAR_DIR}: this constrained_spec install "
+            f"lacks its package data; reinstall it."
+        )
     return dict(sorted(found.items()))
 
 
@@ -44,8 +46,9 @@ def load_grammar(name: str) -> dict:
     """``{"regex": str}`` or ``{"schema": dict}`` for a grammar name (see ``grammar_names``)."""
     files = _files()
     if name not in files:
-        raise ConstraintError(f"unknown grammar {name!r}: available grammars are "
-                              f"{', '.join(files)}.")
+        raise ConstraintError(
+            f"unknown grammar {name!r}: available grammars are {', '.join(files)}."
+        )
     path = files[name]
     if path.name.endswith(".regex"):
         return {"regex": _regex_text(path)}

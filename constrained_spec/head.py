@@ -33,21 +33,36 @@ from .errors import DraftHeadError, VocabularyMismatch
 HEADS = Path(__file__).parent / "heads"  # shipped weights: <name>.safetensors + <name>.json card
 COPY_NGRAMS = (2, 1)  # the head's copy proposals: after the last bigram, after the last token
 # The target's config fields the head's decoder layer copies (width, attention shape, RoPE).
-_LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                 "head_dim", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
-                 "hidden_act")
+_LAYER_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_parameters",
+    "max_position_embeddings",
+    "hidden_act",
+)
 
 
 class DraftHead(nn.Module):
     def __init__(self, layer_config: dict, draft_ids: torch.Tensor):
         super().__init__()
-        config = LlamaConfig(**layer_config, num_hidden_layers=1, vocab_size=1, pad_token_id=None,
-                             bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
+        config = LlamaConfig(
+            **layer_config,
+            num_hidden_layers=1,
+            vocab_size=1,
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+            tie_word_embeddings=False,
+        )
         width = config.hidden_size
         self.layer_config = dict(layer_config)
         # (feature, token embedding, copy proposals' embeddings) → layer input
         self.fuse = nn.Linear((2 + len(COPY_NGRAMS)) * width, width)
-        self.decoder = LlamaModel(config)         # one layer's weights, RoPE, final norm
+        self.decoder = LlamaModel(config)  # one layer's weights, RoPE, final norm
         # output → log weight of each copy proposal against the head's softmax (0). Closed
         # (-inf) until trained: a head trained without it drafts exactly as it did.
         self.copy_gate = nn.Linear(width, len(COPY_NGRAMS))
@@ -57,12 +72,16 @@ class DraftHead(nn.Module):
 
     @classmethod
     def for_target(cls, target, draft_ids: torch.Tensor) -> DraftHead:
-        fields = {k: getattr(target.config, k) for k in _LAYER_FIELDS
-                  if getattr(target.config, k, None) is not None}
+        fields = {
+            k: getattr(target.config, k)
+            for k in _LAYER_FIELDS
+            if getattr(target.config, k, None) is not None
+        }
         return cls(fields, draft_ids)
 
-    def forward(self, features: torch.Tensor, embeddings: torch.Tensor,
-                cache: HeadCache | None = None) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, embeddings: torch.Tensor, cache: HeadCache | None = None
+    ) -> torch.Tensor:
         """(B, n, d) features and ``pair_embeddings`` (B, n, (1 + len(COPY_NGRAMS)) d) → (B, n, d)
         predicted next features,
         causal over the n pairs and after what ``cache`` holds (which it extends).
@@ -76,11 +95,14 @@ class DraftHead(nn.Module):
         q, k, v = self.project(x, pos)
         if cache is not None:
             k, v = cache.extend(k, v)
-        causal = None if n == 1 else \
-            torch.arange(start + n, device=x.device)[None, :] <= pos[:, None]  # (n, start + n)
+        causal = (
+            None if n == 1 else torch.arange(start + n, device=x.device)[None, :] <= pos[:, None]
+        )  # (n, start + n)
         return self.attend(x, q, k, v, causal)
 
-    def log_probs(self, out: torch.Tensor, rows: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
+    def log_probs(
+        self, out: torch.Tensor, rows: torch.Tensor, copies: torch.Tensor
+    ) -> torch.Tensor:
         """log q over the draft vocabulary (N ids; ``rows``: their LM-head rows, (N, d)) for
         outputs ``out`` (n, d) and their copy proposals ``copies`` (n, len(COPY_NGRAMS)) as
         indices into that vocabulary (-1: none, or outside it) → (n, N)."""
@@ -88,8 +110,10 @@ class DraftHead(nn.Module):
         weights = torch.log_softmax(torch.cat([gate.new_zeros(len(out), 1), gate], 1), 1)
         logq = torch.log_softmax(out @ rows.T, -1) + weights[:, :1]
         for n in range(copies.shape[1]):  # add each proposal's mass to its token's
-            at = copies[:, n:n + 1].clamp(min=0)
-            logq = logq.scatter(1, at, torch.logaddexp(logq.gather(1, at), weights[:, n + 1:n + 2]))
+            at = copies[:, n : n + 1].clamp(min=0)
+            logq = logq.scatter(
+                1, at, torch.logaddexp(logq.gather(1, at), weights[:, n + 1 : n + 2])
+            )
         return logq
 
     def project(self, x: torch.Tensor, pos: torch.Tensor):
@@ -98,17 +122,26 @@ class DraftHead(nn.Module):
         (layer,), attn = self.decoder.layers, self.decoder.layers[0].self_attn
         cos, sin = self.decoder.rotary_emb(x, pos[None])
         h = layer.input_layernorm(x)
-        q, k, v = (proj(h).view(*x.shape[:2], -1, attn.head_dim).transpose(1, 2)
-                   for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k, v = (
+            proj(h).view(*x.shape[:2], -1, attn.head_dim).transpose(1, 2)
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj)
+        )
         return (*apply_rotary_pos_emb(q, k, cos, sin), v)
 
-    def attend(self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               mask: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The rest of the layer after ``project``: attention of q over keys/values (mask: True
         where a query may look), the MLP, the final norm → (B, n, d)."""
         (layer,), attn = self.decoder.layers, self.decoder.layers[0].self_attn
-        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
-                                           enable_gqa=True)
+        a = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True
+        )
         x = x + attn.o_proj(a.transpose(1, 2).reshape(*x.shape[:2], -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.decoder.norm(x)
@@ -117,11 +150,17 @@ class DraftHead(nn.Module):
         """fp16 safetensors (the embedding stub of the 1-layer LlamaModel left out) + a JSON card
         with the layer config, the weights' sha256 and whatever the trainer reports."""
         path = Path(path)
-        tensors = {k: (v.half() if v.is_floating_point() else v).contiguous()
-                   for k, v in self.state_dict().items() if "embed_tokens" not in k}
+        tensors = {
+            k: (v.half() if v.is_floating_point() else v).contiguous()
+            for k, v in self.state_dict().items()
+            if "embed_tokens" not in k
+        }
         save_file(tensors, path)
-        card = {**card, "layer_config": self.layer_config,
-                "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+        card = {
+            **card,
+            "layer_config": self.layer_config,
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        }
         path.with_suffix(".json").write_text(json.dumps(card, indent=1) + "\n")
 
 
@@ -135,17 +174,17 @@ class CopyIndex:
     def extend(self, tokens: list[int]) -> None:
         for token in tokens:
             if len(self.ids) >= self.n:
-                self.next[tuple(self.ids[-self.n:])] = token
+                self.next[tuple(self.ids[-self.n :])] = token
             self.ids.append(token)
 
     def proposal(self, context: list[int]) -> int:
         """The token after the latest earlier occurrence of ``context``'s last n tokens, or -1.
         ``context`` starts with the indexed ids."""
-        n, key = self.n, tuple(context[-self.n:])
+        n, key = self.n, tuple(context[-self.n :])
         if len(context) <= n:
             return -1
         for m in range(len(context) - 2, max(len(self.ids) - 2, n - 2), -1):  # the tail first
-            if tuple(context[m - n + 1:m + 1]) == key:
+            if tuple(context[m - n + 1 : m + 1]) == key:
                 return context[m + 1]
         return self.next.get(key, -1)
 
@@ -158,19 +197,22 @@ class CopyProposals:
     def __init__(self):
         self.indexes, self.rows, self.text = [CopyIndex(n) for n in COPY_NGRAMS], [], []
 
-    def between(self, context: list[int], start: int, stop: int,
-                committed: bool = False) -> list[list[int]]:
+    def between(
+        self, context: list[int], start: int, stop: int, committed: bool = False
+    ) -> list[list[int]]:
         """Rows start..stop-1."""
-        if context[:len(self.text)] != self.text:  # another text: start afresh
+        if context[: len(self.text)] != self.text:  # another text: start afresh
             self.__init__()
         if not committed:
-            return [[index.proposal(context[:j + 1]) for index in self.indexes]
-                    for j in range(start, stop)]
+            return [
+                [index.proposal(context[: j + 1]) for index in self.indexes]
+                for j in range(start, stop)
+            ]
         for j in range(len(self.rows), stop):
             for index in self.indexes:
-                index.extend(context[len(index.ids):j])
-            self.rows.append([index.proposal(context[:j + 1]) for index in self.indexes])
-        self.text = context[:len(self.rows)]
+                index.extend(context[len(index.ids) : j])
+            self.rows.append([index.proposal(context[: j + 1]) for index in self.indexes])
+        self.text = context[: len(self.rows)]
         return self.rows[start:stop]
 
 
@@ -182,7 +224,9 @@ def copy_proposals(ids: list[int]) -> list[list[int]]:
 def vocabulary_positions(vocab: torch.Tensor, proposals: list[list[int]]) -> torch.Tensor:
     """Copy proposals (token ids, -1: none) as indices into the sorted draft vocabulary ``vocab``
     (-1: none, or not in it) → (n, len(COPY_NGRAMS)) long."""
-    tokens = torch.tensor(proposals, dtype=torch.long, device=vocab.device).reshape(len(proposals), -1)
+    tokens = torch.tensor(proposals, dtype=torch.long, device=vocab.device).reshape(
+        len(proposals), -1
+    )
     at = torch.searchsorted(vocab, tokens.clamp(min=0)).clamp(max=len(vocab) - 1)
     return at.masked_fill((tokens < 0) | (vocab[at] != tokens), -1)
 
@@ -226,8 +270,11 @@ def draft_vocabulary(sub_vocab: torch.Tensor, prompt: list[int]) -> torch.Tensor
 
 def has_shipped_head(model_name) -> bool:
     """Whether weights trained here ship for this built-in model name (not a path or hub id)."""
-    return isinstance(model_name, str) and "/" not in model_name and \
-        _shipped_path(model_name).is_file()
+    return (
+        isinstance(model_name, str)
+        and "/" not in model_name
+        and _shipped_path(model_name).is_file()
+    )
 
 
 def _shipped_path(model_name: str) -> Path:
@@ -239,10 +286,12 @@ def shipped_head(model_name: str) -> Path:
     path = _shipped_path(model_name)
     if not path.is_file():
         have = sorted(p.stem for p in HEADS.glob("*.safetensors")) or ["none"]
-        raise DraftHeadError(f"no trained draft head ships for {model_name!r} (heads: "
-                             f"{', '.join(have)}): pass a head file path as draft=, train one with "
-                             "`python benchmarks/train_head.py --model ... --out ...`, or use "
-                             "draft='lookup'.")
+        raise DraftHeadError(
+            f"no trained draft head ships for {model_name!r} (heads: "
+            f"{', '.join(have)}): pass a head file path as draft=, train one with "
+            "`python benchmarks/train_head.py --model ... --out ...`, or use "
+            "draft='lookup'."
+        )
     return path
 
 
@@ -251,37 +300,48 @@ def load_head(target, vocab, path: str | Path) -> DraftHead:
     path = Path(path)
     card_path = path.with_suffix(".json")
     if not path.is_file() or not card_path.is_file():
-        raise DraftHeadError(f"draft head weights not found: {path} and {card_path.name} are both "
-                             "needed. Reinstall constrained_spec, or retrain with "
-                             "`python benchmarks/train_head.py`.")
+        raise DraftHeadError(
+            f"draft head weights not found: {path} and {card_path.name} are both "
+            "needed. Reinstall constrained_spec, or retrain with "
+            "`python benchmarks/train_head.py`."
+        )
     card = json.loads(card_path.read_text())
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != card.get("sha256"):
-        raise DraftHeadError(f"draft head weights {path} are corrupt (sha256 {digest[:12]}… ≠ "
-                             f"{str(card.get('sha256'))[:12]}… in {card_path.name}): reinstall or "
-                             "retrain them.")
+        raise DraftHeadError(
+            f"draft head weights {path} are corrupt (sha256 {digest[:12]}… ≠ "
+            f"{str(card.get('sha256'))[:12]}… in {card_path.name}): reinstall or "
+            "retrain them."
+        )
     if card.get("vocab_fingerprint") not in (None, vocab.fingerprint):
-        raise VocabularyMismatch(f"the draft head {path.name} was trained for another tokenizer: "
-                                 "use it with the model it was trained on, or retrain it.")
+        raise VocabularyMismatch(
+            f"the draft head {path.name} was trained for another tokenizer: "
+            "use it with the model it was trained on, or retrain it."
+        )
     width = target.get_output_embeddings().weight.shape[1]
     if card["layer_config"].get("hidden_size") != width:
-        raise VocabularyMismatch(f"the draft head {path.name} reads {card['layer_config']['hidden_size']}"
-                                 f"-wide features but the target's are {width}-wide: it belongs "
-                                 "to another model.")
+        raise VocabularyMismatch(
+            f"the draft head {path.name} reads {card['layer_config']['hidden_size']}"
+            f"-wide features but the target's are {width}-wide: it belongs "
+            "to another model."
+        )
     tensors = load_file(path)
     head = DraftHead(card["layer_config"], tensors["draft_ids"])
     fuse = tensors.get("fuse.weight")
     if fuse is not None and fuse.shape[1] == 2 * width:  # trained before the copy proposals:
-        tensors["fuse.weight"] = torch.cat(                # zero weights on them reproduce it
-            [fuse, fuse.new_zeros(width, head.fuse.in_features - 2 * width)], 1)
+        tensors["fuse.weight"] = torch.cat(  # zero weights on them reproduce it
+            [fuse, fuse.new_zeros(width, head.fuse.in_features - 2 * width)], 1
+        )
     try:
         missing, unexpected = head.load_state_dict(tensors, strict=False)
     except RuntimeError as e:  # a tensor of the wrong shape
         missing, unexpected = [str(e).splitlines()[-1].strip()], []
     # no copy_gate weights: a head from before the gate, which stays closed (drafts as it did)
     if unexpected or [k for k in missing if "embed_tokens" not in k and "copy_gate" not in k]:
-        raise DraftHeadError(f"draft head weights {path} do not fit the head's layout "
-                             f"(missing {missing}, unexpected {unexpected}): retrain them.")
+        raise DraftHeadError(
+            f"draft head weights {path} do not fit the head's layout "
+            f"(missing {missing}, unexpected {unexpected}): retrain them."
+        )
     return head.float().eval()
 
 
@@ -303,8 +363,8 @@ class HeadDraft:
         self._use_vocabulary(head.draft_ids.to(self.device))
         self.cache = HeadCache()
         self.features = torch.empty(0, self.rows.shape[1], device=self.device)
-        self.ids: list[int] = []   # pair i in the cache = (feature i, embedding of ids[i + 1])
-        self.true_pairs = 0        # cached pairs built from the target's features, not the head's
+        self.ids: list[int] = []  # pair i in the cache = (feature i, embedding of ids[i + 1])
+        self.true_pairs = 0  # cached pairs built from the target's features, not the head's
         self.last: torch.Tensor | None = None  # head output at the last cached pair
         self.last_copies: list[int] = []  # and the copy proposals for the token it predicts
         self.copies = CopyProposals()
@@ -330,15 +390,20 @@ class HeadDraft:
         if self.last is None:
             return None
         copies = vocabulary_positions(self.draft_ids, [self.last_copies])
-        return self.head.log_probs(self.last[None], self.rows, copies)[0], \
-            constraint.mask(state, self.device)[self.draft_ids], self.draft_ids
+        return (
+            self.head.log_probs(self.last[None], self.rows, copies)[0],
+            constraint.mask(state, self.device)[self.draft_ids],
+            self.draft_ids,
+        )
 
     def _sync(self, context: list[int]) -> None:
         """Feed the head every pair of ``context`` it has not seen: true features in one pass,
         then one step per drafted position (its feature is the head's previous output)."""
         pairs = len(self.cache)
-        same = next((i for i, (a, b) in enumerate(zip(self.ids, context)) if a != b),
-                    min(len(self.ids), len(context)))
+        same = next(
+            (i for i, (a, b) in enumerate(zip(self.ids, context)) if a != b),
+            min(len(self.ids), len(context)),
+        )
         if same - 1 < pairs:  # the context left the cached path: back to the last true pair
             pairs = self._drop_to(max(min(same - 1, self.true_pairs), 0))
         end, known = len(context) - 1, len(self.features)
@@ -358,19 +423,25 @@ class HeadDraft:
         self.draft_ids = ids
         self.rows = self.lm_head[ids.to(self.lm_head.device)].float().to(self.device)  # (N, d)
 
-    def _step(self, features: torch.Tensor, context: list[int], start: int, stop: int,
-              committed: bool = False) -> torch.Tensor:
+    def _step(
+        self,
+        features: torch.Tensor,
+        context: list[int],
+        start: int,
+        stop: int,
+        committed: bool = False,
+    ) -> torch.Tensor:
         """The head over pairs start..stop-1 of ``context``; ``committed``: their tokens are the
         target's, so the copy index may grow over them."""
         proposals = self.copies.between(context, start + 1, stop + 1, committed)  # after token j
         self.last_copies = proposals[-1]
-        embeddings = pair_embeddings(self.embed, context[start + 1:stop + 1], proposals)
+        embeddings = pair_embeddings(self.embed, context[start + 1 : stop + 1], proposals)
         return self.head(features[None], embeddings[None], self.cache)[0]
 
     def _drop_to(self, pairs: int) -> int:
         pairs = min(pairs, len(self.cache))
         self.cache.crop(pairs)
         self.true_pairs = min(self.true_pairs, pairs)
-        self.ids = self.ids[:pairs + 1] if pairs else []
+        self.ids = self.ids[: pairs + 1] if pairs else []
         self.last = None
         return pairs

@@ -13,6 +13,12 @@ from torch import nn
 
 GROUP = 32
 SKINNY_MAX = 32  # up to this many rows, W·xᵀ streams the weight once where x·Wᵀ packs it
+# From this many input rows on (a prompt's prefill: verify passes feed at most 25 tokens) a 4-bit
+# linear may run its "bf16" prefill kernel: the weight dequantized to bf16 once per call, then one
+# dense matmul, where the 4-bit kernel re-reads it for every 4 rows. Chosen per machine
+# (models.calibration): 2× faster for 300 rows with avx512_bf16, slower without it.
+PREFILL_ROWS = 33
+PREFILL_KERNELS = ("int4", "bf16")
 
 
 # --- blocks -------------------------------------------------------------------------------------
@@ -23,17 +29,17 @@ def split_q4_1(raw: torch.Tensor):
     A block is d (fp16), m (fp16), 16 bytes: element j in the low nibble of byte j, j+16 high."""
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, 20)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()   # (N, K/32)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()  # (N, K/32)
     m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
-    nibbles = blocks[..., 4:]                                                   # (N, K/32, 16)
-    q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(rows, -1)     # (N, K)
+    nibbles = blocks[..., 4:]  # (N, K/32, 16)
+    q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(rows, -1)  # (N, K)
     return q, d, m
 
 
 def quantize_q4_1(w: torch.Tensor):
     """float (N, K) → Q4_1 with llama.cpp's block scales (d = (max − min)/15, m = min, stored in
     fp16), each weight rounded to the nearest value those stored scales represent."""
-    blocks = w.float().reshape(w.shape[0], -1, GROUP)                           # (N, K/32, 32)
+    blocks = w.float().reshape(w.shape[0], -1, GROUP)  # (N, K/32, 32)
     low, high = blocks.amin(-1), blocks.amax(-1)
     d = ((high - low) / 15).half().float()
     m = low.half().float()
@@ -101,10 +107,17 @@ class Int4Linear(nn.Module):
         n, k = q.shape
         assert k % GROUP == 0, f"int4 groups need inputs in multiples of {GROUP}, got {k}"
         self.copies = copies  # the input is repeated this many times along K (see from_q8_0)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.to(torch.int32).contiguous(), 8))                               # (N, K/2) uint8
-        scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1)        # (K/32, N, 2)
+        self.register_buffer(
+            "packed",
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 8),
+        )  # (N, K/2) uint8
+        scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1)  # (K/32, N, 2)
         self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
+        # for the bf16 prefill kernel: q in plain nibble order, and W = q·scale + (zero − 8·scale)
+        self.prefill = "int4"
+        self.register_buffer("nibbles", (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8))
+        self.register_buffer("scale_rows", scale.to(torch.bfloat16))  # (N, K/32)
+        self.register_buffer("offset_rows", (zero - 8 * scale).to(torch.bfloat16))
 
     @classmethod
     def from_q4_1(cls, q, d, m) -> Int4Linear:
@@ -116,25 +129,59 @@ class Int4Linear(nn.Module):
         """Q8_0 as two 4-bit halves of u = q + 128 = 16·high + low, the input fed twice:
         d·q = 16d·(high − 8) + d·(low − 8) + 8d. Its 8 bits and block scales survive (bf16
         scales)."""
-        u = q.to(torch.int16) + 128                                            # (N, K) 0..255
+        u = q.to(torch.int16) + 128  # (N, K) 0..255
         high, low = u // 16, u % 16
         zero = torch.zeros_like(d)
-        return cls(torch.cat((high, low), 1), torch.cat((16 * d, d), 1), torch.cat((zero, 8 * d), 1),
-                   copies=2)
+        return cls(
+            torch.cat((high, low), 1),
+            torch.cat((16 * d, d), 1),
+            torch.cat((zero, 8 * d), 1),
+            copies=2,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
         if self.copies > 1:
-            x = x.repeat(1, self.copies)                                       # (n, copies·K)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP,
-                                                          self.scale_zero).float()
+            x = x.repeat(1, self.copies)  # (n, copies·K)
+        if self.prefill == "bf16" and x.shape[0] >= PREFILL_ROWS:
+            return F.linear(x, self.dequantized_bf16()).float()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, GROUP, self.scale_zero
+        ).float()
+
+    def dequantized_bf16(self) -> torch.Tensor:
+        """The weight (N, K) in bf16: the 4-bit kernel's values up to bf16 rounding."""
+        n = self.nibbles.shape[0]
+        q = torch.stack((self.nibbles & 0x0F, self.nibbles >> 4), dim=-1).view(n, -1, GROUP)
+        w = q.to(torch.bfloat16) * self.scale_rows[..., None] + self.offset_rows[..., None]
+        return w.view(n, -1)
+
+
+def measure_prefill(shapes: list[tuple[int, int]], rows: int = 128, repeats: int = 3) -> dict:
+    """Milliseconds for one pass over ``shapes`` with ``rows`` input rows, per PREFILL_KERNELS."""
+    import time
+
+    layers = [Int4Linear.from_q4_1(*quantize_q4_1(torch.randn(n, k) * 0.02)) for n, k in shapes]
+    xs = {k: torch.randn(rows, k) for _, k in shapes}
+    result = {}
+    for kernel in PREFILL_KERNELS:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for layer, (_, k) in zip(layers, shapes):
+                layer.prefill = kernel
+                layer(xs[k])
+            best = min(best, time.perf_counter() - start)
+        result[kernel] = 1e3 * best
+    return result
 
 
 # --- choosing by measurement ----------------------------------------------------------------------
 
 
-def measure_linears(shapes: list[tuple[int, int]], rows: tuple[int, ...] = (1, 5),
-                    repeats: int = 5) -> dict[str, float]:
+def measure_linears(
+    shapes: list[tuple[int, int]], rows: tuple[int, ...] = (1, 5), repeats: int = 5
+) -> dict[str, float]:
     """Milliseconds for one pass over ``shapes`` ((N, K) weights, random, distinct so that they
     are read from memory as a model's are), per kernel, summed over inputs of ``rows`` rows:
     a one-token step and a typical verify pass."""

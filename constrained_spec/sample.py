@@ -14,8 +14,8 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    temperature: float = 0.0   # 0 → greedy: argmax of the masked target logits
-    top_k: int | None = None   # keep the k most likely legal tokens
+    temperature: float = 0.0  # 0 → greedy: argmax of the masked target logits
+    top_k: int | None = None  # keep the k most likely legal tokens
     top_p: float | None = None  # keep the smallest set whose mass reaches top_p
 
     @property
@@ -46,8 +46,9 @@ def one_hot(tokens: list[int], width: int, device) -> torch.Tensor:
     return q
 
 
-def acceptance_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor,
-                     draft: torch.Tensor) -> torch.Tensor:
+def acceptance_probs(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, draft: torch.Tensor
+) -> torch.Tensor:
     """min(1, p(x)/q(x)) for each draft token x; (k, V), (k, V), (k,) → (k,)."""
     p = target_probs.gather(-1, draft[:, None])[:, 0]
     q = draft_probs.gather(-1, draft[:, None])[:, 0]
@@ -64,8 +65,12 @@ def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Ten
     return torch.where(total > 1e-12, r / total.clamp(min=1e-30), target_probs)
 
 
-def verify_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft: torch.Tensor,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_sampled(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft: torch.Tensor,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Leviathan Alg. 1 on device: (k+1, V) p rows, (k, V) q rows, (k,) draft tokens.
 
     Returns (n_accepted, next_token) as 0-d tensors, with no host sync: the first rejection at
@@ -79,8 +84,9 @@ def verify_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft:
     return n, torch.multinomial(row, 1, generator=generator)[0]
 
 
-def verify_greedy(target_logits: torch.Tensor, masks: torch.Tensor,
-                  draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_greedy(
+    target_logits: torch.Tensor, masks: torch.Tensor, draft: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy: accept a draft token iff it is the masked target argmax; (k+1, V), (k+1, V), (k,)."""
     best = target_logits.masked_fill(~masks, float("-inf")).argmax(dim=-1)  # (k+1,)
     n = torch.cumprod((draft == best[: draft.shape[0]]).int(), dim=0).sum()

@@ -25,20 +25,34 @@ from .head import DraftHead
 NEAR_TIE = 1e-3
 
 SCALE = 8.0  # lm_head gain: distributions peaked enough to be distinct, flat enough to test
-CORPUS = ('{"name": "Alice", "age": 30}', '{"name": "Bob", "age": 7, "ok": true}',
-          "abba baab abab", "yes no yes no", "[1, 2, 3]", "Zoë 東京 null false")
-PERSON = {"type": "object",
-          "properties": {"name": {"type": "string", "maxLength": 8},
-                         "age": {"type": "integer"},
-                         "ok": {"type": "boolean"},
-                         "tags": {"type": "array", "items": {"enum": ["a", "b", None]},
-                                  "maxItems": 3}},
-          "required": ["name", "age", "ok"]}
+CORPUS = (
+    '{"name": "Alice", "age": 30}',
+    '{"name": "Bob", "age": 7, "ok": true}',
+    "abba baab abab",
+    "yes no yes no",
+    "[1, 2, 3]",
+    "Zoë 東京 null false",
+)
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer"},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", None]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "ok"],
+}
 
 
-def tiny_tokenizer(corpus: Sequence[str] = CORPUS, vocab_size: int = 320,
-                   special_tokens: Sequence[str] = ("<eos>",), eos_token: str = "<eos>",
-                   chat_template: str | None = None, **special):
+def tiny_tokenizer(
+    corpus: Sequence[str] = CORPUS,
+    vocab_size: int = 320,
+    special_tokens: Sequence[str] = ("<eos>",),
+    eos_token: str = "<eos>",
+    chat_template: str | None = None,
+    **special,
+):
     """A byte-level BPE tokenizer trained here on ``corpus`` (20 times over); ``special``:
     more special-token roles for PreTrainedTokenizerFast (bos_token=, pad_token=)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -47,8 +61,11 @@ def tiny_tokenizer(corpus: Sequence[str] = CORPUS, vocab_size: int = 320,
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(list(corpus) * 20, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, **special)
     if chat_template is not None:
@@ -62,11 +79,18 @@ def tiny_model(tokenizer, seed: int, layers: int = 2, max_positions: int = 256):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer) + 6, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=max_positions,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer) + 6,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # larger logits than the default init: peaked, distinct distributions
         model.lm_head.weight.mul_(SCALE)
@@ -84,8 +108,13 @@ def random_head(target, seed: int = 0) -> DraftHead:
     return head
 
 
-def reference_policy(logits: Sequence[float], legal: Sequence[int], temperature: float,
-                     top_k: int | None = None, top_p: float | None = None) -> dict[int, float]:
+def reference_policy(
+    logits: Sequence[float],
+    legal: Sequence[int],
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> dict[int, float]:
     """{token: probability} of masked sampling, written out plainly in float64 as an
     independent reference for ``sample.policy``: the legal tokens' softmax at ``temperature``;
     with top_k, only tokens whose logit is at least the k-th largest; with top_p, the most
@@ -115,9 +144,15 @@ def last_logits(target, ids: list[int]) -> torch.Tensor:
     return kv.forward(target, kv.new_cache(target), ids, next(target.parameters()).device)[-1]
 
 
-def sequence_distribution(target, constraint: Constraint, prompt: list[int], temperature: float,
-                          top_k: int | None = None, top_p: float | None = None,
-                          prune: float = 1e-6) -> dict[tuple[int, ...], float]:
+def sequence_distribution(
+    target,
+    constraint: Constraint,
+    prompt: list[int],
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    prune: float = 1e-6,
+) -> dict[tuple[int, ...], float]:
     """{token sequence (EOS excluded): probability} under plain masked sampling from ``target``
     (fresh forwards, no cache, no speculation), by enumerating the constraint's language;
     branches below ``prune`` are dropped (their total must stay under 1e-3)."""
@@ -143,8 +178,9 @@ def sequence_distribution(target, constraint: Constraint, prompt: list[int], tem
 
 
 @torch.no_grad()
-def first_divergence(target, constraint: Constraint, prompt: list[int], reference: list[int],
-                     other: list[int]) -> tuple[int | None, float | None]:
+def first_divergence(
+    target, constraint: Constraint, prompt: list[int], reference: list[int], other: list[int]
+) -> tuple[int | None, float | None]:
     """(first index where two greedy outputs differ, the reference's top-2 masked logit gap
     there): (None, None) if identical; (the shorter length, None) if one is a prefix of the
     other (a length cut, not a near-tie)."""
@@ -154,17 +190,23 @@ def first_divergence(target, constraint: Constraint, prompt: list[int], referenc
     for i, (a, b) in enumerate(zip(reference, other)):
         if a != b:
             logits = last_logits(target, prompt + reference[:i])
-            top2 = logits[: constraint.vocab_size].masked_fill(
-                ~constraint.mask(state), float("-inf")).topk(2).values
+            top2 = (
+                logits[: constraint.vocab_size]
+                .masked_fill(~constraint.mask(state), float("-inf"))
+                .topk(2)
+                .values
+            )
             return i, float(top2[0] - top2[1])
         state = constraint.step(state, a)
         assert state is not None and state != FINISHED, "the reference left the constraint"
     return min(len(reference), len(other)), None
 
 
-def assert_greedy_match(target, constraint: Constraint, prompt: list[int], reference: list[int],
-                        other: list[int]) -> None:
+def assert_greedy_match(
+    target, constraint: Constraint, prompt: list[int], reference: list[int], other: list[int]
+) -> None:
     """Identical greedy outputs, or a first difference at a near-tie of the reference."""
     index, gap = first_divergence(target, constraint, prompt, reference, other)
-    assert index is None or (gap is not None and gap < NEAR_TIE), \
+    assert index is None or (gap is not None and gap < NEAR_TIE), (
         f"greedy outputs diverge at token {index}, a clear decision (top-2 gap {gap})"
+    )

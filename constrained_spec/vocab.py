@@ -63,8 +63,10 @@ class TokenVocabulary:
 def token_vocabulary(tokenizer) -> TokenVocabulary:
     """Map every token id of a transformers tokenizer to its exact bytes."""
     if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no eos_token_id: set tokenizer.eos_token to the "
-                         "token that ends a reply (e.g. '<|im_end|>' for chat models).")
+        raise ValueError(
+            "the tokenizer has no eos_token_id: set tokenizer.eos_token to the "
+            "token that ends a reply (e.g. '<|im_end|>' for chat models)."
+        )
     decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
     to_bytes = _byte_level if "ByteLevel" in json.dumps(decoder) else _sentencepiece
     special = set(tokenizer.all_special_ids)
@@ -72,7 +74,7 @@ def token_vocabulary(tokenizer) -> TokenVocabulary:
     token_bytes: list[bytes | None] = []
     for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
         if i in special or (i in added and added[i].special) or piece is None:
-            token_bytes.append(None)       # chat markers etc. never appear in constrained text
+            token_bytes.append(None)  # chat markers etc. never appear in constrained text
         elif i in added:
             token_bytes.append(added[i].content.encode())  # added tokens are stored as plain text
         else:

@@ -18,35 +18,73 @@ import workloads
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 # Finite languages: a random model's masked output always finishes within max_new_tokens.
 SCHEMAS = [
-    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
-                                      "ok": {"type": "boolean"}},
-     "required": ["color", "ok"], "additionalProperties": False},
-    {"type": "object", "properties": {"size": {"enum": ["small", "large"]},
-                                      "tag": {"type": "string", "maxLength": 3}},
-     "required": ["size", "tag"], "additionalProperties": False},
-    {"type": "object", "properties": {"name": {"enum": ["Alice", "Bob"]},
-                                      "admin": {"type": "boolean"}},
-     "required": ["name", "admin"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+        "required": ["color", "ok"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "size": {"enum": ["small", "large"]},
+            "tag": {"type": "string", "maxLength": 3},
+        },
+        "required": ["size", "tag"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"name": {"enum": ["Alice", "Bob"]}, "admin": {"type": "boolean"}},
+        "required": ["name", "admin"],
+        "additionalProperties": False,
+    },
 ]
-INSTANCES = [{"color": "green", "ok": True}, {"size": "large", "tag": "abc"},
-             {"name": "Alice", "admin": False}]
-CONFIGS = ("baseline,forced,lookup,int8/k2,int8+lookup/adaptive,int8+lookup/k4@t0.7,"
-           "hf+outlines,hf-assisted-lookup+outlines")
+INSTANCES = [
+    {"color": "green", "ok": True},
+    {"size": "large", "tag": "abc"},
+    {"name": "Alice", "admin": False},
+]
+CONFIGS = (
+    "baseline,forced,lookup,int8/k2,int8+lookup/adaptive,int8+lookup/k4@t0.7,"
+    "hf+outlines,hf-assisted-lookup+outlines"
+)
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     data, out = tmp_path_factory.mktemp("data"), tmp_path_factory.mktemp("out")
     for i, (schema, instance) in enumerate(zip(SCHEMAS, INSTANCES)):
-        (data / f"Handwritten_{i}.json").write_text(json.dumps(
-            {"schema": schema, "tests": [{"valid": True, "data": instance},
-                                         {"valid": False, "data": {}}]}))
+        (data / f"Handwritten_{i}.json").write_text(
+            json.dumps(
+                {
+                    "schema": schema,
+                    "tests": [{"valid": True, "data": instance}, {"valid": False, "data": {}}],
+                }
+            )
+        )
     mp = pytest.MonkeyPatch()
     mp.setenv("CONSTRAINED_SPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
     threads = torch.get_num_threads()
     try:
-        assert run.main(["--quick", "--data", str(data), "--out", str(out), "--n", "2",
-                         "--max-new-tokens", "64", "--configs", CONFIGS]) == 0
+        assert (
+            run.main(
+                [
+                    "--quick",
+                    "--data",
+                    str(data),
+                    "--out",
+                    str(out),
+                    "--n",
+                    "2",
+                    "--max-new-tokens",
+                    "64",
+                    "--configs",
+                    CONFIGS,
+                ]
+            )
+            == 0
+        )
     finally:
         mp.undo()
         torch.set_num_threads(threads)
@@ -55,9 +93,18 @@ def quick_run(tmp_path_factory):
 
 def test_quick_run_writes_every_output(quick_run):
     out, results = quick_run
-    for name in ("results.json", "results.jsonl", "requests.json", "report.md", "summary.json",
-                 "speedup_by_config.png", "speedup_distribution.png",
-                 "acceptance_by_position.png", "speedup_vs_k.png", "phase_breakdown.png"):
+    for name in (
+        "results.json",
+        "results.jsonl",
+        "requests.json",
+        "report.md",
+        "summary.json",
+        "speedup_by_config.png",
+        "speedup_distribution.png",
+        "acceptance_by_position.png",
+        "speedup_vs_k.png",
+        "phase_breakdown.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     assert "--quick" in results["meta"]["command"] and results["meta"]["machine"]["cpus"]
     assert len(results["requests"]) == 2
@@ -73,8 +120,11 @@ def test_quick_run_writes_every_output(quick_run):
 def test_validity_and_identity_fields(quick_run):
     _, results = quick_run
     requests = {q["id"]: q for q in results["requests"]}
-    engine = [r for r in results["results"] if r["status"] == "ok"
-              and not r["config"].startswith(("hf", "outlines"))]
+    engine = [
+        r
+        for r in results["results"]
+        if r["status"] == "ok" and not r["config"].startswith(("hf", "outlines"))
+    ]
     assert engine and all(r["finish_reason"] == "stop" for r in engine)  # finite languages
     for row in (r for r in results["results"] if r["status"] == "ok"):
         schema = requests[row["request"]]["schema"]
@@ -82,8 +132,11 @@ def test_validity_and_identity_fields(quick_run):
             value, parsed = json.loads(row["text"]), True
         except ValueError:
             value, parsed = None, False
-        expected = parsed and row["finish_reason"] == "stop" and \
-            jsonschema.Draft202012Validator(schema).is_valid(value)
+        expected = (
+            parsed
+            and row["finish_reason"] == "stop"
+            and jsonschema.Draft202012Validator(schema).is_valid(value)
+        )
         assert row["valid"] == expected
         assert row["exact_match"] == (parsed and value == requests[row["request"]]["expected"])
         assert row["output_tokens"] == len(row["token_ids"])
@@ -119,21 +172,32 @@ def tiny_gen(tmp_path_factory):
     return run.Generator(model, tokenizer, cache_dir=tmp_path_factory.mktemp("cache"))
 
 
-REQUEST = workloads.Request("r", "f", "s", "extract", SCHEMAS[0],
-                            workloads.messages_for("extract", SCHEMAS[0], INSTANCES[0]),
-                            expected=INSTANCES[0])
+REQUEST = workloads.Request(
+    "r",
+    "f",
+    "s",
+    "extract",
+    SCHEMAS[0],
+    workloads.messages_for("extract", SCHEMAS[0], INSTANCES[0]),
+    expected=INSTANCES[0],
+)
 
 
 def test_judge_marks_invalid_outputs_and_divergences(tiny_gen):
-    greedy, hot = run.Config("x", "engine", "lookup"), run.Config("y", "engine", "lookup",
-                                                                   temperature=0.7)
-    ref = tiny_gen.generate(REQUEST.messages, schema=SCHEMAS[0], speculative=False,
-                            max_new_tokens=64)
+    greedy, hot = (
+        run.Config("x", "engine", "lookup"),
+        run.Config("y", "engine", "lookup", temperature=0.7),
+    )
+    ref = tiny_gen.generate(
+        REQUEST.messages, schema=SCHEMAS[0], speculative=False, max_new_tokens=64
+    )
     reference = {"token_ids": ref.token_ids, "text": ref.text}
-    cases = [('{"color":"green","ok":true}', "stop", True, True),
-             ('{"color":"red"}', "stop", False, False),       # a required property missing
-             ('{"color":"green","ok":true}', "length", False, True),  # cut: not a finished output
-             ('{"color":"green",', "length", False, False)]
+    cases = [
+        ('{"color":"green","ok":true}', "stop", True, True),
+        ('{"color":"red"}', "stop", False, False),  # a required property missing
+        ('{"color":"green","ok":true}', "length", False, True),  # cut: not a finished output
+        ('{"color":"green",', "length", False, False),
+    ]
     for text, finish, valid, exact in cases:
         row = {"status": "ok", "text": text, "finish_reason": finish, "token_ids": ref.token_ids}
         run.judge(row, REQUEST, hot, reference, tiny_gen)
@@ -152,8 +216,9 @@ def test_judge_marks_invalid_outputs_and_divergences(tiny_gen):
 
 def test_divergence_gap_points_at_the_first_difference(tiny_gen):
     gen, request = tiny_gen, REQUEST
-    ids = gen.generate(request.messages, schema=SCHEMAS[0], speculative=False,
-                       max_new_tokens=64).token_ids
+    ids = gen.generate(
+        request.messages, schema=SCHEMAS[0], speculative=False, max_new_tokens=64
+    ).token_ids
     assert run.divergence_gap(gen, request, ids, list(ids)) == (None, None)
     constraint = gen.compile(schema=SCHEMAS[0])
     state, i = constraint.initial_state, 0
@@ -177,15 +242,33 @@ def test_goal_gap_arithmetic():
     """Baseline: 20 ms prefill + 80 ms decode per token. A 3× goal leaves 100/3 − 20 = 13.3 ms
     of decode: a 6× decode speedup. This config decodes at 40 ms (2×) with 3 tokens per call, so
     at the same cost per round it needs 3 × 6/2 = 9."""
-    phases = lambda prefill, decode: {"setup": 0.0, "prefill": prefill, "draft": 0.0,
-                                      "verify": decode, "other": 0.0}
-    summary = {"baseline": {"config": "baseline", "kind": "engine", "temperature": 0,
-                            "speedup": 1.0, "phases_ms_per_token": phases(20, 80),
-                            "verify_ms_per_call": 80.0},
-               "lookup": {"config": "lookup", "kind": "engine", "temperature": 0,
-                          "speedup": 100 / 60, "phases_ms_per_token": phases(20, 40),
-                          "verify_ms_per_call": 120.0, "tokens_per_call": 3.0,
-                          "acceptance": 0.5}}
+    phases = lambda prefill, decode: {
+        "setup": 0.0,
+        "prefill": prefill,
+        "draft": 0.0,
+        "verify": decode,
+        "other": 0.0,
+    }
+    summary = {
+        "baseline": {
+            "config": "baseline",
+            "kind": "engine",
+            "temperature": 0,
+            "speedup": 1.0,
+            "phases_ms_per_token": phases(20, 80),
+            "verify_ms_per_call": 80.0,
+        },
+        "lookup": {
+            "config": "lookup",
+            "kind": "engine",
+            "temperature": 0,
+            "speedup": 100 / 60,
+            "phases_ms_per_token": phases(20, 40),
+            "verify_ms_per_call": 120.0,
+            "tokens_per_call": 3.0,
+            "acceptance": 0.5,
+        },
+    }
     (gap,) = report.goal_gaps(summary)
     assert gap["config"] == "lookup" and gap["goal"] == report.GOALS["greedy"] == 3.0
     assert gap["decode_speedup"] == pytest.approx(2.0)
@@ -208,7 +291,11 @@ def test_config_selection():
 
 def test_field_lines_flatten_nested_values():
     assert workloads.field_lines({"a": {"b": 1}, "c": ["x", None], "d": "two words"}) == [
-        "a.b: 1", "c[0]: x", "c[1]: null", "d: two words"]
+        "a.b: 1",
+        "c[0]: x",
+        "c[1]: null",
+        "d: two words",
+    ]
 
 
 def test_quick_run_from_a_clone_uses_the_committed_sample(tmp_path, monkeypatch):
@@ -218,8 +305,21 @@ def test_quick_run_from_a_clone_uses_the_committed_sample(tmp_path, monkeypatch)
     monkeypatch.setenv("CONSTRAINED_SPEC_CACHE", str(tmp_path / "cache"))
     threads = torch.get_num_threads()
     try:
-        assert run.main(["--quick", "--out", str(tmp_path / "out"), "--n", "1",
-                         "--configs", "baseline", "--no-calibrate"]) == 0
+        assert (
+            run.main(
+                [
+                    "--quick",
+                    "--out",
+                    str(tmp_path / "out"),
+                    "--n",
+                    "1",
+                    "--configs",
+                    "baseline",
+                    "--no-calibrate",
+                ]
+            )
+            == 0
+        )
     finally:
         torch.set_num_threads(threads)
     results = json.loads((tmp_path / "out" / "results.json").read_text())

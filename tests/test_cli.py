@@ -15,15 +15,37 @@ from constrained_spec.grammars import grammar_names
 
 ROOT = Path(__file__).resolve().parent.parent
 PERSON = ROOT / "examples" / "person.json"
-FLAGS = ["--schema", "--regex", "--grammar", "--raw-prompt", "--system", "--model", "--draft",
-         "--weights", "--dtype", "--temperature", "--top-k", "--top-p", "--seed",
-         "--max-new-tokens",
-         "--num-draft-tokens", "--adaptive-k", "--no-speculation", "--stats", "--show"]
+FLAGS = [
+    "--schema",
+    "--regex",
+    "--grammar",
+    "--raw-prompt",
+    "--system",
+    "--model",
+    "--draft",
+    "--weights",
+    "--dtype",
+    "--temperature",
+    "--top-k",
+    "--top-p",
+    "--seed",
+    "--max-new-tokens",
+    "--num-draft-tokens",
+    "--adaptive-k",
+    "--no-speculation",
+    "--stats",
+    "--show",
+]
 
 
 def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "constrained_spec", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "constrained_spec", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_help_documents_every_flag():
@@ -49,6 +71,7 @@ def test_grammars_command_lists_every_grammar():
 def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model must not load for bad input")
+
     monkeypatch.setattr(Generator, "from_pretrained", classmethod(refuse))
 
 
@@ -68,8 +91,10 @@ BAD = [
     (["--regex", "(ab"], "invalid regex"),
     (["--regex", "a", "--model", "no-such-model"], "built-in models are smollm2-135m-instruct"),
     (["--regex", "a", "--draft", "no-such-draft"], "--draft 'no-such-draft'"),
-    (["--regex", "a", "--model", "owner/model", "--draft", "head"],
-     "no trained draft head ships for 'owner/model'"),
+    (
+        ["--regex", "a", "--model", "owner/model", "--draft", "head"],
+        "no trained draft head ships for 'owner/model'",
+    ),
     (["--regex", "a", "--temperature", "-1"], "--temperature -1.0 must be >= 0"),
     (["--regex", "a", "--top-p", "1.5", "--top-k", "0"], "--top-k 0 must be >= 1; --top-p 1.5"),
     (["--regex", "a", "--max-new-tokens", "0"], "--max-new-tokens 0 must be >= 1"),
@@ -97,11 +122,14 @@ def test_empty_prompt_and_unknown_command(no_model_load, capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--schema", "/does/not/exist.json"], "does not exist"),
-    (["--grammar", "nope"], "available grammars are"),
-    (["--regex", "a", "--model", "no-such-model"], "built-in models are"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--schema", "/does/not/exist.json"], "does not exist"),
+        (["--grammar", "nope"], "available grammars are"),
+        (["--regex", "a", "--model", "no-such-model"], "built-in models are"),
+    ],
+)
 def test_bad_input_through_the_real_entry_point(args, message):
     out = run_cli("generate", *args, "Extract: Alice, 30")
     assert out.returncode == 2
@@ -110,6 +138,7 @@ def test_bad_input_through_the_real_entry_point(args, message):
 
 
 # ---------------------------------------------------------------- the live view, on tiny models
+
 
 class _Pieces:
     def __init__(self, forced=()):
@@ -125,10 +154,11 @@ class _Pieces:
 
 def test_render_round_styles():
     pieces = _Pieces(forced={7})
-    text = cli.render_round(Round(drafted=[5, 6, 9], accepted=1, token=7, committed=[5, 7]),
-                            pieces.piece, pieces.step)
+    text = cli.render_round(
+        Round(drafted=[5, 6, 9], accepted=1, token=7, committed=[5, 7]), pieces.piece, pieces.step
+    )
     assert text.plain == "<5>[6]<7>"
-    styles = [(text.plain[s.start:s.end], str(s.style)) for s in text.spans]
+    styles = [(text.plain[s.start : s.end], str(s.style)) for s in text.spans]
     assert styles == [("<5>", "green"), ("[6]", cli.STRUCK), ("<7>", "blue underline")]
     assert pieces.steps == [5, 7]  # the automaton walks committed tokens only
     bonus = cli.render_round(Round([1, 2], 2, 3, [1, 2, 3]), pieces.piece, pieces.step)
@@ -143,37 +173,61 @@ def test_live_view_follows_generation(tiny_target, tiny_draft, tiny_tokenizer, t
     console = Console(file=open(tmp_path / "view.txt", "w"), width=100)
     view = cli.RoundView(gen, gen.compile(regex=regex), console)
     meter = cli._Meter()
-    result = gen.generate("yes no", regex=regex, max_new_tokens=40, seed=0,
-                          on_round=meter.chain(view))
+    result = gen.generate(
+        "yes no", regex=regex, max_new_tokens=40, seed=0, on_round=meter.chain(view)
+    )
     view.close()
-    struck = "".join(view.text.plain[s.start:s.end] for s in view.text.spans
-                     if str(s.style) == cli.STRUCK)
+    struck = "".join(
+        view.text.plain[s.start : s.end] for s in view.text.spans if str(s.style) == cli.STRUCK
+    )
     shown = view.text.plain
-    for span in sorted((s for s in view.text.spans if str(s.style) == cli.STRUCK),
-                       key=lambda s: -s.start):
-        shown = shown[:span.start] + shown[span.end:]
+    for span in sorted(
+        (s for s in view.text.spans if str(s.style) == cli.STRUCK), key=lambda s: -s.start
+    ):
+        shown = shown[: span.start] + shown[span.end :]
     expected = result.text + ("⏎" if result.finish_reason == "stop" else "")
     assert shown == expected
     assert view.calls == result.stats.target_calls
-    assert view.tokens == meter.committed == len(result.token_ids) + (result.finish_reason == "stop")
+    assert (
+        view.tokens == meter.committed == len(result.token_ids) + (result.finish_reason == "stop")
+    )
     assert view.accepted == result.stats.accepted and view.drafted == result.stats.drafted
     assert (struck == "") == (result.stats.accepted == result.stats.drafted)
     assert view.forced >= 7  # '{"name":"' is forced once the first brace is out: ≥ 7 tokens
-    table = cli.stats_table(result, meter, 0.1, 0.2, cli.build_parser().parse_args(
-        ["generate", "--regex", regex, "x"]), cli.Request({"regex": regex}, "x", "int8"))
+    table = cli.stats_table(
+        result,
+        meter,
+        0.1,
+        0.2,
+        cli.build_parser().parse_args(["generate", "--regex", regex, "x"]),
+        cli.Request({"regex": regex}, "x", "int8"),
+    )
     Console(file=open(tmp_path / "stats.txt", "w"), width=120).print(table)
     assert "target calls" in (tmp_path / "stats.txt").read_text()
 
 
 # ---------------------------------------------------------------- the real default model
 
+
 @pytest.mark.real_model
 def test_generate_on_the_default_model():
-    out = run_cli("generate", "--schema", str(PERSON), "--max-new-tokens", "48", "--stats",
-                  "--show", "--seed", "0", "Extract: Alice, 30, alice@example.com", timeout=900)
+    out = run_cli(
+        "generate",
+        "--schema",
+        str(PERSON),
+        "--max-new-tokens",
+        "48",
+        "--stats",
+        "--show",
+        "--seed",
+        "0",
+        "Extract: Alice, 30, alice@example.com",
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr
     value = json.loads(out.stdout)
-    jsonschema.validate(value, json.loads(PERSON.read_text()),
-                        format_checker=jsonschema.FormatChecker())
+    jsonschema.validate(
+        value, json.loads(PERSON.read_text()), format_checker=jsonschema.FormatChecker()
+    )
     assert "target calls" in out.stderr and "acceptance by position" in out.stderr
     assert "Traceback" not in out.stderr

@@ -20,21 +20,32 @@ from constrained_spec.llama import CompactCache
 from constrained_spec.testing import PERSON, assert_greedy_match, last_logits, random_head
 
 # PERSON with a bounded age: a finite language whose longest text (~110 bytes) fits in 200 tokens
-BOUNDED = {**PERSON, "properties": {**PERSON["properties"],
-                                    "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+BOUNDED = {
+    **PERSON,
+    "properties": {
+        **PERSON["properties"],
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+}
 PROMPTS = ["hello", '{"name": "Alice", "age": 30}', "yes no yes"]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("k", [1, 4])
-def test_greedy_speculative_equals_the_masked_baseline(prompt, k, tiny_target, tiny_draft,
-                                                       tiny_tokenizer):
+def test_greedy_speculative_equals_the_masked_baseline(
+    prompt, k, tiny_target, tiny_draft, tiny_tokenizer
+):
     gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
     base = gen.generate(prompt, schema=PERSON, speculative=False, max_new_tokens=80)
     spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=k, max_new_tokens=80)
     assert base.stats.target_calls == len(base.token_ids) + (base.finish_reason == "stop")
-    assert_greedy_match(tiny_target, gen.compile(schema=PERSON), tiny_tokenizer.encode(prompt),
-                        base.token_ids, spec.token_ids)
+    assert_greedy_match(
+        tiny_target,
+        gen.compile(schema=PERSON),
+        tiny_tokenizer.encode(prompt),
+        base.token_ids,
+        spec.token_ids,
+    )
     assert spec.finish_reason == base.finish_reason
     assert spec.stats.drafted > 0
 
@@ -42,9 +53,9 @@ def test_greedy_speculative_equals_the_masked_baseline(prompt, k, tiny_target, t
 @pytest.mark.parametrize("drafter", ["model", "head"])
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("k", [1, 3, 4, 8])
-def test_greedy_speculative_equals_the_masked_baseline_on_int4(prompt, k, drafter,
-                                                               tiny_int4_target, tiny_draft,
-                                                               tiny_tokenizer):
+def test_greedy_speculative_equals_the_masked_baseline_on_int4(
+    prompt, k, drafter, tiny_int4_target, tiny_draft, tiny_tokenizer
+):
     """The compact int4 target: its verify pass of k+1 tokens must pick what its one-token
     steps pick (int4 kernel rows are independent of how many are fed)."""
     draft = tiny_draft if drafter == "model" else random_head(tiny_int4_target)
@@ -52,8 +63,13 @@ def test_greedy_speculative_equals_the_masked_baseline_on_int4(prompt, k, drafte
     base = gen.generate(prompt, schema=PERSON, speculative=False, max_new_tokens=80)
     spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=k, max_new_tokens=80)
     assert base.stats.target_calls == len(base.token_ids) + (base.finish_reason == "stop")
-    assert_greedy_match(tiny_int4_target, gen.compile(schema=PERSON),
-                        tiny_tokenizer.encode(prompt), base.token_ids, spec.token_ids)
+    assert_greedy_match(
+        tiny_int4_target,
+        gen.compile(schema=PERSON),
+        tiny_tokenizer.encode(prompt),
+        base.token_ids,
+        spec.token_ids,
+    )
     assert spec.finish_reason == base.finish_reason
     assert spec.stats.drafted_by_source.get("model", 0) > 0, spec.stats.drafted_by_source
 
@@ -83,8 +99,14 @@ def test_forbidden_draft_tokens_are_never_committed(tiny_target, tiny_tokenizer)
     constraint = gen.compile(schema=BOUNDED)
     for temperature in (0.0, 1.0):
         rounds = []
-        res = gen.generate("hello", schema=BOUNDED, temperature=temperature, seed=3,
-                           max_new_tokens=200, on_round=rounds.append)
+        res = gen.generate(
+            "hello",
+            schema=BOUNDED,
+            temperature=temperature,
+            seed=3,
+            max_new_tokens=200,
+            on_round=rounds.append,
+        )
         state, cut = constraint.initial_state, 0
         for r in rounds:  # drafts with a token the grammar forbids where it stands
             cut += constraint.legal_prefix(state, r.drafted) < len(r.drafted)
@@ -97,56 +119,69 @@ def test_forbidden_draft_tokens_are_never_committed(tiny_target, tiny_tokenizer)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_kv_caches_after_rollback_equal_a_fresh_forward(temperature, tiny_target, tiny_draft,
-                                                       tiny_tokenizer, monkeypatch):
+def test_kv_caches_after_rollback_equal_a_fresh_forward(
+    temperature, tiny_target, tiny_draft, tiny_tokenizer, monkeypatch
+):
     """After every round (rejections included), the target's cache + the last committed token
     gives the same logits as a fresh forward over all committed tokens; the draft's likewise."""
     gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
     caches, committed, checked = [], tiny_tokenizer.encode("hello"), []
     real_new_cache = decode_module.kv.new_cache
-    monkeypatch.setattr(decode_module.kv, "new_cache",
-                        lambda model: caches.append(real_new_cache(model)) or caches[-1])
+    monkeypatch.setattr(
+        decode_module.kv,
+        "new_cache",
+        lambda model: caches.append(real_new_cache(model)) or caches[-1],
+    )
 
     @torch.no_grad()
     def check(rnd):
         committed.extend(rnd.committed)
-        for model, cache, ids in ((tiny_target, caches[0], committed),
-                                  (tiny_draft, gen.drafter.model.cache, gen.drafter.model.cached_ids + [0])):
+        for model, cache, ids in (
+            (tiny_target, caches[0], committed),
+            (tiny_draft, gen.drafter.model.cache, gen.drafter.model.cached_ids + [0]),
+        ):
             assert cache.get_seq_length() == len(ids) - 1
             via_cache = model(torch.tensor([ids[-1:]]), cache=copy.deepcopy(cache)).logits[0, -1]
             fresh = model(torch.tensor([ids])).logits[0, -1]
             torch.testing.assert_close(via_cache, fresh, atol=1e-4, rtol=1e-4)
         checked.append(rnd.accepted < len(rnd.drafted))
 
-    gen.generate("hello", schema=PERSON, temperature=temperature, seed=1, max_new_tokens=60,
-                 on_round=check)
+    gen.generate(
+        "hello", schema=PERSON, temperature=temperature, seed=1, max_new_tokens=60, on_round=check
+    )
     assert any(checked), "no round rejected a draft: the rollback was not exercised"
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_compact_cache_after_rollback_equals_a_fresh_forward(temperature, tiny_int4_target,
-                                                             tiny_draft, tiny_tokenizer,
-                                                             monkeypatch):
+def test_compact_cache_after_rollback_equals_a_fresh_forward(
+    temperature, tiny_int4_target, tiny_draft, tiny_tokenizer, monkeypatch
+):
     """The same on the compact int4 target: its cache (cropped by setting a length, rejected
     entries left to be overwritten) + the last committed token gives a fresh forward's logits."""
     gen = Generator(tiny_int4_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
     caches, committed, checked = [], tiny_tokenizer.encode("hello"), []
     real_new_cache = decode_module.kv.new_cache
-    monkeypatch.setattr(decode_module.kv, "new_cache",
-                        lambda model: caches.append(real_new_cache(model)) or caches[-1])
+    monkeypatch.setattr(
+        decode_module.kv,
+        "new_cache",
+        lambda model: caches.append(real_new_cache(model)) or caches[-1],
+    )
 
     def check(rnd):
         committed.extend(rnd.committed)
         cache = caches[0]
         assert isinstance(cache, CompactCache) and cache.get_seq_length() == len(committed) - 1
-        via_cache = decode_module.kv.forward(tiny_int4_target, copy.deepcopy(cache),
-                                             committed[-1:], "cpu")[-1]
-        torch.testing.assert_close(via_cache, last_logits(tiny_int4_target, committed),
-                                   atol=1e-4, rtol=1e-4)
+        via_cache = decode_module.kv.forward(
+            tiny_int4_target, copy.deepcopy(cache), committed[-1:], "cpu"
+        )[-1]
+        torch.testing.assert_close(
+            via_cache, last_logits(tiny_int4_target, committed), atol=1e-4, rtol=1e-4
+        )
         checked.append(rnd.accepted < len(rnd.drafted))
 
-    gen.generate("hello", schema=PERSON, temperature=temperature, seed=1, max_new_tokens=60,
-                 on_round=check)
+    gen.generate(
+        "hello", schema=PERSON, temperature=temperature, seed=1, max_new_tokens=60, on_round=check
+    )
     assert any(checked), "no round rejected a draft: the rollback was not exercised"
 
 
@@ -203,6 +238,7 @@ def test_non_ascii_values_are_generatable(tiny_target, tiny_tokenizer):
 
 # --- bad input: a clear error before any model work -------------------------------------------
 
+
 class ExplodingModel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         raise AssertionError("the model ran before the input was checked")
@@ -215,24 +251,29 @@ def guarded_gen(tiny_target, tiny_tokenizer, monkeypatch):
     return gen
 
 
-@pytest.mark.parametrize("kwargs, error, words", [
-    (dict(schema='{"type": "object",'), ConstraintError, "not valid JSON"),
-    (dict(schema={"type": "objekt"}), ConstraintError, "/type"),
-    (dict(schema={"type": "integer", "multipleOf": 3}), UnsupportedSchemaError, "multipleOf"),
-    (dict(schema="/no/such/schema.json"), ConstraintError, "does not exist"),
-    (dict(schema={"type": "integer"}, regex="[0-9]"), ConstraintError, "exactly one"),
-    (dict(regex="(yes|no"), ConstraintError, "regex"),
-    (dict(regex="yes", temperature=-1.0), GenerationInputError, "temperature"),
-    (dict(regex="yes", top_p=1.5), GenerationInputError, "top_p"),
-    (dict(regex="yes", max_new_tokens=0), GenerationInputError, "max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(schema='{"type": "object",'), ConstraintError, "not valid JSON"),
+        (dict(schema={"type": "objekt"}), ConstraintError, "/type"),
+        (dict(schema={"type": "integer", "multipleOf": 3}), UnsupportedSchemaError, "multipleOf"),
+        (dict(schema="/no/such/schema.json"), ConstraintError, "does not exist"),
+        (dict(schema={"type": "integer"}, regex="[0-9]"), ConstraintError, "exactly one"),
+        (dict(regex="(yes|no"), ConstraintError, "regex"),
+        (dict(regex="yes", temperature=-1.0), GenerationInputError, "temperature"),
+        (dict(regex="yes", top_p=1.5), GenerationInputError, "top_p"),
+        (dict(regex="yes", max_new_tokens=0), GenerationInputError, "max_new_tokens"),
+    ],
+)
 def test_bad_constraint_or_settings_fail_before_model_work(guarded_gen, kwargs, error, words):
     with pytest.raises(error, match=words):
         guarded_gen.generate("hello", **kwargs)
 
 
-@pytest.mark.parametrize("prompt, words", [("", "empty"), ([], "prompt"),
-                                           ("x " * 300, "context holds"), ([10**6], "token ids")])
+@pytest.mark.parametrize(
+    "prompt, words",
+    [("", "empty"), ([], "prompt"), ("x " * 300, "context holds"), ([10**6], "token ids")],
+)
 def test_bad_prompts_fail_before_model_work(guarded_gen, prompt, words):
     with pytest.raises(GenerationInputError, match=words):
         guarded_gen.generate(prompt, regex="yes")
@@ -245,13 +286,17 @@ def test_draft_with_another_vocabulary_is_refused(tiny_target, tiny_tokenizer):
         Generator(tiny_target, tiny_tokenizer, draft=small, cache_dir=None)
 
 
-@pytest.mark.parametrize("regex, accepted, rejected", [
-    ("(ab)*", ["", "ab", "abab"], ["a", "aba"]),
-    ("[0-9]+(,[0-9]+)*", ["1", "1,2", "12,345"], ["1,", ","]),
-    ("1(\\.0)?", ["1", "1.0"], ["1."]),
-])
-def test_matches_continue_past_an_accepting_prefix(regex, accepted, rejected, tiny_target,
-                                                   tiny_tokenizer):
+@pytest.mark.parametrize(
+    "regex, accepted, rejected",
+    [
+        ("(ab)*", ["", "ab", "abab"], ["a", "aba"]),
+        ("[0-9]+(,[0-9]+)*", ["1", "1,2", "12,345"], ["1,", ","]),
+        ("1(\\.0)?", ["1", "1.0"], ["1."]),
+    ],
+)
+def test_matches_continue_past_an_accepting_prefix(
+    regex, accepted, rejected, tiny_target, tiny_tokenizer
+):
     """outlines-core alone drops transitions out of accepting states ("1" could never become
     "1,2"); the compiler's end-of-match terminator restores them."""
     c = Generator(tiny_target, tiny_tokenizer, cache_dir=None).compile(regex=regex)
@@ -264,12 +309,18 @@ def test_greedy_identity_with_skinny_matmul(tiny_target, tiny_draft, tiny_tokeni
     """Verify passes through models.SkinnyLinear (from_pretrained's CPU default) keep the
     baseline's greedy tokens (up to near-ties)."""
     from constrained_spec.models import skinny_matmul
+
     target = skinny_matmul(copy.deepcopy(tiny_target))
     gen = Generator(target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
     base = gen.generate(PROMPTS[1], schema=PERSON, speculative=False, max_new_tokens=80)
     spec = gen.generate(PROMPTS[1], schema=PERSON, num_draft_tokens=4, max_new_tokens=80)
-    assert_greedy_match(target, gen.compile(schema=PERSON), tiny_tokenizer.encode(PROMPTS[1]),
-                        base.token_ids, spec.token_ids)
+    assert_greedy_match(
+        target,
+        gen.compile(schema=PERSON),
+        tiny_tokenizer.encode(PROMPTS[1]),
+        base.token_ids,
+        spec.token_ids,
+    )
     assert spec.stats.accepted > 0
 
 

@@ -17,7 +17,7 @@ from constrained_spec.testing import random_head, sequence_distribution
 
 REGEX = "(ab|ba|yes|no){1,2}"
 FORCED_REGEX = "(yes|no)\\{\\}(ab|ba)"  # "{" and "}" are single-token (forced) states
-LOOKUP_PROMPT = "hello yes{}ab no{}ba"    # continuations for prompt lookup to copy
+LOOKUP_PROMPT = "hello yes{}ab no{}ba"  # continuations for prompt lookup to copy
 N_SAMPLES = 1500
 # min_confidence of the early-stop cases. The tiny target's first choice under REGEX is spread
 # (top probability 0.30, then 0.19): a first draft is made, a second one mostly not, and a stop
@@ -73,23 +73,53 @@ def drafter_for(kind, target, draft):
     return draft
 
 
-@pytest.mark.parametrize("case", [
-    dict(temperature=1.0, num_draft_tokens=3),
-    dict(temperature=0.7, top_p=0.9, num_draft_tokens=4),
-    dict(temperature=1.0, num_draft_tokens=4, drafter="anti"),
-    dict(temperature=1.0, num_draft_tokens=2, regex=FORCED_REGEX, prompt=LOOKUP_PROMPT),
-    dict(temperature=0.8, top_k=5, num_draft_tokens=2, regex=FORCED_REGEX,
-         prompt=LOOKUP_PROMPT, drafter="lookup+forced"),
-    dict(temperature=1.0, num_draft_tokens=4, adaptive_k=True, regex=FORCED_REGEX,
-         prompt=LOOKUP_PROMPT, drafter="anti"),
-    dict(temperature=1.0, num_draft_tokens=3, regex=FORCED_REGEX, prompt=LOOKUP_PROMPT,
-         drafter="head"),
-    # a prompt whose tokens come back: about a third of the head's drafts there carry a copy
-    # proposal, which the open gate mixes into q (28 of 81 with 20 seeds, counted once)
-    dict(temperature=1.0, num_draft_tokens=3, prompt="yesab", drafter="head"),
-    dict(temperature=1.0, num_draft_tokens=4, drafter="confident"),
-], ids=["T1", "T0.7-top_p", "anti-draft", "model+lookup+forced", "lookup+forced-top_k",
-        "adaptive-k-anti", "head+lookup+forced", "head-copy-gate", "model-min-confidence"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(temperature=1.0, num_draft_tokens=3),
+        dict(temperature=0.7, top_p=0.9, num_draft_tokens=4),
+        dict(temperature=1.0, num_draft_tokens=4, drafter="anti"),
+        dict(temperature=1.0, num_draft_tokens=2, regex=FORCED_REGEX, prompt=LOOKUP_PROMPT),
+        dict(
+            temperature=0.8,
+            top_k=5,
+            num_draft_tokens=2,
+            regex=FORCED_REGEX,
+            prompt=LOOKUP_PROMPT,
+            drafter="lookup+forced",
+        ),
+        dict(
+            temperature=1.0,
+            num_draft_tokens=4,
+            adaptive_k=True,
+            regex=FORCED_REGEX,
+            prompt=LOOKUP_PROMPT,
+            drafter="anti",
+        ),
+        dict(
+            temperature=1.0,
+            num_draft_tokens=3,
+            regex=FORCED_REGEX,
+            prompt=LOOKUP_PROMPT,
+            drafter="head",
+        ),
+        # a prompt whose tokens come back: about a third of the head's drafts there carry a copy
+        # proposal, which the open gate mixes into q (28 of 81 with 20 seeds, counted once)
+        dict(temperature=1.0, num_draft_tokens=3, prompt="yesab", drafter="head"),
+        dict(temperature=1.0, num_draft_tokens=4, drafter="confident"),
+    ],
+    ids=[
+        "T1",
+        "T0.7-top_p",
+        "anti-draft",
+        "model+lookup+forced",
+        "lookup+forced-top_k",
+        "adaptive-k-anti",
+        "head+lookup+forced",
+        "head-copy-gate",
+        "model-min-confidence",
+    ],
+)
 def test_speculative_sampling_is_exact(case, tiny_target, tiny_draft, tiny_tokenizer):
     case = dict(case)
     draft = drafter_for(case.pop("drafter", None), tiny_target, tiny_draft)
@@ -107,15 +137,25 @@ def test_speculative_sampling_is_exact(case, tiny_target, tiny_draft, tiny_token
         assert "model" in sources, f"the draft model never drafted: {set(sources)}"
 
 
-@pytest.mark.parametrize("case", [
-    dict(temperature=1.0, num_draft_tokens=3),
-    dict(temperature=0.7, top_p=0.9, num_draft_tokens=4),
-    dict(temperature=1.0, num_draft_tokens=4, drafter="anti"),
-    dict(temperature=1.0, num_draft_tokens=3, regex=FORCED_REGEX, prompt=LOOKUP_PROMPT,
-         drafter="head"),
-], ids=["T1", "T0.7-top_p", "anti-draft", "head+lookup+forced"])
-def test_speculative_sampling_is_exact_on_int4_weights(case, tiny_int4_target, tiny_draft,
-                                                       tiny_tokenizer):
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(temperature=1.0, num_draft_tokens=3),
+        dict(temperature=0.7, top_p=0.9, num_draft_tokens=4),
+        dict(temperature=1.0, num_draft_tokens=4, drafter="anti"),
+        dict(
+            temperature=1.0,
+            num_draft_tokens=3,
+            regex=FORCED_REGEX,
+            prompt=LOOKUP_PROMPT,
+            drafter="head",
+        ),
+    ],
+    ids=["T1", "T0.7-top_p", "anti-draft", "head+lookup+forced"],
+)
+def test_speculative_sampling_is_exact_on_int4_weights(
+    case, tiny_int4_target, tiny_draft, tiny_tokenizer
+):
     """The same test on the compact int4 target (Q4_1 blocks, bf16 activations): the reference
     enumerates its own policy, so exactness holds whatever the quantization costs in accuracy."""
     case = dict(case)
@@ -139,13 +179,16 @@ def test_the_statistical_test_has_power(tiny_target, tiny_draft, tiny_tokenizer)
     prompt = tiny_tokenizer.encode("hello")
     """Negative control: samples from the draft's own masked policy must fail the same test."""
     gen = Generator(tiny_draft, tiny_tokenizer, cache_dir=None)
-    exact = masked_sequence_distribution(tiny_target, gen.compile(regex=REGEX), prompt,
-                                         SamplingConfig(1.0))
-    exact_draft = masked_sequence_distribution(tiny_draft, gen.compile(regex=REGEX), prompt,
-                                               SamplingConfig(1.0))
+    exact = masked_sequence_distribution(
+        tiny_target, gen.compile(regex=REGEX), prompt, SamplingConfig(1.0)
+    )
+    exact_draft = masked_sequence_distribution(
+        tiny_draft, gen.compile(regex=REGEX), prompt, SamplingConfig(1.0)
+    )
     support = {k: exact.get(k, 0.0) + 1e-9 for k in set(exact) | set(exact_draft)}
-    assert_same_distribution(gen, support, dict(prompt=prompt, temperature=1.0,
-                                                 speculative=False), expect_match=False)
+    assert_same_distribution(
+        gen, support, dict(prompt=prompt, temperature=1.0, speculative=False), expect_match=False
+    )
 
 
 class SwappedTarget:
@@ -183,27 +226,43 @@ class StopOnDrawnToken(CompositeDrafter):
         return None if chance < threshold else (token, q, chance)
 
 
-@pytest.mark.parametrize("rule", [CompositeDrafter, StopOnDrawnToken], ids=["before-draw", "on-drawn-token"])
+@pytest.mark.parametrize(
+    "rule", [CompositeDrafter, StopOnDrawnToken], ids=["before-draw", "on-drawn-token"]
+)
 def test_early_stop_is_exact_only_when_decided_before_drawing(rule, tiny_target, tiny_tokenizer):
     """min_confidence stops on the policy's top probability, known before the draw: exact.
     Negative control: stopping on the drawn token's own probability must fail the same test."""
     prompt = tiny_tokenizer.encode("hello")
     drafter = rule(SwappedTarget(tiny_target), use_lookup=False, min_confidence=CONFIDENCE)
     gen = Generator(tiny_target, tiny_tokenizer, draft=drafter, cache_dir=None)
-    exact = masked_sequence_distribution(tiny_target, gen.compile(regex=REGEX), prompt,
-                                         SamplingConfig(1.0))
-    assert_same_distribution(gen, exact, dict(prompt=prompt, temperature=1.0, num_draft_tokens=4),
-                             expect_match=rule is CompositeDrafter)
+    exact = masked_sequence_distribution(
+        tiny_target, gen.compile(regex=REGEX), prompt, SamplingConfig(1.0)
+    )
+    assert_same_distribution(
+        gen,
+        exact,
+        dict(prompt=prompt, temperature=1.0, num_draft_tokens=4),
+        expect_match=rule is CompositeDrafter,
+    )
 
 
 def test_min_confidence_bounds_model_drafts(tiny_target, tiny_draft, tiny_tokenizer):
     gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
     constraint, prompt = gen.compile(regex=REGEX), tiny_tokenizer.encode("hello")
-    args = (prompt, constraint.initial_state, constraint, 4, SamplingConfig(),
-            torch.Generator().manual_seed(0))
+    args = (
+        prompt,
+        constraint.initial_state,
+        constraint,
+        4,
+        SamplingConfig(),
+        torch.Generator().manual_seed(0),
+    )
     width = logits_width(tiny_target)
     assert len(model_drafter(tiny_draft, width, use_lookup=False).propose(*args)) >= 2
-    assert len(model_drafter(tiny_draft, width, use_lookup=False, min_confidence=1.0).propose(*args)) == 0
+    assert (
+        len(model_drafter(tiny_draft, width, use_lookup=False, min_confidence=1.0).propose(*args))
+        == 0
+    )
 
 
 class UniformModel:
@@ -222,9 +281,18 @@ def test_no_model_drafts_after_a_lookup_copy(tiny_target, tiny_tokenizer):
     prompt = tiny_tokenizer.encode("say yes no. say ")  # the lookup copies "yes" / "no"
 
     def draft(**options):
-        return CompositeDrafter(UniformModel(), **options).propose(
-            prompt, constraint.initial_state, constraint, 4, SamplingConfig(),
-            torch.Generator().manual_seed(0)).sources
+        return (
+            CompositeDrafter(UniformModel(), **options)
+            .propose(
+                prompt,
+                constraint.initial_state,
+                constraint,
+                4,
+                SamplingConfig(),
+                torch.Generator().manual_seed(0),
+            )
+            .sources
+        )
 
     assert draft()[0] == "lookup" and "model" not in draft(), draft()
     after = draft(model_after_lookup=True)

@@ -18,38 +18,113 @@ from constrained_spec.vocab import token_vocabulary
 
 # name: (accepted texts, rejected texts). Every grammar file must have an entry here.
 EXAMPLES = {
-    "iso-date": (["2024-02-29", "1999-12-31", "2025-04-30", "0001-01-01"],
-                 ["2024-2-29", "2024-13-01", "2024-04-31", "2024-02-30", "2024-00-10",
-                  "24-01-01", "2024-01-01T00:00:00Z", "2024/01/01"]),
-    "iso-datetime": (["2024-02-29T23:59:59Z", "2024-01-01T00:00:00.123+05:30",
-                      "1999-12-31T12:00:00-08:00"],
-                     ["2024-01-01", "2024-01-01T24:00:00Z", "2024-01-01T12:00:00",
-                      "2024-01-01 12:00:00Z", "2024-01-01T12:60:00Z", "2024-01-01T12:00:00+5:30"]),
-    "email": (["alice@example.com", "first.last+tag@example-mail.co", "a_b%c@x-y.io"],
-              ["alice", "alice@", "@example.com", "alice@example", "alice@@example.com",
-               ".alice@example.com", "alice.@example.com", "alice@-example.com",
-               "alice@example.c0m", "al ice@example.com"]),
-    "uuid": (["123e4567-e89b-12d3-a456-426614174000", "0190a1b2-c3d4-7e5f-8a6b-7c8d9e0f1a2b"],
-             ["123e4567e89b12d3a456426614174000", "123E4567-E89B-12D3-A456-426614174000",
-              "123e4567-e89b-02d3-a456-426614174000", "123e4567-e89b-12d3-c456-426614174000",
-              "123e4567-e89b-12d3-a456-42661417400"]),
-    "phone-e164": (["+14155552671", "+442071838750", "+491234567"],
-                   ["14155552671", "+04155552671", "+1 415 555 2671", "+123456",
-                    "+1234567890123456", "+1-415-555-2671"]),
-    "semver": (["1.0.0", "0.1.2", "10.20.30"],
-               ["1.0", "01.0.0", "1.0.0-", "1.0.0-01", "1.0.0+", "v1.0.0", "1.0.0-alpha..1"]),
-    "ipv4": (["192.168.0.1", "0.0.0.0", "255.255.255.255", "10.1.20.199"],
-             ["256.1.1.1", "1.1.1", "01.1.1.1", "1.1.1.1.1", "1.1.1.", "a.b.c.d"]),
-    "json-object": (['{}', '{"a":1}', '{"name":"Zoë","tags":["x",2,null],"ok":true}',
-                     '{"a":{"b":-1.5e3,"c":"\\u00e9\\n"}}', '{"a":[]}', '{"a":{}}'],
-                    ['[]', '1', '"a"', '{"a":}', '{"a":1,}', '{a:1}', "{'a':1}", '{"a":1} ',
-                     '{"a": 1}', '{"a":{"b":{"c":1}}}', '{"a":[[1]]}', '{"a":"\n"}']),
-    "function-call": (['{"name":"get_weather","arguments":{"city":"Paris","days":3}}',
-                       '{"name":"noop","arguments":{}}',
-                       '{"name":"db.query","arguments":{"filter":{"age":30},"limit":null}}'],
-                      ['{"name":"get_weather"}', '{"arguments":{},"name":"f"}',
-                       '{"name":"1bad","arguments":{}}', '{"name":"f","arguments":[]}',
-                       '{"name":"f","arguments":{},"extra":1}', '{"name":"","arguments":{}}']),
+    "iso-date": (
+        ["2024-02-29", "1999-12-31", "2025-04-30", "0001-01-01"],
+        [
+            "2024-2-29",
+            "2024-13-01",
+            "2024-04-31",
+            "2024-02-30",
+            "2024-00-10",
+            "24-01-01",
+            "2024-01-01T00:00:00Z",
+            "2024/01/01",
+        ],
+    ),
+    "iso-datetime": (
+        ["2024-02-29T23:59:59Z", "2024-01-01T00:00:00.123+05:30", "1999-12-31T12:00:00-08:00"],
+        [
+            "2024-01-01",
+            "2024-01-01T24:00:00Z",
+            "2024-01-01T12:00:00",
+            "2024-01-01 12:00:00Z",
+            "2024-01-01T12:60:00Z",
+            "2024-01-01T12:00:00+5:30",
+        ],
+    ),
+    "email": (
+        ["alice@example.com", "first.last+tag@example-mail.co", "a_b%c@x-y.io"],
+        [
+            "alice",
+            "alice@",
+            "@example.com",
+            "alice@example",
+            "alice@@example.com",
+            ".alice@example.com",
+            "alice.@example.com",
+            "alice@-example.com",
+            "alice@example.c0m",
+            "al ice@example.com",
+        ],
+    ),
+    "uuid": (
+        ["123e4567-e89b-12d3-a456-426614174000", "0190a1b2-c3d4-7e5f-8a6b-7c8d9e0f1a2b"],
+        [
+            "123e4567e89b12d3a456426614174000",
+            "123E4567-E89B-12D3-A456-426614174000",
+            "123e4567-e89b-02d3-a456-426614174000",
+            "123e4567-e89b-12d3-c456-426614174000",
+            "123e4567-e89b-12d3-a456-42661417400",
+        ],
+    ),
+    "phone-e164": (
+        ["+14155552671", "+442071838750", "+491234567"],
+        [
+            "14155552671",
+            "+04155552671",
+            "+1 415 555 2671",
+            "+123456",
+            "+1234567890123456",
+            "+1-415-555-2671",
+        ],
+    ),
+    "semver": (
+        ["1.0.0", "0.1.2", "10.20.30"],
+        ["1.0", "01.0.0", "1.0.0-", "1.0.0-01", "1.0.0+", "v1.0.0", "1.0.0-alpha..1"],
+    ),
+    "ipv4": (
+        ["192.168.0.1", "0.0.0.0", "255.255.255.255", "10.1.20.199"],
+        ["256.1.1.1", "1.1.1", "01.1.1.1", "1.1.1.1.1", "1.1.1.", "a.b.c.d"],
+    ),
+    "json-object": (
+        [
+            "{}",
+            '{"a":1}',
+            '{"name":"Zoë","tags":["x",2,null],"ok":true}',
+            '{"a":{"b":-1.5e3,"c":"\\u00e9\\n"}}',
+            '{"a":[]}',
+            '{"a":{}}',
+        ],
+        [
+            "[]",
+            "1",
+            '"a"',
+            '{"a":}',
+            '{"a":1,}',
+            "{a:1}",
+            "{'a':1}",
+            '{"a":1} ',
+            '{"a": 1}',
+            '{"a":{"b":{"c":1}}}',
+            '{"a":[[1]]}',
+            '{"a":"\n"}',
+        ],
+    ),
+    "function-call": (
+        [
+            '{"name":"get_weather","arguments":{"city":"Paris","days":3}}',
+            '{"name":"noop","arguments":{}}',
+            '{"name":"db.query","arguments":{"filter":{"age":30},"limit":null}}',
+        ],
+        [
+            '{"name":"get_weather"}',
+            '{"arguments":{},"name":"f"}',
+            '{"name":"1bad","arguments":{}}',
+            '{"name":"f","arguments":[]}',
+            '{"name":"f","arguments":{},"extra":1}',
+            '{"name":"","arguments":{}}',
+        ],
+    ),
 }
 
 # Texts that continue past an accepting prefix ("1.0.0" → "1.0.0-alpha"). outlines-core (0.2.x)
@@ -71,6 +146,7 @@ def compiled(tiny_tokenizer):
             regex = grammar["regex"] if "regex" in grammar else schema_to_regex(grammar["schema"])
             cache[name] = compile_regex(regex, vocab, len(tiny_tokenizer), None)
         return cache[name]
+
     return compile_grammar
 
 
@@ -120,14 +196,33 @@ def test_the_wheel_ships_every_grammar(tmp_path):
     """A non-editable install reads the grammars from the package: they must be in the wheel."""
     root = Path(__file__).resolve().parents[1]
     src = tmp_path / "src"  # a copy, so building leaves no build/ or egg-info in the checkout
-    shutil.copytree(root / "constrained_spec", src / "constrained_spec",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"))
+    shutil.copytree(
+        root / "constrained_spec",
+        src / "constrained_spec",
+        ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"),
+    )
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(root / name, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path / "dist"), str(src)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        check=True,
+    )
     (wheel,) = (tmp_path / "dist").glob("constrained_spec-*.whl")
-    shipped = {Path(n).name for n in zipfile.ZipFile(wheel).namelist()
-               if n.startswith("constrained_spec/grammar_files/")}
+    shipped = {
+        Path(n).name
+        for n in zipfile.ZipFile(wheel).namelist()
+        if n.startswith("constrained_spec/grammar_files/")
+    }
     assert shipped == {p.name for p in (root / "constrained_spec" / "grammar_files").iterdir()}
     assert {n.rpartition(".")[0] for n in shipped} == set(grammar_names())

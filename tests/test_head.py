@@ -36,8 +36,13 @@ def test_greedy_with_a_head_equals_the_masked_baseline(prompt, tiny_target, tiny
     gen = Generator(tiny_target, tiny_tokenizer, draft=random_head(tiny_target), cache_dir=None)
     base = gen.generate(prompt, schema=PERSON, speculative=False, max_new_tokens=80)
     spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=4, max_new_tokens=80)
-    assert_greedy_match(tiny_target, gen.compile(schema=PERSON), tiny_tokenizer.encode(prompt),
-                        base.token_ids, spec.token_ids)
+    assert_greedy_match(
+        tiny_target,
+        gen.compile(schema=PERSON),
+        tiny_tokenizer.encode(prompt),
+        base.token_ids,
+        spec.token_ids,
+    )
     assert spec.stats.drafted_by_source.get("model", 0) > 0, "the head never drafted"
 
 
@@ -48,20 +53,23 @@ def test_head_forward_is_the_llama_layer(tiny_target):
     head = random_head(tiny_target, seed=2)
     width = tiny_target.config.hidden_size
     features, embeds = torch.randn(1, 9, width), torch.randn(1, 9, pair_width(head))
-    reference = head.decoder(inputs_embeds=head.fuse(torch.cat([features, embeds], -1))
-                             ).last_hidden_state
+    reference = head.decoder(
+        inputs_embeds=head.fuse(torch.cat([features, embeds], -1))
+    ).last_hidden_state
     torch.testing.assert_close(head(features, embeds), reference, atol=1e-5, rtol=1e-5)
     cache = HeadCache()
     chunks = [head(features[:, a:b], embeds[:, a:b], cache) for a, b in ((0, 4), (4, 5), (5, 9))]
     torch.testing.assert_close(torch.cat(chunks, 1), reference, atol=1e-5, rtol=1e-5)
     cache.crop(4)  # roll back to 4 pairs and redo the rest
-    torch.testing.assert_close(head(features[:, 4:], embeds[:, 4:], cache), reference[:, 4:],
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        head(features[:, 4:], embeds[:, 4:], cache), reference[:, 4:], atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_head_reads_the_true_features_and_its_cache_rolls_back(temperature, tiny_target,
-                                                               tiny_tokenizer):
+def test_head_reads_the_true_features_and_its_cache_rolls_back(
+    temperature, tiny_target, tiny_tokenizer
+):
     """After every round: the head holds the target's features of every committed token but the
     last (equal to a fresh forward), and its cache + the pending pairs give the same output as a
     fresh pass of the head over all pairs, copy proposals computed afresh; some rounds rejected
@@ -73,13 +81,15 @@ def test_head_reads_the_true_features_and_its_cache_rolls_back(temperature, tiny
     @torch.no_grad()
     def check(rnd):
         committed.extend(rnd.committed)
-        _, fresh = kv.forward(tiny_target, kv.new_cache(tiny_target), committed[:-1], "cpu",
-                              features=True)
+        _, fresh = kv.forward(
+            tiny_target, kv.new_cache(tiny_target), committed[:-1], "cpu", features=True
+        )
         torch.testing.assert_close(drafter.features, fresh, atol=1e-4, rtol=1e-4)
         pairs = len(drafter.cache)
         assert pairs == drafter.true_pairs <= len(fresh)
-        embeds = pair_embeddings(tiny_target.get_input_embeddings(), committed[1:],
-                                 copy_proposals(committed)[1:])
+        embeds = pair_embeddings(
+            tiny_target.get_input_embeddings(), committed[1:], copy_proposals(committed)[1:]
+        )
         cache = copy.deepcopy(drafter.cache)
         resumed = drafter.head(fresh[None, pairs:], embeds[None, pairs:], cache)[0, -1]
         full = drafter.head(fresh[None], embeds[None])[0, -1]
@@ -87,8 +97,9 @@ def test_head_reads_the_true_features_and_its_cache_rolls_back(temperature, tiny
         model_tokens = [i for i, s in enumerate(rnd.sources) if s == "model"]
         rejected.append(any(i >= rnd.accepted for i in model_tokens))
 
-    gen.generate("hello", schema=PERSON, temperature=temperature, seed=3, max_new_tokens=60,
-                 on_round=check)
+    gen.generate(
+        "hello", schema=PERSON, temperature=temperature, seed=3, max_new_tokens=60, on_round=check
+    )
     assert any(rejected), "no head-drafted token was rejected: the rollback was not exercised"
 
 
@@ -101,7 +112,7 @@ def test_copy_proposals_are_the_token_after_the_latest_earlier_ngram():
 
     def brute(ids, n, j):
         for m in range(j - 1, n - 2, -1):
-            if j >= n - 1 and ids[m - n + 1:m + 1] == ids[j - n + 1:j + 1]:
+            if j >= n - 1 and ids[m - n + 1 : m + 1] == ids[j - n + 1 : j + 1]:
                 return ids[m + 1]
         return -1
 
@@ -135,10 +146,14 @@ def test_the_copy_gate_mixes_the_proposals_into_q(tiny_target):
     assert pi[0][1] + pi[0][2] > 0.05 and pi[1][1] > 0.05, "the test gate is hardly open"
     with torch.no_grad():
         head.copy_gate.bias.fill_(float("-inf"))
-    torch.testing.assert_close(head.log_probs(out, rows, copies), torch.log_softmax(out @ rows.T, -1))
+    torch.testing.assert_close(
+        head.log_probs(out, rows, copies), torch.log_softmax(out @ rows.T, -1)
+    )
     # proposals as positions in the draft vocabulary: absent ones and outsiders are -1
-    assert vocabulary_positions(torch.tensor([1, 3, 5, 8]), [[3, 4], [-1, 8]]).tolist() == \
-        [[1, -1], [-1, 3]]
+    assert vocabulary_positions(torch.tensor([1, 3, 5, 8]), [[3, 4], [-1, 8]]).tolist() == [
+        [1, -1],
+        [-1, 3],
+    ]
 
 
 def saved_head(tmp_path, target, tokenizer):
@@ -158,8 +173,9 @@ def test_saved_head_loads_back(tmp_path, tiny_target, tiny_tokenizer):
     assert gen.generate("hello", regex="(ab|ba)+", max_new_tokens=6).text
 
 
-def test_missing_corrupt_or_foreign_head_files_are_clear_errors(tmp_path, tiny_target,
-                                                                 tiny_tokenizer):
+def test_missing_corrupt_or_foreign_head_files_are_clear_errors(
+    tmp_path, tiny_target, tiny_tokenizer
+):
     vocab = token_vocabulary(tiny_tokenizer)
     with pytest.raises(DraftHeadError, match="not found"):
         load_head(tiny_target, vocab, tmp_path / "absent.safetensors")
@@ -184,6 +200,7 @@ def rewrite_fuse(path, columns):
     import hashlib
 
     from safetensors.torch import load_file, save_file
+
     tensors = load_file(path)
     tensors["fuse.weight"] = tensors["fuse.weight"][:, :columns].contiguous()
     tensors = {k: v for k, v in tensors.items() if not k.startswith("copy_gate")}
@@ -193,8 +210,9 @@ def rewrite_fuse(path, columns):
     path.with_suffix(".json").write_text(json.dumps(card))
 
 
-def test_a_head_from_before_the_copy_proposals_loads_as_itself(tmp_path, tiny_target,
-                                                                tiny_tokenizer):
+def test_a_head_from_before_the_copy_proposals_loads_as_itself(
+    tmp_path, tiny_target, tiny_tokenizer
+):
     """Heads saved before the copy proposals (fuse over feature + token only, no copy gate) load
     with zero weights on the proposals and the gate closed, which reproduces them; any other
     shape is a clear error."""
@@ -202,13 +220,16 @@ def test_a_head_from_before_the_copy_proposals_loads_as_itself(tmp_path, tiny_ta
     head, path = saved_head(tmp_path, tiny_target, tiny_tokenizer)
     rewrite_fuse(path, 2 * width)
     old = load_head(tiny_target, vocab, path)
-    assert torch.equal(old.fuse.weight[:, 2 * width:], torch.zeros(width, pair_width(head) - width))
+    assert torch.equal(
+        old.fuse.weight[:, 2 * width :], torch.zeros(width, pair_width(head) - width)
+    )
     x, e = torch.randn(1, 5, width), torch.randn(1, 5, pair_width(head))
     without_copies = torch.cat([e[..., :width], torch.zeros_like(e[..., width:])], -1)
     torch.testing.assert_close(old(x, e), old(x, without_copies))
     rows, copies = torch.randn(6, width), torch.tensor([[1, 2]] * 5)
-    torch.testing.assert_close(old.log_probs(old(x, e)[0], rows, copies),
-                               torch.log_softmax(old(x, e)[0] @ rows.T, -1))
+    torch.testing.assert_close(
+        old.log_probs(old(x, e)[0], rows, copies), torch.log_softmax(old(x, e)[0] @ rows.T, -1)
+    )
     rewrite_fuse(path, width + 1)
     with pytest.raises(DraftHeadError, match="do not fit"):
         load_head(tiny_target, vocab, path)
@@ -216,6 +237,7 @@ def test_a_head_from_before_the_copy_proposals_loads_as_itself(tmp_path, tiny_ta
 
 def test_auto_picks_the_head_only_where_one_ships():
     from constrained_spec.head import has_shipped_head
+
     assert has_shipped_head("smollm2-135m-instruct")
     assert not has_shipped_head("some-other-model")
     assert not has_shipped_head("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub id: its own model
@@ -224,6 +246,7 @@ def test_auto_picks_the_head_only_where_one_ships():
 
 def test_unknown_head_fails_before_loading_a_model(monkeypatch):
     import constrained_spec.models as models
+
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
     with pytest.raises(DraftHeadError, match="no trained draft head"):
         Generator.from_pretrained("some/other-model", draft="head")
@@ -235,13 +258,20 @@ def test_shipped_head_on_the_default_model():
     gives the masked baseline's tokens."""
     gen = Generator.from_pretrained(draft="head")
     messages = [{"role": "user", "content": "Extract as JSON: Alice is 30 years old."}]
-    schema = {"type": "object", "properties": {"name": {"type": "string"},
-                                               "age": {"type": "integer"}},
-              "required": ["name", "age"]}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
     base = gen.generate(messages, schema=schema, speculative=False, max_new_tokens=24)
     spec = gen.generate(messages, schema=schema, max_new_tokens=24)
-    assert_greedy_match(gen.target, gen.compile(schema=schema), gen.encode_prompt(messages),
-                        base.token_ids, spec.token_ids)
+    assert_greedy_match(
+        gen.target,
+        gen.compile(schema=schema),
+        gen.encode_prompt(messages),
+        base.token_ids,
+        spec.token_ids,
+    )
     assert spec.stats.drafted_by_source.get("model", 0) > 0
     assert spec.stats.target_calls < base.stats.target_calls
 
@@ -261,9 +291,9 @@ def test_training_unroll_is_what_drafting_computes(tiny_target):
         torch.testing.assert_close(steps[0], head(f[None], e[None])[0])
         for anchor in range(10 - 3):
             cache = HeadCache()
-            out = head(f[None, :anchor + 1], e[None, :anchor + 1], cache)[0, -1]
+            out = head(f[None, : anchor + 1], e[None, : anchor + 1], cache)[0, -1]
             for s in (1, 2):
-                out = head(out[None, None], e[None, anchor + s:anchor + s + 1], cache)[0, -1]
+                out = head(out[None, None], e[None, anchor + s : anchor + s + 1], cache)[0, -1]
                 torch.testing.assert_close(out, steps[s][anchor + s], atol=1e-5, rtol=1e-5)
 
 
@@ -281,17 +311,19 @@ def test_replay_gives_the_decode_loops_rounds(tiny_target, tiny_tokenizer):
     for prompt in ("hello", '{"name": "Al'):
         constraint = gen.compile(schema=PERSON)
         base = gen.generate(prompt, schema=PERSON, max_new_tokens=40)
-        drafter = CompositeDrafter(HeadDraft(head, tiny_target), use_forced=False,
-                                   use_lookup=False)
-        spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=4, max_new_tokens=40,
-                            drafter=drafter)
+        drafter = CompositeDrafter(HeadDraft(head, tiny_target), use_forced=False, use_lookup=False)
+        spec = gen.generate(
+            prompt, schema=PERSON, num_draft_tokens=4, max_new_tokens=40, drafter=drafter
+        )
         assert spec.token_ids == base.token_ids
         eos = [tiny_tokenizer.eos_token_id] if base.finish_reason == "stop" else []
         items.append(prepared(gen, gen.encode_prompt(prompt), base.token_ids + eos, constraint))
         totals["calls"] += spec.stats.target_calls
         totals["committed"] += len(base.token_ids + eos)
-        for key, counts in (("accepted", spec.stats.accepted_by_position),
-                            ("drafted", spec.stats.drafted_by_position)):
+        for key, counts in (
+            ("accepted", spec.stats.accepted_by_position),
+            ("drafted", spec.stats.drafted_by_position),
+        ):
             for i, n in enumerate(counts):
                 totals[key][i] += n
     result = replay(head, gen, items, k=4, max_new_tokens=40)

@@ -38,15 +38,16 @@ def transformers_logits(model, ids):
 def test_float_compact_forward_equals_transformers(tiny_target, tiny_tokenizer):
     compact = llama.from_transformers(tiny_target, "float")
     ids = tiny_tokenizer.encode(TEXTS[-1])
-    expected = transformers_logits(tiny_target, ids)                        # (n, V)
+    expected = transformers_logits(tiny_target, ids)  # (n, V)
     torch.testing.assert_close(logits_of(compact, ids), expected, atol=1e-4, rtol=0)
     cache, chunks = compact.new_cache(), (ids[:1], ids[1:20], ids[20:])  # one token, then many
     incremental = torch.cat([logits_of(compact, chunk, cache) for chunk in chunks])
     assert cache.get_seq_length() == len(ids)
     torch.testing.assert_close(incremental, expected, atol=1e-4, rtol=0)
     _, features = kv.forward(compact, compact.new_cache(), ids, "cpu", features=True)
-    torch.testing.assert_close(compact.get_output_embeddings()(features), expected,
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        compact.get_output_embeddings()(features), expected, atol=1e-4, rtol=0
+    )
 
 
 def test_crop_then_refeed_equals_a_fresh_forward_past_the_initial_capacity(tiny_tokenizer):
@@ -56,22 +57,25 @@ def test_crop_then_refeed_equals_a_fresh_forward_past_the_initial_capacity(tiny_
     compact = llama.from_transformers(model, "float")
     text = tiny_tokenizer.encode(TEXTS[-1])
     ids = (text * 8)[:300]
-    other = tiny_tokenizer.encode("yes no yes no abba")                       # the "rejected" draft
+    other = tiny_tokenizer.encode("yes no yes no abba")  # the "rejected" draft
     cache = compact.new_cache()
     initial = cache.keys.shape[2]
     logits_of(compact, ids[:200], cache)
-    logits_of(compact, ids[200:260] + other, cache)       # grows past 256 with 200 positions held
+    logits_of(compact, ids[200:260] + other, cache)  # grows past 256 with 200 positions held
     assert cache.keys.shape[2] > initial == 256, "the cache never grew: nothing was checked"
     cache.crop(260)
     assert cache.get_seq_length() == 260
     via_cache = logits_of(compact, ids[260:], cache)
     expected = transformers_logits(model, ids)[260:]
     torch.testing.assert_close(via_cache, expected, atol=1e-4, rtol=0)
-    cache.crop(-len(ids[250:]))                       # transformers' form: drop the last n
+    cache.crop(-len(ids[250:]))  # transformers' form: drop the last n
     assert cache.get_seq_length() == 250
-    torch.testing.assert_close(logits_of(compact, other, cache),
-                               transformers_logits(model, ids[:250] + other)[250:],
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        logits_of(compact, other, cache),
+        transformers_logits(model, ids[:250] + other)[250:],
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 # --- block formats: the gguf package's quantizer as the reference ------------------------------
@@ -85,7 +89,7 @@ def rows():
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_block_split_and_dequantize_equal_gguf(kind, rows):
     qtype = getattr(gguf.GGMLQuantizationType, kind.upper())
-    raw = gguf.quants.quantize(rows, qtype)                                  # (64, bytes per row)
+    raw = gguf.quants.quantize(rows, qtype)  # (64, bytes per row)
     parts = getattr(kernels, f"split_{kind}")(torch.from_numpy(raw.copy()))
     dequantized = getattr(kernels, f"dequantize_{kind}")(*parts)
     np.testing.assert_array_equal(dequantized.numpy(), gguf.quants.dequantize(raw, qtype))
@@ -106,8 +110,9 @@ def test_quantize_matches_gguf_up_to_nearest_rounding(kind, max_changed, rows):
     for a, b in zip(ours[1:], theirs[1:]):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     step = ours[0].int() - theirs[0].int()
-    assert step.abs().max() <= 1 and (step != 0).float().mean() <= max_changed, \
+    assert step.abs().max() <= 1 and (step != 0).float().mean() <= max_changed, (
         f"{(step != 0).float().mean():.4f} of q changed, up to {step.abs().max()}"
+    )
     error, gguf_error = (dequantize(*ours) - w).abs(), (dequantize(*theirs) - w).abs()
     assert (error <= gguf_error).all(), "a q that is not the nearest of the stored grid"
     # the nearest of the stored grid, checked directly: no neighbour of q is closer to w
@@ -128,13 +133,15 @@ def kernel_cases():
     q, d, m = kernels.quantize_q4_1(w)
     q8, d8 = kernels.quantize_q8_0(w)
     # per weight: the bound on its change from rounding scale and zero to bf16 (relative BF16 each)
-    q4_bound = BF16 * ((q.float() - 8).abs() * d.repeat_interleave(32, 1)
-                       + (m + 8 * d).abs().repeat_interleave(32, 1))
+    q4_bound = BF16 * (
+        (q.float() - 8).abs() * d.repeat_interleave(32, 1)
+        + (m + 8 * d).abs().repeat_interleave(32, 1)
+    )
     q8_bound = BF16 * (q8.float().abs() * d8.repeat_interleave(32, 1))
-    return {"q4_1": (kernels.Int4Linear.from_q4_1(q, d, m), kernels.dequantize_q4_1(q, d, m),
-                     q4_bound),
-            "q8_0": (kernels.Int4Linear.from_q8_0(q8, d8), kernels.dequantize_q8_0(q8, d8),
-                     q8_bound)}
+    return {
+        "q4_1": (kernels.Int4Linear.from_q4_1(q, d, m), kernels.dequantize_q4_1(q, d, m), q4_bound),
+        "q8_0": (kernels.Int4Linear.from_q8_0(q8, d8), kernels.dequantize_q8_0(q8, d8), q8_bound),
+    }
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
@@ -144,8 +151,8 @@ def test_int4_linear_computes_x_times_the_dequantized_weights(kind):
     layer, w, weight_bound = kernel_cases()[kind]
     x = torch.randn(9, w.shape[1], generator=torch.Generator().manual_seed(1))
     xb = x.bfloat16().float()
-    expected = xb @ w.T                                                      # (9, N)
-    scales = xb.abs() @ weight_bound.T                                       # (9, N)
+    expected = xb @ w.T  # (9, N)
+    scales = xb.abs() @ weight_bound.T  # (9, N)
     bound = scales + BF16 * (expected.abs() + scales) + 1e-6
     error = (layer(x) - expected).abs()
     assert (error <= bound).all(), f"error {error.max():.2e}, bound there {bound[error > bound]}"
@@ -158,7 +165,7 @@ def test_int4_linear_rows_do_not_depend_on_how_many_are_fed(kind):
     that is what keeps greedy speculative decoding identical to the baseline."""
     layer, w, _ = kernel_cases()[kind]
     x = torch.randn(25, w.shape[1], generator=torch.Generator().manual_seed(2))
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
     for m in [*range(1, 10), 25]:  # 25: the longest verify pass (max_draft 24 + 1)
         torch.testing.assert_close(layer(x[:m]), alone[:m], atol=1e-5, rtol=0)
 
@@ -168,7 +175,9 @@ def test_int4_linear_rows_do_not_depend_on_how_many_are_fed(kind):
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute: each head's rows (i, i + hd/2) interleaved."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 @pytest.mark.parametrize("heads", [2, 4])
@@ -186,9 +195,12 @@ def test_unpermute_inverts_llama_cpp_permutation(heads):
 # --- quantized tiny targets: close to the float one -----------------------------------------------
 
 
-@pytest.mark.parametrize("weights, floor, rel_to_float", [("int4", 0.85, 0.15), ("int8", 0.95, 0.02)])
-def test_quantized_tiny_target_agrees_with_float(weights, floor, rel_to_float, tiny_target,
-                                                 tiny_tokenizer):
+@pytest.mark.parametrize(
+    "weights, floor, rel_to_float", [("int4", 0.85, 0.15), ("int8", 0.95, 0.02)]
+)
+def test_quantized_tiny_target_agrees_with_float(
+    weights, floor, rel_to_float, tiny_target, tiny_tokenizer
+):
     """Measured on these 94 positions: top-1 agreement 0.904 (int4) and 0.989 (int8); the
     logits' relative error 0.10 / 0.010 at worst (hidden size 32: one block per row)."""
     compact = llama.from_transformers(tiny_target, weights)
@@ -205,8 +217,9 @@ def test_quantized_tiny_target_agrees_with_float(weights, floor, rel_to_float, t
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
-def test_quantized_forward_equals_transformers_on_the_same_blocks(weights, tiny_target,
-                                                                  tiny_tokenizer):
+def test_quantized_forward_equals_transformers_on_the_same_blocks(
+    weights, tiny_target, tiny_tokenizer
+):
     """The compact int4/int8 forward against transformers' forward over the very weights it
     holds (linears and LM head dequantized): only the kernels' bf16 roundings differ (measured
     0.0034 relative; against the float weights 0.07 for int4)."""
@@ -217,11 +230,14 @@ def test_quantized_forward_equals_transformers_on_the_same_blocks(weights, tiny_
         for name, p in reference.named_parameters():
             if name.endswith("_proj.weight"):
                 p.copy_(dequantize(*quantize(p)))
-        reference.lm_head.weight.copy_(kernels.dequantize_q8_0(
-            *kernels.quantize_q8_0(reference.lm_head.weight)))
+        reference.lm_head.weight.copy_(
+            kernels.dequantize_q8_0(*kernels.quantize_q8_0(reference.lm_head.weight))
+        )
     ids = tiny_tokenizer.encode(TEXTS[-1])
-    ours, theirs = logits_of(llama.from_transformers(tiny_target, weights), ids), \
-        transformers_logits(reference, ids)
+    ours, theirs = (
+        logits_of(llama.from_transformers(tiny_target, weights), ids),
+        transformers_logits(reference, ids),
+    )
     rel = ((ours - theirs).norm(dim=-1) / theirs.norm(dim=-1)).max()
     assert rel < 0.006, f"relative logit error {rel:.4f}"
 
@@ -243,8 +259,17 @@ def test_unknown_weights_fail_before_loading(monkeypatch):
 
 
 def test_weights_of_a_non_llama_model_point_to_float():
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50,
-                                      n_positions=32, bos_token_id=0, eos_token_id=0))
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=1,
+            n_embd=32,
+            n_head=2,
+            vocab_size=50,
+            n_positions=32,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     with pytest.raises(WeightsError, match="GPT2LMHeadModel is not one: use weights='float'"):
         llama.from_transformers(gpt2, "int4")
 
@@ -252,11 +277,21 @@ def test_weights_of_a_non_llama_model_point_to_float():
 def test_llama_variants_the_compact_forward_does_not_compute_point_to_float(tiny_tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    base = dict(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64,
-                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
-    for extra, words in [(dict(attention_bias=True), "biases"),
-                         (dict(rope_parameters={"rope_type": "linear", "factor": 2.0,
-                                                "rope_theta": 10000.0}), "rope type 'linear'")]:
+    base = dict(
+        vocab_size=len(tiny_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    for extra, words in [
+        (dict(attention_bias=True), "biases"),
+        (
+            dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+            "rope type 'linear'",
+        ),
+    ]:
         model = LlamaForCausalLM(LlamaConfig(**base, **extra))
         with pytest.raises(WeightsError, match=f"{words}.*weights='float'"):
             llama.from_transformers(model, "int8")
@@ -265,8 +300,14 @@ def test_llama_variants_the_compact_forward_does_not_compute_point_to_float(tiny
 def test_int8_draft_of_a_compact_target_is_refused(tiny_target, tiny_tokenizer, monkeypatch):
     """draft='int8' copies a transformers model; a compact target has none to copy. (Refused
     after loading today; the arguments alone decide it, so refusing before would pass too.)"""
-    monkeypatch.setattr(models, "load_model", lambda name, dtype=torch.float32, weights="float": (
-        llama.from_transformers(tiny_target, weights), tiny_tokenizer))
+    monkeypatch.setattr(
+        models,
+        "load_model",
+        lambda name, dtype=torch.float32, weights="float": (
+            llama.from_transformers(tiny_target, weights),
+            tiny_tokenizer,
+        ),
+    )
     for draft in ("int8", "bf16"):
         with pytest.raises(WeightsError, match=f"draft='{draft}'.*weights='int4'.*weights='float'"):
             Generator.from_pretrained("tiny", draft=draft, weights="int4", cache_dir=None)
@@ -280,18 +321,30 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
     monkeypatch.setattr(models, "_converted_copy", lambda name, spec: tmp_path / "converted")
     monkeypatch.setattr(AutoConfig, "from_pretrained", lambda *a, **k: tiny_target.config)
     calls = []
-    monkeypatch.setattr(kernels, "measure_linears",
-                        lambda shapes: calls.append(shapes) or {"int4": 1.0, "float": 2.0})
+    monkeypatch.setattr(
+        kernels,
+        "measure_linears",
+        lambda shapes: calls.append(shapes) or {"int4": 1.0, "float": 2.0},
+    )
+    monkeypatch.setattr(kernels, "measure_prefill", lambda shapes: {"int4": 4.0, "bf16": 3.0})
     name, path = models.DEFAULT_MODEL, tmp_path / "calibration.json"
 
     assert models.choose_weights(name) == "int4"
     layer = [(64, 32), (32, 32), (128, 32), (32, 64)]  # the tiny config's qkv, o, gate_up, down
     assert calls == [layer * 4]
     (stored,) = json.loads(path.read_text()).values()
-    assert stored == {"int4_ms": 1.0, "float_ms": 2.0, "choice": "int4",
-                      "measured": "linears of 4 layers, 1 + 5 rows"}
+    assert stored == {
+        "int4_ms": 1.0,
+        "float_ms": 2.0,
+        "choice": "int4",
+        "measured": "linears of 4 layers, 1 + 5 rows",
+        "prefill_int4_ms": 4.0,
+        "prefill_bf16_ms": 3.0,
+        "prefill": "bf16",
+    }
     assert models.calibration(name) == stored and models.choose_weights(name) == "int4"
-    assert "1.0 ms in int4 vs 2.0 ms" in models.describe_weights(name, "auto", "int4")
+    described = models.describe_weights(name, "auto", "int4")
+    assert "1.0 ms in int4 vs 2.0 ms" in described and "through the bf16 kernel" in described
     assert len(calls) == 1, "measured again although cached"
 
     path.write_text("{not json")
@@ -306,13 +359,22 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
 # --- the real default model -----------------------------------------------------------------------
 
 CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"},
-     {"role": "assistant", "content": "The capital of France is Paris."}],
-    [{"role": "user", "content": "Give me a JSON object with a name and an age."},
-     {"role": "assistant", "content": '{"name": "Alice", "age": 30}'}],
-    [{"role": "user", "content": "Write a haiku about the sea."},
-     {"role": "assistant", "content": "Waves fold into foam,\nsalt wind carries gull voices,\n"
-                                      "the tide keeps its time."}],
+    [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is Paris."},
+    ],
+    [
+        {"role": "user", "content": "Give me a JSON object with a name and an age."},
+        {"role": "assistant", "content": '{"name": "Alice", "age": 30}'},
+    ],
+    [
+        {"role": "user", "content": "Write a haiku about the sea."},
+        {
+            "role": "assistant",
+            "content": "Waves fold into foam,\nsalt wind carries gull voices,\n"
+            "the tide keeps its time.",
+        },
+    ],
 ]
 
 
@@ -325,14 +387,24 @@ def test_real_default_model_int4_is_its_gguf_blocks():
     float_model, _ = models.load_model(models.DEFAULT_MODEL)
     assert isinstance(model, llama.CompactLlama) and model.weights == "int4"
     s, fm = model.shape, float_model.model
-    path = models.cache_dir() / models.DEFAULT_MODEL / \
-        models.BUILTIN_MODELS[models.DEFAULT_MODEL].gguf_member.split("/")[-1]
+    path = (
+        models.cache_dir()
+        / models.DEFAULT_MODEL
+        / models.BUILTIN_MODELS[models.DEFAULT_MODEL].gguf_member.split("/")[-1]
+    )
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     q_rows, kv_rows = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    cases = [("blk.0.attn_q.weight", s.heads, fm.layers[0].self_attn.q_proj, 0, slice(0, q_rows)),
-             ("blk.3.attn_k.weight", s.kv_heads, fm.layers[3].self_attn.k_proj, 12,
-              slice(q_rows, q_rows + kv_rows)),
-             ("blk.5.ffn_down.weight", None, fm.layers[5].mlp.down_proj, 23, slice(None))]
+    cases = [
+        ("blk.0.attn_q.weight", s.heads, fm.layers[0].self_attn.q_proj, 0, slice(0, q_rows)),
+        (
+            "blk.3.attn_k.weight",
+            s.kv_heads,
+            fm.layers[3].self_attn.k_proj,
+            12,
+            slice(q_rows, q_rows + kv_rows),
+        ),
+        ("blk.5.ffn_down.weight", None, fm.layers[5].mlp.down_proj, 23, slice(None)),
+    ]
     for name, heads, float_linear, index, rows in cases:
         q, d, m = kernels.split_q4_1(torch.from_numpy(tensors[name].data.copy()))
         if heads is not None:
@@ -340,9 +412,11 @@ def test_real_default_model_int4_is_its_gguf_blocks():
         w = kernels.dequantize_q4_1(q, d, m)
         torch.testing.assert_close(w, float_linear.weight, atol=0, rtol=0, msg=name)
         eye = torch.eye(w.shape[1])
-        loaded = model.linears[index](eye).T[rows]                           # (N, K)
-        scales = BF16 * ((q.float() - 8).abs() * d.repeat_interleave(32, 1)
-                         + (m + 8 * d).abs().repeat_interleave(32, 1))
+        loaded = model.linears[index](eye).T[rows]  # (N, K)
+        scales = BF16 * (
+            (q.float() - 8).abs() * d.repeat_interleave(32, 1)
+            + (m + 8 * d).abs().repeat_interleave(32, 1)
+        )
         bound = scales + BF16 * (w.abs() + scales)  # bf16 scale and zero, then a bf16 output
         assert ((loaded - w).abs() <= bound).all(), f"{name}: the kernel holds other weights"
     agree = []
@@ -354,3 +428,34 @@ def test_real_default_model_int4_is_its_gguf_blocks():
     rate = sum(agree) / len(agree)
     print(f"int4 vs float top-1 agreement: {rate:.3f} over {len(agree)} positions")
     assert len(agree) >= 90 and rate >= 0.9, f"top-1 agreement {rate:.3f} over {len(agree)}"
+
+
+# --- the bf16 prefill kernel ----------------------------------------------------------------------
+
+
+def test_the_prefill_kernel_runs_only_on_prompt_length_inputs():
+    """Verify passes (at most 25 tokens) and steps keep the 4-bit kernel whatever the prefill
+    kernel; from PREFILL_ROWS rows on the bf16 kernel computes the same product, up to bf16."""
+    torch.manual_seed(0)
+    linear = kernels.Int4Linear.from_q4_1(*kernels.quantize_q4_1(torch.randn(96, 64) * 0.1))
+    short, long = torch.randn(25, 64), torch.randn(kernels.PREFILL_ROWS, 64)
+    four_bit = linear(short), linear(long)
+    linear.prefill = "bf16"
+    assert torch.equal(linear(short), four_bit[0])
+    bf16 = linear(long)
+    assert not torch.equal(bf16, four_bit[1]), "the bf16 kernel did not run"
+    torch.testing.assert_close(bf16, four_bit[1], atol=0.05 * four_bit[1].abs().max(), rtol=0)
+
+
+def test_greedy_speculation_equals_the_baseline_after_a_bf16_prefill(
+    tiny_int4_target, tiny_draft, tiny_tokenizer
+):
+    target = copy.deepcopy(tiny_int4_target)
+    target.use_prefill("bf16")
+    gen = Generator(target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
+    prompt = tiny_tokenizer.encode('{"name": "Alice", "age": 30} yes no yes ' * 4)
+    assert len(prompt) > kernels.PREFILL_ROWS, "the prompt must take the prefill kernel"
+    base = gen.generate(prompt, schema=testing.PERSON, speculative=False, max_new_tokens=60)
+    spec = gen.generate(prompt, schema=testing.PERSON, num_draft_tokens=4, max_new_tokens=60)
+    assert spec.stats.drafted > 0
+    assert spec.token_ids == base.token_ids

@@ -50,11 +50,16 @@ def write_tiny_gguf(path: Path, chat_template: str | None = TEMPLATE) -> None:
         w.add_chat_template(chat_template)
     rng = np.random.default_rng(0)
     shapes = {
-        "token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
-        "blk.0.attn_norm.weight": (hidden,), "blk.0.ffn_norm.weight": (hidden,),
-        "blk.0.attn_q.weight": (hidden, hidden), "blk.0.attn_k.weight": (hidden // 2, hidden),
-        "blk.0.attn_v.weight": (hidden // 2, hidden), "blk.0.attn_output.weight": (hidden, hidden),
-        "blk.0.ffn_gate.weight": (ffn, hidden), "blk.0.ffn_up.weight": (ffn, hidden),
+        "token_embd.weight": (vocab, hidden),
+        "output_norm.weight": (hidden,),
+        "blk.0.attn_norm.weight": (hidden,),
+        "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.attn_q.weight": (hidden, hidden),
+        "blk.0.attn_k.weight": (hidden // 2, hidden),
+        "blk.0.attn_v.weight": (hidden // 2, hidden),
+        "blk.0.attn_output.weight": (hidden, hidden),
+        "blk.0.ffn_gate.weight": (ffn, hidden),
+        "blk.0.ffn_up.weight": (ffn, hidden),
         "blk.0.ffn_down.weight": (hidden, ffn),
     }
     for name, shape in shapes.items():
@@ -95,8 +100,12 @@ def fake(tmp_path, monkeypatch, gguf_bytes):
     wheel = tmp_path / "fake_model-0.1-py3-none-any.whl"
     write_wheel(wheel, gguf_bytes)
     spec = BuiltinModel(
-        requirement=str(wheel), wheel_sha256=sha256(wheel.read_bytes()), gguf_member=MEMBER,
-        gguf_sha256=sha256(gguf_bytes), eos_token="<|im_end|>", eos_token_id=2,
+        requirement=str(wheel),
+        wheel_sha256=sha256(wheel.read_bytes()),
+        gguf_member=MEMBER,
+        gguf_sha256=sha256(gguf_bytes),
+        eos_token="<|im_end|>",
+        eos_token_id=2,
     )
     monkeypatch.setattr(models, "BUILTIN_MODELS", {**models.BUILTIN_MODELS, NAME: spec})
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
@@ -259,8 +268,14 @@ def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -300,8 +315,9 @@ def test_real_default_model():
     model, tokenizer = load_model()
     assert model.config.vocab_size == len(tokenizer) == 49152
     assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt.endswith("<|im_start|>assistant\n")
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     assert ids[0, 0].item() == 1, "<|im_start|> is id 1; no BOS is prepended"

@@ -24,7 +24,10 @@ def output_distribution(p, q):
 
 
 def test_worked_example_one():
-    p, q = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64), torch.tensor([0.5, 0.4, 0.1], dtype=torch.float64)
+    p, q = (
+        torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64),
+        torch.tensor([0.5, 0.4, 0.1], dtype=torch.float64),
+    )
     accept = acceptance_probs(p.expand(3, -1), q.expand(3, -1), torch.arange(3))
     assert accept.tolist() == pytest.approx([1.0, 0.75, 1.0])
     assert (q * accept).sum().item() == pytest.approx(0.9)
@@ -33,7 +36,10 @@ def test_worked_example_one():
 
 
 def test_worked_example_two_cat_dog_fish():
-    p, q = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), torch.tensor([0.6, 0.2, 0.2], dtype=torch.float64)
+    p, q = (
+        torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64),
+        torch.tensor([0.6, 0.2, 0.2], dtype=torch.float64),
+    )
     accept = acceptance_probs(p.expand(3, -1), q.expand(3, -1), torch.arange(3))
     assert accept[0].item() == pytest.approx(0.8333, abs=1e-4)
     assert residual(p, q).tolist() == pytest.approx([0.0, 1.0, 0.0])

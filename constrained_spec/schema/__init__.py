@@ -62,12 +62,18 @@ def schema_to_regex(schema: dict, whitespace: str = "") -> str:
         if len(regex) <= limits.NESTING_BUDGET or not ctx.nested:
             break
     if best is None and ctx.truncated:
-        raise UnsupportedSchemaError("$ref", "", f"no instance fits within {ctx.ref_depth} "
-                                     "levels of recursion; raise constrained_spec.schema.limits.NESTING.")
+        raise UnsupportedSchemaError(
+            "$ref",
+            "",
+            f"no instance fits within {ctx.ref_depth} "
+            "levels of recursion; raise constrained_spec.schema.limits.NESTING.",
+        )
     if best is None:
-        raise ConstraintError("no instance can be generated: the schema's keywords contradict "
-                              "each other (e.g. a required property whose schema is false, or "
-                              "oneOf branches that all match or all fail), or they leave nothing "
-                              "in the subset this compiler generates (see constrained_spec."
-                              "schema); fix or simplify the schema.")
+        raise ConstraintError(
+            "no instance can be generated: the schema's keywords contradict "
+            "each other (e.g. a required property whose schema is false, or "
+            "oneOf branches that all match or all fail), or they leave nothing "
+            "in the subset this compiler generates (see constrained_spec."
+            "schema); fix or simplify the schema."
+        )
     return best

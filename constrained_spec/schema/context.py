@@ -18,24 +18,95 @@ TYPES = ("null", "boolean", "object", "array", "string", "number", "integer")
 
 
 # Keywords that constrain instances; any of these not handled below is refused by name.
-VALIDATION = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
-              "exclusiveMinimum", "maxLength", "minLength", "pattern", "format", "items",
-              "prefixItems", "additionalItems", "maxItems", "minItems", "uniqueItems",
-              "contains", "minContains", "maxContains", "maxProperties", "minProperties",
-              "required", "properties", "patternProperties", "additionalProperties",
-              "dependencies", "dependentRequired", "dependentSchemas", "propertyNames", "if",
-              "then", "else", "allOf", "anyOf", "oneOf", "not", "$ref", "$dynamicRef",
-              "$recursiveRef", "unevaluatedItems", "unevaluatedProperties", "disallow",
-              "extends", "divisibleBy"}
+VALIDATION = {
+    "type",
+    "enum",
+    "const",
+    "multipleOf",
+    "maximum",
+    "exclusiveMaximum",
+    "minimum",
+    "exclusiveMinimum",
+    "maxLength",
+    "minLength",
+    "pattern",
+    "format",
+    "items",
+    "prefixItems",
+    "additionalItems",
+    "maxItems",
+    "minItems",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "maxProperties",
+    "minProperties",
+    "required",
+    "properties",
+    "patternProperties",
+    "additionalProperties",
+    "dependencies",
+    "dependentRequired",
+    "dependentSchemas",
+    "propertyNames",
+    "if",
+    "then",
+    "else",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "not",
+    "$ref",
+    "$dynamicRef",
+    "$recursiveRef",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "disallow",
+    "extends",
+    "divisibleBy",
+}
 
 
-HANDLED = {"type", "enum", "const", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
-           "maxLength", "minLength", "pattern", "format", "items", "prefixItems",
-           "additionalItems", "maxItems", "minItems", "uniqueItems", "maxProperties",
-           "minProperties", "required", "properties", "patternProperties",
-           "additionalProperties", "dependencies", "dependentRequired", "propertyNames",
-           "allOf", "anyOf", "oneOf", "not", "$ref", "unevaluatedProperties", "multipleOf",
-           "dependentSchemas", "if", "then", "else"}
+HANDLED = {
+    "type",
+    "enum",
+    "const",
+    "maximum",
+    "exclusiveMaximum",
+    "minimum",
+    "exclusiveMinimum",
+    "maxLength",
+    "minLength",
+    "pattern",
+    "format",
+    "items",
+    "prefixItems",
+    "additionalItems",
+    "maxItems",
+    "minItems",
+    "uniqueItems",
+    "maxProperties",
+    "minProperties",
+    "required",
+    "properties",
+    "patternProperties",
+    "additionalProperties",
+    "dependencies",
+    "dependentRequired",
+    "propertyNames",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "not",
+    "$ref",
+    "unevaluatedProperties",
+    "multipleOf",
+    "dependentSchemas",
+    "if",
+    "then",
+    "else",
+}
 
 
 DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
@@ -44,11 +115,27 @@ DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
 # Keywords that only constrain one JSON type: where a schema has no ``type``, they say which
 # types it is about (see _types).
 TYPE_KEYWORDS = {
-    "object": {"properties", "required", "additionalProperties", "patternProperties",
-               "minProperties", "maxProperties", "propertyNames", "unevaluatedProperties",
-               *DEPENDENCIES},
-    "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems",
-              "contains", "unevaluatedItems"},
+    "object": {
+        "properties",
+        "required",
+        "additionalProperties",
+        "patternProperties",
+        "minProperties",
+        "maxProperties",
+        "propertyNames",
+        "unevaluatedProperties",
+        *DEPENDENCIES,
+    },
+    "array": {
+        "items",
+        "prefixItems",
+        "additionalItems",
+        "minItems",
+        "maxItems",
+        "uniqueItems",
+        "contains",
+        "unevaluatedItems",
+    },
     "string": {"minLength", "maxLength", "pattern", "format"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
 }
@@ -57,6 +144,7 @@ TYPE_KEYWORDS = {
 class Part(NamedTuple):
     """One conjunct of a node: a schema dict, where it is, which $refs led to it, and which
     flattened schema it belongs to (``unevaluatedProperties`` sees its group's declarations)."""
+
     schema: dict
     ptr: str
     refs: tuple
@@ -73,7 +161,7 @@ class Context:
     draft4: bool
     has_refs: bool
     truncated: bool = False  # a recursive $ref was cut at ref_depth
-    nested: bool = False     # a recursive $ref or a nested free-form value was expanded
+    nested: bool = False  # a recursive $ref or a nested free-form value was expanded
     ref_depth: int = limits.NESTING[0][0]
     any_depth: int = limits.NESTING[0][1]
     groups: int = 0
@@ -87,11 +175,17 @@ class Context:
             vcls.check_schema(schema)
         except jsonschema.SchemaError as e:
             pointer = "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in e.path)
-            raise ConstraintError(f"not a valid JSON Schema at {pointer or '/'}: {e.message}"
-                                  " (checked against its meta-schema).") from None
+            raise ConstraintError(
+                f"not a valid JSON Schema at {pointer or '/'}: {e.message}"
+                " (checked against its meta-schema)."
+            ) from None
         if vcls is jsonschema.Draft3Validator:  # required/not/enum checks mean other things
-            raise UnsupportedSchemaError("$schema", "", "draft-03 schemas are not supported; "
-                                         "declare draft-04 or later (required as a list).")
+            raise UnsupportedSchemaError(
+                "$schema",
+                "",
+                "draft-03 schemas are not supported; "
+                "declare draft-04 or later (required as a list).",
+            )
         draft4 = vcls is jsonschema.Draft4Validator
         has_refs = '"$ref"' in json.dumps(schema)
         return cls(schema, ws, vcls(schema, format_checker=vcls.FORMAT_CHECKER), draft4, has_refs)
@@ -110,10 +204,14 @@ class Context:
 def resolve(ref: str, ptr: str, ctx: Context) -> tuple[Any, str]:
     base = ctx.root.get("$id") or (ctx.root.get("id") if ctx.draft4 else "") or ""
     if isinstance(base, str) and base.rstrip("#") and ref.startswith(base.rstrip("#")):
-        ref = ref[len(base.rstrip("#")):] or "#"
+        ref = ref[len(base.rstrip("#")) :] or "#"
     if ref != "#" and not ref.startswith("#/"):
-        raise UnsupportedSchemaError("$ref", ptr, f"only local references (#/...) are supported, "
-                                     f"not {ref!r}: inline the referenced schema.")
+        raise UnsupportedSchemaError(
+            "$ref",
+            ptr,
+            f"only local references (#/...) are supported, "
+            f"not {ref!r}: inline the referenced schema.",
+        )
     node: Any = ctx.root
     for token in ref[2:].split("/") if ref != "#" else []:
         token = unquote(token).replace("~1", "/").replace("~0", "~")
@@ -132,7 +230,7 @@ def without(part: Part, *keys: str) -> Part:
 
 def rest_of(parts: list[Part], i: int, *keys: str) -> list[Part]:
     """``parts`` with ``keys`` taken out of part i (the keyword being resolved)."""
-    return parts[:i] + [without(parts[i], *keys)] + parts[i + 1:]
+    return parts[:i] + [without(parts[i], *keys)] + parts[i + 1 :]
 
 
 def extra_part(part: Part, schema: dict) -> Part:

@@ -60,12 +60,17 @@ def _string(parts, ctx) -> str | None:
     formats = [(f, p) for f, p in values_of(parts, "format") if f in KNOWN_FORMATS]
     for f, ptr in formats:
         if f not in FORMATS:
-            raise UnsupportedSchemaError(f"format: {f}", ptr, "supported formats: "
-                                         f"{', '.join(sorted(FORMATS))}.")
+            raise UnsupportedSchemaError(
+                f"format: {f}", ptr, f"supported formats: {', '.join(sorted(FORMATS))}."
+            )
     if len({p for p, _ in patterns}) + len({f for f, _ in formats}) > 1:
         ptr = (patterns or formats)[-1][1]
-        raise UnsupportedSchemaError("pattern", ptr, "several patterns/formats on one string "
-                                     "cannot be intersected; merge them into one pattern.")
+        raise UnsupportedSchemaError(
+            "pattern",
+            ptr,
+            "several patterns/formats on one string "
+            "cannot be intersected; merge them into one pattern.",
+        )
     try:
         if patterns:
             return '"' + pattern_body(patterns[0][0], lo, hi) + '"'
@@ -82,8 +87,10 @@ def bounds(parts) -> tuple:
     lower = upper = None
     for p in parts:
         s = p.schema
-        for key, ex_key, is_lower in (("minimum", "exclusiveMinimum", True),
-                                      ("maximum", "exclusiveMaximum", False)):
+        for key, ex_key, is_lower in (
+            ("minimum", "exclusiveMinimum", True),
+            ("maximum", "exclusiveMaximum", False),
+        ):
             cands = []
             if key in s:  # draft 4: exclusiveMinimum is a boolean modifier of minimum
                 cands.append((s[key], s.get(ex_key) is True, key))
@@ -118,11 +125,19 @@ def _number(parts, ctx) -> str | None:
         return NUMBER
     for bound in (lower, upper):
         if bound is not None and abs(bound[0]) > limits.MAX_NUMBER_BOUND:
-            raise UnsupportedSchemaError(bound[3], bound[2], "a bound on a non-integer number "
-                                         "must lie within ±1e9 (beyond, float rounding could let "
-                                         "in values past it); use type: integer.")
-    return number_range(None if lower is None else lower[0], bool(lower and lower[1]),
-                        None if upper is None else upper[0], bool(upper and upper[1]))
+            raise UnsupportedSchemaError(
+                bound[3],
+                bound[2],
+                "a bound on a non-integer number "
+                "must lie within ±1e9 (beyond, float rounding could let "
+                "in values past it); use type: integer.",
+            )
+    return number_range(
+        None if lower is None else lower[0],
+        bool(lower and lower[1]),
+        None if upper is None else upper[0],
+        bool(upper and upper[1]),
+    )
 
 
 def _array(parts, ctx) -> str | None:
@@ -138,8 +153,9 @@ def _array(parts, ctx) -> str | None:
         n_prefix = min(n_prefix, hi)
 
     def element(i: int | None) -> str | None:  # None: the items after the prefix
-        picked = [prefix[i] if i is not None and i < len(prefix) else rest
-                  for prefix, rest in layouts]
+        picked = [
+            prefix[i] if i is not None and i < len(prefix) else rest for prefix, rest in layouts
+        ]
         subs = [subschema(p, schema, *path) for p, (schema, path) in zip(parts, picked)]
         return rewrite.node(subs, ctx)
 
@@ -153,16 +169,28 @@ def _distinct_items(parts, layouts, lo, hi, ptr, ctx) -> str | None:
     """uniqueItems over items from a finite set of values: each value at most once, in the
     enum's order (fewer arrays than the schema allows, all valid). Refused otherwise."""
     subs = [subschema(p, schema, *path) for p, (prefix, (schema, path)) in zip(parts, layouts)]
-    flat = [] if any(prefix for prefix, _ in layouts) else [
-        q for schema, sptr, refs in subs for q in rewrite.flatten(schema, sptr, ctx, refs, 0) or []]
+    flat = (
+        []
+        if any(prefix for prefix, _ in layouts)
+        else [
+            q
+            for schema, sptr, refs in subs
+            for q in rewrite.flatten(schema, sptr, ctx, refs, 0) or []
+        ]
+    )
     if not any("enum" in q.schema or "const" in q.schema for q in flat):
-        raise UnsupportedSchemaError("uniqueItems", ptr, "an automaton cannot check that items "
-                                     "differ unless they come from an enum; drop it or set "
-                                     "maxItems: 1.")
+        raise UnsupportedSchemaError(
+            "uniqueItems",
+            ptr,
+            "an automaton cannot check that items "
+            "differ unless they come from an enum; drop it or set "
+            "maxItems: 1.",
+        )
     distinct = []
     for v in rewrite.candidate_values(flat, ctx):
-        if all(ADDED_VALIDATOR.evolve(schema={"uniqueItems": True}).is_valid([u, v])
-               for u in distinct):
+        if all(
+            ADDED_VALIDATOR.evolve(schema={"uniqueItems": True}).is_valid([u, v]) for u in distinct
+        ):
             distinct.append(v)
     if len(distinct) < lo:
         return None
@@ -174,11 +202,15 @@ def _item_layout(part: Part) -> tuple[list, tuple]:
     """(prefix item (schema, path) pairs, (schema, path) for the items after the prefix)."""
     s = part.schema
     if "prefixItems" in s:
-        return ([(x, ("prefixItems", i)) for i, x in enumerate(s["prefixItems"])],
-                (s.get("items", True), ("items",)))
+        return (
+            [(x, ("prefixItems", i)) for i, x in enumerate(s["prefixItems"])],
+            (s.get("items", True), ("items",)),
+        )
     if isinstance(s.get("items"), list):
-        return ([(x, ("items", i)) for i, x in enumerate(s["items"])],
-                (s.get("additionalItems", True), ("additionalItems",)))
+        return (
+            [(x, ("items", i)) for i, x in enumerate(s["items"])],
+            (s.get("additionalItems", True), ("additionalItems",)),
+        )
     return [], (s.get("items", True), ("items",))
 
 
@@ -191,7 +223,9 @@ def _items_from(i, elements, rest, lo, rest_hi, ws) -> str | None:
             return "" if need == 0 else None
         if i > 0:
             return repeat(sep + rest, need, rest_hi)
-        more = repeat(f"{ws},{ws}{rest}", max(need - 1, 0), None if rest_hi is None else rest_hi - 1)
+        more = repeat(
+            f"{ws},{ws}{rest}", max(need - 1, 0), None if rest_hi is None else rest_hi - 1
+        )
         return f"{rest}{more}" if need else f"(?:{rest}{more})?"
     nxt = _items_from(i + 1, elements, rest, lo, rest_hi, ws)
     present = None if elements[i] is None or nxt is None else sep + elements[i] + nxt
@@ -203,12 +237,16 @@ def _items_from(i, elements, rest, lo, rest_hi, ws) -> str | None:
 def _object(parts, ctx) -> str | None:
     required = _required(parts)
     declared = {n for p in parts for n in p.schema.get("properties", {})}
-    names = list(dict.fromkeys([n for p in parts for n in p.schema.get("properties", {})]
-                               + sorted(required)))
+    names = list(
+        dict.fromkeys([n for p in parts for n in p.schema.get("properties", {})] + sorted(required))
+    )
     entries = []
     for name in names:
-        value = rewrite.node(_property_subs(name, parts, declared), ctx) \
-            if _name_allowed(name, parts, ctx) else None
+        value = (
+            rewrite.node(_property_subs(name, parts, declared), ctx)
+            if _name_allowed(name, parts, ctx)
+            else None
+        )
         if value is None and name in required:
             return None
         if value is not None:
@@ -220,10 +258,13 @@ def _object(parts, ctx) -> str | None:
     if (most is not None and max(n_req, least) > most) or (extra is None and least > len(entries)):
         return None
     if extra is not None and least > max(n_req, 1 if not entries else 0):
-        raise UnsupportedSchemaError("minProperties", values_of(parts, "minProperties")[0][1],
-                                     "more properties than are required, on an object with "
-                                     "undeclared properties (a repeated key would count once); "
-                                     "list them in 'required' instead.")
+        raise UnsupportedSchemaError(
+            "minProperties",
+            values_of(parts, "minProperties")[0][1],
+            "more properties than are required, on an object with "
+            "undeclared properties (a repeated key would count once); "
+            "list them in 'required' instead.",
+        )
     return rf"\{{{ctx.ws}{_members(entries, extra, least, most, ctx.ws)}{ctx.ws}\}}"
 
 
@@ -250,10 +291,14 @@ def _property_subs(name: str, parts, declared: set) -> list:
             subs.append(subschema(p, s["additionalProperties"], "additionalProperties"))
         elif name not in props and not matched and "unevaluatedProperties" in s:
             if not p.head:
-                raise UnsupportedSchemaError("unevaluatedProperties", p.ptr, "inside allOf/$ref "
-                                             "targets; move it to the top of the schema.")
-            group_declared = {n for q in parts if q.group == p.group
-                              for n in q.schema.get("properties", {})}
+                raise UnsupportedSchemaError(
+                    "unevaluatedProperties",
+                    p.ptr,
+                    "inside allOf/$ref targets; move it to the top of the schema.",
+                )
+            group_declared = {
+                n for q in parts if q.group == p.group for n in q.schema.get("properties", {})
+            }
             if name not in group_declared:
                 subs.append(subschema(p, s["unevaluatedProperties"], "unevaluatedProperties"))
     return subs
@@ -263,8 +308,9 @@ def _search(pattern: str, name: str, ptr: str) -> bool:
     try:
         return re.search(pattern, name) is not None
     except re.error:
-        raise UnsupportedSchemaError("patternProperties", ptr, f"{pattern!r} is not a valid "
-                                     "regular expression.") from None
+        raise UnsupportedSchemaError(
+            "patternProperties", ptr, f"{pattern!r} is not a valid regular expression."
+        ) from None
 
 
 def _name_allowed(name: str, parts, ctx) -> bool:
@@ -281,19 +327,26 @@ def _extra_member(parts, ctx) -> str | None:
     patterned = [(p, pat) for p in parts for pat in p.schema.get("patternProperties", {})]
     if len(patterned) > 1 or (patterned and any("propertyNames" in p.schema for p in parts)):
         return None
-    values = [subschema(p, p.schema["additionalProperties"], "additionalProperties")
-              for p in parts if "additionalProperties" in p.schema
-              and not (patterned and p is patterned[0][0])]
+    values = [
+        subschema(p, p.schema["additionalProperties"], "additionalProperties")
+        for p in parts
+        if "additionalProperties" in p.schema and not (patterned and p is patterned[0][0])
+    ]
     if patterned:
         owner, pat = patterned[0]
-        values.append(subschema(owner, owner.schema["patternProperties"][pat], "patternProperties", pat))
+        values.append(
+            subschema(owner, owner.schema["patternProperties"][pat], "patternProperties", pat)
+        )
         try:
             key = f'"{pattern_body(pat)}"'
         except PatternError:
             return None
     else:
-        keys = [subschema(p, p.schema["propertyNames"], "propertyNames")
-                for p in parts if "propertyNames" in p.schema]
+        keys = [
+            subschema(p, p.schema["propertyNames"], "propertyNames")
+            for p in parts
+            if "propertyNames" in p.schema
+        ]
         key = rewrite.node(keys + [({"type": "string"}, "", ())], ctx)
     value = rewrite.node(values, ctx)
     return None if value is None or key is None else f"{key}{ctx.ws}:{ctx.ws}{value}"
@@ -329,10 +382,18 @@ def _members(entries, extra, least, most, ws) -> str:
     if least <= sum(req for _, req in kept):
         return _sequence(kept, sep)
     optional = [i for i, (_, req) in enumerate(kept) if not req]  # which one is the last present
-    if len(_sequence(kept, sep)) * len(optional) > limits.MAX_REGEX_CHARS // 20:  # big members: linear
+    if (
+        len(_sequence(kept, sep)) * len(optional) > limits.MAX_REGEX_CHARS // 20
+    ):  # big members: linear
         return _sequence([(kv, req or i == optional[0]) for i, (kv, req) in enumerate(kept)], sep)
-    return alternation([_sequence([(kv, req or i == j) for i, (kv, req) in enumerate(kept)
-                                   if req or i <= j], sep) for j in optional])
+    return alternation(
+        [
+            _sequence(
+                [(kv, req or i == j) for i, (kv, req) in enumerate(kept) if req or i <= j], sep
+            )
+            for j in optional
+        ]
+    )
 
 
 def _sequence(entries, sep) -> str:
@@ -340,17 +401,22 @@ def _sequence(entries, sep) -> str:
     first_req = next((i for i, (_, req) in enumerate(entries) if req), None)
     if first_req is not None:  # linear: optional members before the first required one
         before = "".join(f"(?:{kv}{sep})?" for kv, _ in entries[:first_req])
-        after = "".join(f"(?:{sep}{kv})" + ("" if req else "?")
-                        for kv, req in entries[first_req + 1:])
+        after = "".join(
+            f"(?:{sep}{kv})" + ("" if req else "?") for kv, req in entries[first_req + 1 :]
+        )
         return before + entries[first_req][0] + after
     # which member comes last: alternatives that differ only at their end determinize into
     # one chain of automaton states ("which comes first" needs a chain per member), but repeat
     # the early members; where those are big, the shorter text wins
-    last = "|".join("".join(f"(?:{kv2}{sep})?" for kv2, _ in entries[:i]) + kv
-                    for i, (kv, _) in enumerate(entries))
+    last = "|".join(
+        "".join(f"(?:{kv2}{sep})?" for kv2, _ in entries[:i]) + kv
+        for i, (kv, _) in enumerate(entries)
+    )
     if len(last) > limits.MAX_REGEX_CHARS // 20:
-        first = "|".join(kv + "".join(f"(?:{sep}{kv2})?" for kv2, _ in entries[i + 1:])
-                         for i, (kv, _) in enumerate(entries))
+        first = "|".join(
+            kv + "".join(f"(?:{sep}{kv2})?" for kv2, _ in entries[i + 1 :])
+            for i, (kv, _) in enumerate(entries)
+        )
         last = min(last, first, key=len)
     return f"(?:{last})?" if entries else ""
 
@@ -364,6 +430,12 @@ def literal_value(v, ws: str) -> str:
     return json_string(v) if isinstance(v, str) else literal(json.dumps(v))
 
 
-EMITTERS = {"null": lambda parts, ctx: "null", "boolean": lambda parts, ctx: "(?:true|false)",
-             "object": _object, "array": _array, "string": _string, "number": _number,
-             "integer": _integer}
+EMITTERS = {
+    "null": lambda parts, ctx: "null",
+    "boolean": lambda parts, ctx: "(?:true|false)",
+    "object": _object,
+    "array": _array,
+    "string": _string,
+    "number": _number,
+    "integer": _integer,
+}

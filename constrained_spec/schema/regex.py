@@ -31,8 +31,14 @@ MAX_CODEPOINT = 0x10FFFF
 # automaton about twice the states per string and the index build time with them.
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u00[01][0-9a-fA-F])'
 _META = set("\\.+*?()|[]{}^$#&-~")
-_CATEGORY = {C.CATEGORY_DIGIT: r"\d", C.CATEGORY_NOT_DIGIT: r"\D", C.CATEGORY_SPACE: r"\s",
-             C.CATEGORY_NOT_SPACE: r"\S", C.CATEGORY_WORD: r"\w", C.CATEGORY_NOT_WORD: r"\W"}
+_CATEGORY = {
+    C.CATEGORY_DIGIT: r"\d",
+    C.CATEGORY_NOT_DIGIT: r"\D",
+    C.CATEGORY_SPACE: r"\s",
+    C.CATEGORY_NOT_SPACE: r"\S",
+    C.CATEGORY_WORD: r"\w",
+    C.CATEGORY_NOT_WORD: r"\W",
+}
 
 
 class PatternError(ValueError):
@@ -50,8 +56,16 @@ def json_string(value: str) -> str:
     return alternation(sorted(literal(f) for f in forms))
 
 
-_SHORT_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "\b": "b", "\f": "f", "\n": "n", "\r": "r",
-                  "\t": "t"}
+_SHORT_ESCAPES = {
+    '"': '"',
+    "\\": "\\",
+    "/": "/",
+    "\b": "b",
+    "\f": "f",
+    "\n": "n",
+    "\r": "r",
+    "\t": "t",
+}
 
 
 def json_string_except(excluded: set[str]) -> str:
@@ -66,8 +80,7 @@ def json_string_except(excluded: set[str]) -> str:
         node[None] = {}  # an excluded value ends here
 
     def unicode_escape(code: int) -> str:  # \u00XX, hex digits in either case
-        return "\\\\u00" + "".join(f"[{h}{h.upper()}]" if h.isalpha() else h
-                                   for h in f"{code:02x}")
+        return "\\\\u00" + "".join(f"[{h}{h.upper()}]" if h.isalpha() else h for h in f"{code:02x}")
 
     def spell(ch: str) -> str:  # every spelling STRING_CHAR has for ``ch``
         forms = [literal(ch)] if ch >= " " and ch not in '"\\' else []
@@ -78,8 +91,9 @@ def json_string_except(excluded: set[str]) -> str:
         return alternation(forms)
 
     def other(children: set[str]) -> str:  # one character (any spelling) not in ``children``
-        forms = ['[^"\\\\\\x00-\\x1f' + "".join(literal(c) for c in sorted(children) if c >= " ")
-                 + "]"]
+        forms = [
+            '[^"\\\\\\x00-\\x1f' + "".join(literal(c) for c in sorted(children) if c >= " ") + "]"
+        ]
         short = [literal(e) for c, e in _SHORT_ESCAPES.items() if c not in children]
         if short:
             forms.append("\\\\[" + "".join(short) + "]")
@@ -110,6 +124,7 @@ def repeat(regex: str, lo: int, hi: int | None) -> str:
 
 # --- patterns -------------------------------------------------------------------------------
 
+
 def pattern_body(pattern: str, min_len: int = 0, max_len: int | None = None) -> str:
     """Regex of the JSON-escaped strings (no quotes) in which ``re.search(pattern)`` succeeds
     and whose length is within [min_len, max_len]."""
@@ -139,10 +154,13 @@ def _alternatives(items: list, limit: int = 256) -> list[list]:
     that anchors end up at the ends. Left as one alternative past ``limit``."""
     for i, (op, av) in enumerate(items):
         if op is C.SUBPATTERN and not (av[1] or av[2]):
-            return _alternatives(items[:i] + list(av[3]) + items[i + 1:], limit)
+            return _alternatives(items[:i] + list(av[3]) + items[i + 1 :], limit)
         if op is C.BRANCH and any(b and C.AT in (b[0][0], b[-1][0]) for b in map(list, av[1])):
-            out = [alt for b in av[1]
-                   for alt in _alternatives(items[:i] + list(b) + items[i + 1:], limit)]
+            out = [
+                alt
+                for b in av[1]
+                for alt in _alternatives(items[:i] + list(b) + items[i + 1 :], limit)
+            ]
             return out if len(out) <= limit else [items]
     return [items]
 
@@ -156,7 +174,7 @@ def _anchored(items: list) -> str:
 def _anchors(items: list) -> tuple[bool, bool, list]:
     start = bool(items) and items[0] in ((C.AT, C.AT_BEGINNING), (C.AT, C.AT_BEGINNING_STRING))
     end = len(items) > int(start) and items[-1] in ((C.AT, C.AT_END), (C.AT, C.AT_END_STRING))
-    return start, end, items[int(start):len(items) - int(end)]
+    return start, end, items[int(start) : len(items) - int(end)]
 
 
 def _bounded(items: list, min_len: int, max_len: int | None) -> str:
@@ -180,8 +198,10 @@ def _width(items: list) -> tuple[int, int | None]:
     return lo, None if hi >= C.MAXREPEAT else hi
 
 
-_CANNOT_FIT = ("minLength/maxLength together with this pattern: its repeats cannot be narrowed "
-               "to fit; put the length into the pattern (e.g. ^[a-z]{3,8}$)")
+_CANNOT_FIT = (
+    "minLength/maxLength together with this pattern: its repeats cannot be narrowed "
+    "to fit; put the length into the pattern (e.g. ^[a-z]{3,8}$)"
+)
 
 
 def _fit(body: list, min_len: int, max_len: int | None) -> list:
@@ -190,13 +210,21 @@ def _fit(body: list, min_len: int, max_len: int | None) -> list:
     lo, hi = _width(body)
     if min_len <= lo and (max_len is None or (hi is not None and hi <= max_len)):
         return body
-    reps = {i: list(av) for i, (op, av) in enumerate(body) if op in (C.MAX_REPEAT, C.MIN_REPEAT)
-            and _width(av[2])[0] >= 1 and _width(av[2])[1] is not None}
+    reps = {
+        i: list(av)
+        for i, (op, av) in enumerate(body)
+        if op in (C.MAX_REPEAT, C.MIN_REPEAT)
+        and _width(av[2])[0] >= 1
+        and _width(av[2])[1] is not None
+    }
     rest = [x for i, x in enumerate(body) if i not in reps]
     rest_lo, rest_hi = _width(rest)
     if max_len is not None:
-        spare = None if rest_hi is None else max_len - rest_hi - sum(
-            r_lo * _width(sub)[1] for r_lo, _, sub in reps.values())
+        spare = (
+            None
+            if rest_hi is None
+            else max_len - rest_hi - sum(r_lo * _width(sub)[1] for r_lo, _, sub in reps.values())
+        )
         if spare is None or spare < 0 or not reps:
             raise PatternError(_CANNOT_FIT)
         for r in reps.values():
@@ -207,9 +235,11 @@ def _fit(body: list, min_len: int, max_len: int | None) -> list:
         more = min(r[1] - r[0], -(-max(need, 0) // step))
         r[0], need = r[0] + more, need - more * step
     if need > 0:
-        raise PatternError("minLength/maxLength together with this pattern: it cannot be "
-                           "lengthened to minLength; put the length into the pattern "
-                           "(e.g. ^[a-z]{3,8}$)")
+        raise PatternError(
+            "minLength/maxLength together with this pattern: it cannot be "
+            "lengthened to minLength; put the length into the pattern "
+            "(e.g. ^[a-z]{3,8}$)"
+        )
     fitted = [(C.MAX_REPEAT, tuple(reps[i])) if i in reps else x for i, x in enumerate(body)]
     lo, hi = _width(fitted)
     if lo < min_len or (max_len is not None and (hi is None or hi > max_len)):
@@ -235,9 +265,13 @@ def _item(op, av) -> str:
         return "(?:" + _seq(av[3]) + ")"
     if op is C.BRANCH:
         return "(?:" + "|".join(_seq(b) for b in av[1]) + ")"
-    names = {C.AT: "anchors or \\b inside the pattern (only a leading ^ and a trailing $)",
-             C.GROUPREF: "backreferences", C.GROUPREF_EXISTS: "conditional groups",
-             C.ASSERT: "lookarounds", C.ASSERT_NOT: "lookarounds"}
+    names = {
+        C.AT: "anchors or \\b inside the pattern (only a leading ^ and a trailing $)",
+        C.GROUPREF: "backreferences",
+        C.GROUPREF_EXISTS: "conditional groups",
+        C.ASSERT: "lookarounds",
+        C.ASSERT_NOT: "lookarounds",
+    }
     raise PatternError(f"{names.get(op, str(op).lower())} cannot be compiled to an automaton")
 
 
@@ -249,7 +283,7 @@ def _charset(op, av) -> list[tuple[int, int]]:
         return _complement([(av, av)])
     negate = bool(av) and av[0][0] is C.NEGATE
     ranges, categories = [], []
-    for sub_op, sub_av in av[int(negate):]:
+    for sub_op, sub_av in av[int(negate) :]:
         if sub_op is C.LITERAL:
             ranges.append((sub_av, sub_av))
         elif sub_op is C.RANGE:
@@ -290,8 +324,15 @@ def _charset_regex(ranges: list[tuple[int, int]]) -> str:
     special = [(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0xD800, 0xDFFF)]
     raw = [r for r in _intersect(ranges, _complement(special))]
     escaped = [c for lo, hi in _intersect(ranges, special[:3]) for c in range(lo, hi + 1)]
-    alts = ["[" + "".join(f"\\x{{{lo:X}}}" + (f"-\\x{{{hi:X}}}" if hi > lo else "")
-                          for lo, hi in raw) + "]"] if raw else []
+    alts = (
+        [
+            "["
+            + "".join(f"\\x{{{lo:X}}}" + (f"-\\x{{{hi:X}}}" if hi > lo else "") for lo, hi in raw)
+            + "]"
+        ]
+        if raw
+        else []
+    )
     alts += [literal(json.dumps(chr(c))[1:-1]) for c in escaped]
     if not alts:
         raise PatternError("a character class that matches no character")
@@ -299,8 +340,12 @@ def _charset_regex(ranges: list[tuple[int, int]]) -> str:
 
 
 def _intersect(a, b) -> list[tuple[int, int]]:
-    return [(max(x, y), min(p, q)) for x, p in _normalise(a) for y, q in _normalise(b)
-            if max(x, y) <= min(p, q)]
+    return [
+        (max(x, y), min(p, q))
+        for x, p in _normalise(a)
+        for y, q in _normalise(b)
+        if max(x, y) <= min(p, q)
+    ]
 
 
 # --- formats --------------------------------------------------------------------------------
@@ -309,8 +354,10 @@ def _intersect(a, b) -> list[tuple[int, int]]:
 # values are left out (e.g. IPv6 shorthand), never an invalid one is let in.
 _YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"  # 0000 is not a date
 _LEAP = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
-_MONTH_DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
-              r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_MONTH_DAY = (
+    r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+    r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+)
 _DATE = rf"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP}-02-29)"
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _LABEL = r"[a-z](?:[a-z0-9]|-[a-z0-9]){0,30}"  # <= 61 chars, no "--" (idna), no edge hyphen
@@ -329,14 +376,25 @@ FORMATS = {
     "uri": _URI,
     "json-pointer": r"(?:/(?:[^~/]|~[01])*)*",
 }
-FORMATS |= {"idn-email": FORMATS["email"], "idn-hostname": _HOST, "uri-reference": _URI,
-            "iri": _URI, "iri-reference": _URI, "ip-address": FORMATS["ipv4"],
-            "host-name": _HOST}
+FORMATS |= {
+    "idn-email": FORMATS["email"],
+    "idn-hostname": _HOST,
+    "uri-reference": _URI,
+    "iri": _URI,
+    "iri-reference": _URI,
+    "ip-address": FORMATS["ipv4"],
+    "host-name": _HOST,
+}
 # Formats JSON Schema defines (some checked by jsonschema when a library is installed) that we
 # cannot write as a regex exactly: refused by name. Other format names are annotations only
 # (jsonschema ignores them), so they do not constrain the output.
-KNOWN_FORMATS = set(FORMATS) | {"duration", "uri-template", "relative-json-pointer", "regex",
-                                "color"}
+KNOWN_FORMATS = set(FORMATS) | {
+    "duration",
+    "uri-template",
+    "relative-json-pointer",
+    "regex",
+    "color",
+}
 
 
 def format_body(name: str, min_len: int = 0, max_len: int | None = None) -> str:
@@ -357,8 +415,9 @@ def integer_range(lo: int | None, hi: int | None) -> str | None:
     if hi is None or hi >= 0:
         alts += _naturals(max(lo, 0) if lo is not None else 0, hi)
     if lo is None or lo < 0:
-        mags = _naturals(max(-hi, 1) if hi is not None and hi < 0 else 1,
-                         -lo if lo is not None else None)
+        mags = _naturals(
+            max(-hi, 1) if hi is not None and hi < 0 else 1, -lo if lo is not None else None
+        )
         if mags:
             alts.append("-" + alternation(mags))
     return alternation(alts) if alts else None
@@ -369,7 +428,7 @@ def _naturals(lo: int, hi: int | None) -> list[str]:
         return []
     alts, n = [], len(str(lo))
     while hi is None or n <= len(str(hi)):
-        first, last = max(lo, 10 ** (n - 1) if n > 1 else 0), 10 ** n - 1
+        first, last = max(lo, 10 ** (n - 1) if n > 1 else 0), 10**n - 1
         if hi is None and lo <= 10 ** (n - 1) and n > 1:
             return alts + [f"[1-9][0-9]{{{n - 1},}}"]  # every length from here on
         last = last if hi is None else min(last, hi)
@@ -469,7 +528,15 @@ def _digits(lo: str, lo_ex: bool, hi: str | None, hi_ex: bool, n: int) -> str | 
         if rest is not None or stop:
             tail = "" if rest is None else (f"(?:{rest})?" if stop else rest)
             tails.setdefault(tail, []).append(d)
-    alts = [(str(ds[0]) if len(ds) == 1 else f"[{ds[0]}-{ds[-1]}]"
-             if ds[-1] - ds[0] == len(ds) - 1 else f"[{''.join(map(str, ds))}]") + tail
-            for tail, ds in tails.items()]
+    alts = [
+        (
+            str(ds[0])
+            if len(ds) == 1
+            else f"[{ds[0]}-{ds[-1]}]"
+            if ds[-1] - ds[0] == len(ds) - 1
+            else f"[{''.join(map(str, ds))}]"
+        )
+        + tail
+        for tail, ds in tails.items()
+    ]
     return alternation(alts) if alts else None

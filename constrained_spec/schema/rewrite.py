@@ -40,9 +40,11 @@ def node(subs: list, ctx: Context) -> str | None:
         ctx.nested |= ctx.any_depth > 0
     regex = _from_parts(parts, ctx) if parts else emit.any_value(ctx.any_depth, ctx.ws)
     if regex is not None and len(regex) > limits.MAX_REGEX_CHARS:
-        raise SchemaTooComplex(f"the regex for {subs[0][1] or '/'} exceeds {limits.MAX_REGEX_CHARS:,} "
-                               "characters: simplify the schema (fewer optional properties, "
-                               "shallower nesting, smaller enums).")
+        raise SchemaTooComplex(
+            f"the regex for {subs[0][1] or '/'} exceeds {limits.MAX_REGEX_CHARS:,} "
+            "characters: simplify the schema (fewer optional properties, "
+            "shallower nesting, smaller enums)."
+        )
     return regex
 
 
@@ -54,8 +56,11 @@ def flatten(schema, ptr, ctx, refs, group, head=True) -> list[Part] | None:
         return []
     if not isinstance(schema, dict):
         raise ConstraintError(f"not a schema at {ptr or '/'}: {schema!r}")
-    parts = [Part({k: v for k, v in schema.items() if k not in ("allOf", "$ref")}, ptr, refs,
-                  group, head)]
+    parts = [
+        Part(
+            {k: v for k, v in schema.items() if k not in ("allOf", "$ref")}, ptr, refs, group, head
+        )
+    ]
     if "$ref" in schema:
         ref = schema["$ref"]
         if refs.count(ref) >= ctx.ref_depth:
@@ -93,8 +98,15 @@ def _from_parts(parts: list[Part], ctx: Context) -> str | None:
     _refuse_unhandled(parts, ctx)
     alts = [r for r in (emit.EMITTERS[t](parts, ctx) for t in _types(parts)) if r is not None]
     if not alts:  # e.g. a recursion cut short: the types inference left out may still fit
-        alts = [r for r in (emit.EMITTERS[t](parts, ctx) for t in _types(parts, infer=False)
-                            if t not in _types(parts)) if r is not None]
+        alts = [
+            r
+            for r in (
+                emit.EMITTERS[t](parts, ctx)
+                for t in _types(parts, infer=False)
+                if t not in _types(parts)
+            )
+            if r is not None
+        ]
     return alternation(alts) if alts else None
 
 
@@ -113,8 +125,9 @@ def _distribute(parts, i, key, ctx) -> str | None:
         mine = None if sub is None else rest + sub
         for m, other in enumerate(branches if key == "oneOf" else []):
             if m != j and mine is not None:
-                mine = _exclude(mine, (other, f"{part.ptr}/oneOf/{m}", part.refs), ctx,
-                                part.ptr, "oneOf")
+                mine = _exclude(
+                    mine, (other, f"{part.ptr}/oneOf/{m}", part.refs), ctx, part.ptr, "oneOf"
+                )
         return mine
 
     return _union([branch_parts(j, b) for j, b in enumerate(branches)], ctx)
@@ -144,8 +157,9 @@ def _split_dependency(parts, i, key, ctx) -> str | None:
     if isinstance(need, list):
         present.append(extra_part(part, {"required": need}))
     else:
-        sub = flatten(need, f"{part.ptr}/{key}/{escape_pointer(trigger)}", ctx, part.refs, part.group,
-                       False)
+        sub = flatten(
+            need, f"{part.ptr}/{key}/{escape_pointer(trigger)}", ctx, part.refs, part.group, False
+        )
         present = None if sub is None else present + sub
     return _union([absent, present], ctx)
 
@@ -155,12 +169,18 @@ def _split_conditional(parts, i, ctx) -> str | None:
     part = parts[i]
     s = part.schema
     rest = rest_of(parts, i, "if", "then", "else")
-    cond, then, other = (flatten(s.get(key, True), f"{part.ptr}/{key}", ctx, part.refs,
-                                  part.group, False) for key in ("if", "then", "else"))
-    branches = [None if cond is None or then is None else rest + cond + then,
-                None if other is None else
-                _exclude(rest + other, (s["if"], f"{part.ptr}/if", part.refs), ctx,
-                         f"{part.ptr}/if", "if")]
+    cond, then, other = (
+        flatten(s.get(key, True), f"{part.ptr}/{key}", ctx, part.refs, part.group, False)
+        for key in ("if", "then", "else")
+    )
+    branches = [
+        None if cond is None or then is None else rest + cond + then,
+        None
+        if other is None
+        else _exclude(
+            rest + other, (s["if"], f"{part.ptr}/if", part.refs), ctx, f"{part.ptr}/if", "if"
+        ),
+    ]
     return _union(branches, ctx)
 
 
@@ -170,19 +190,21 @@ def _apply_nots(parts, ctx) -> list[Part] | None:
     positive = [p if p.added else without(p, "not") for p in parts]
     for p in parts:
         if "not" in p.schema and not p.added and positive is not None:
-            positive = _exclude(positive, (p.schema["not"], p.ptr + "/not", p.refs), ctx,
-                                p.ptr + "/not", "not")
+            positive = _exclude(
+                positive, (p.schema["not"], p.ptr + "/not", p.refs), ctx, p.ptr + "/not", "not"
+            )
     return positive
 
 
 class _Facts(NamedTuple):
     """What a conjunction of parts says through its simple keywords (combinators ignored, so
     every fact is implied by the parts)."""
-    types: set      # JSON types it allows (integer listed with number)
+
+    types: set  # JSON types it allows (integer listed with number)
     required: set
     forbidden: set  # property names it rejects outright (false subschema, closed object)
-    closed: list    # declared-name sets of parts with additionalProperties: false
-    values: dict    # property -> canonical JSON of the const/enum values it allows
+    closed: list  # declared-name sets of parts with additionalProperties: false
+    values: dict  # property -> canonical JSON of the const/enum values it allows
 
 
 def _facts(parts: list[Part]) -> _Facts:
@@ -241,33 +263,39 @@ def _exclude(parts, negated, ctx, ptr, keyword) -> list[Part] | None:
     if inner is not None:  # not (X and not Y): require Y
         sub = flatten(inner.schema["not"], inner.ptr + "/not", ctx, inner.refs, anchor.group, False)
         return None if sub is None else parts + sub
-    conjunct = (_by_type(neg) or _by_property(neg) or _by_string_value(neg)
-                or _by_bound(neg))
+    conjunct = _by_type(neg) or _by_property(neg) or _by_string_value(neg) or _by_bound(neg)
     if conjunct is not None:
         return parts + [extra_part(anchor, conjunct)]
-    branches = [(b, f"{q.ptr}/anyOf/{j}", q.refs) for q in flat
-                for j, b in enumerate(q.schema.get("anyOf", []))]
+    branches = [
+        (b, f"{q.ptr}/anyOf/{j}", q.refs)
+        for q in flat
+        for j, b in enumerate(q.schema.get("anyOf", []))
+    ]
     if branches:  # not (X and anyOf B): every branch of B fails
         for branch in branches:
             parts = _exclude(parts, branch, ctx, ptr, keyword)
             if parts is None:
                 return None
         return parts
-    hint = ("its branches may overlap, and no type, property, const value or bound tells them "
-            "apart; use anyOf if they are exclusive, or give each branch a distinct type or "
-            "const discriminator property." if keyword == "oneOf" else
-            "the automaton can exclude JSON types, properties, const/enum values and bounds, "
-            "not this schema; rewrite the 'not' in those terms.")
+    hint = (
+        "its branches may overlap, and no type, property, const value or bound tells them "
+        "apart; use anyOf if they are exclusive, or give each branch a distinct type or "
+        "const discriminator property."
+        if keyword == "oneOf"
+        else "the automaton can exclude JSON types, properties, const/enum values and bounds, "
+        "not this schema; rewrite the 'not' in those terms."
+    )
     raise UnsupportedSchemaError(keyword, ptr, hint)
 
 
 class _Negation(NamedTuple):
     """A negated schema (flattened) against the parts it is excluded from."""
-    parts: list     # the positive parts
-    flat: list      # the negated schema's parts
-    keys: set       # the validation keywords the negated schema uses
-    emitted: set    # the JSON types the positive parts emit
-    outside: set    # the emitted types the negated schema rejects
+
+    parts: list  # the positive parts
+    flat: list  # the negated schema's parts
+    keys: set  # the validation keywords the negated schema uses
+    emitted: set  # the JSON types the positive parts emit
+    outside: set  # the emitted types the negated schema rejects
     pos: _Facts
     neg: _Facts
 
@@ -276,8 +304,11 @@ class _Negation(NamedTuple):
         keys = {k for q in flat for k in q.schema if k in VALIDATION}
         emitted = set(_types(parts))
         pos, neg = _facts(parts), _facts(flat)
-        outside = {t for t in emitted if t not in neg.types
-                   and not (t == "number" and "integer" in neg.types)}
+        outside = {
+            t
+            for t in emitted
+            if t not in neg.types and not (t == "number" and "integer" in neg.types)
+        }
         return cls(parts, flat, keys, emitted, outside, pos, neg)
 
     def conjunct(self, kind: str, schema: dict) -> dict:
@@ -293,19 +324,29 @@ def _contradicts(n: _Negation) -> bool:
     return n.emitted == {"object"} and (
         any(_rejects(neg, k) for k in pos.required)
         or any(_rejects(pos, k) for k in neg.required)
-        or any(k in neg.values and not (pos.values[k] & neg.values[k])
-               for k in pos.required & set(pos.values)))
+        or any(
+            k in neg.values and not (pos.values[k] & neg.values[k])
+            for k in pos.required & set(pos.values)
+        )
+    )
 
 
 def _holds_for_all(n: _Negation) -> bool:
     """The negated schema accepts every instance we would emit: it only constrains types we do
     not emit, or it only requires properties every object we emit has."""
-    other_kinds = [TYPE_KEYWORDS.get(_kind(t), set()) for t in TYPES if t not in n.emitted
-                   and _kind(t) not in {_kind(e) for e in n.emitted}]
+    other_kinds = [
+        TYPE_KEYWORDS.get(_kind(t), set())
+        for t in TYPES
+        if t not in n.emitted and _kind(t) not in {_kind(e) for e in n.emitted}
+    ]
     if n.keys <= set().union(*other_kinds or [set()]):
         return True
-    return n.emitted == {"object"} and n.keys <= {"required", "type"} \
-        and n.neg.required <= n.pos.required and "object" in n.neg.types
+    return (
+        n.emitted == {"object"}
+        and n.keys <= {"required", "type"}
+        and n.neg.required <= n.pos.required
+        and "object" in n.neg.types
+    )
 
 
 def _by_type(n: _Negation) -> dict | None:
@@ -328,19 +369,24 @@ def _by_property(n: _Negation) -> dict | None:
     for k in sorted(set(neg.values) & set(pos.values)):
         if pos.values[k] - neg.values[k]:
             values = [json.loads(v) for v in sorted(neg.values[k])]
-            return n.conjunct("object", {"required": [k],
-                                         "properties": {k: {"not": {"enum": values}}}})
+            return n.conjunct(
+                "object", {"required": [k], "properties": {k: {"not": {"enum": values}}}}
+            )
     return None
 
 
 def _by_string_value(n: _Negation) -> dict | None:
     """A plain string (no string keywords) outside the negated schema's const/enum values."""
-    values = [q.schema["enum"] if "enum" in q.schema else [q.schema["const"]] for q in n.flat
-              if "enum" in q.schema or "const" in q.schema]
+    values = [
+        q.schema["enum"] if "enum" in q.schema else [q.schema["const"]]
+        for q in n.flat
+        if "enum" in q.schema or "const" in q.schema
+    ]
     plain = not any(k in q.schema for q in n.parts for k in TYPE_KEYWORDS["string"])
     if values and n.emitted - n.outside == {"string"} and plain:
-        return n.conjunct("string", {"not": {"enum": sorted(v for v in values[0]
-                                                            if isinstance(v, str))}})
+        return n.conjunct(
+            "string", {"not": {"enum": sorted(v for v in values[0] if isinstance(v, str))}}
+        )
     return None
 
 
@@ -369,11 +415,13 @@ def _complement_bound(flat, emitted) -> tuple | None:
     if "number" in kinds:
         lower, upper = emit.bounds(flat)
         if lower is not None:
-            return "number", ({"exclusiveMaximum": lower[0]} if not lower[1] else
-                              {"maximum": lower[0]})
+            return "number", (
+                {"exclusiveMaximum": lower[0]} if not lower[1] else {"maximum": lower[0]}
+            )
         if upper is not None:
-            return "number", ({"exclusiveMinimum": upper[0]} if not upper[1] else
-                              {"minimum": upper[0]})
+            return "number", (
+                {"exclusiveMinimum": upper[0]} if not upper[1] else {"minimum": upper[0]}
+            )
     for key, kind, complement in _BOUND_COMPLEMENTS:
         for q in flat:
             if kind in kinds and isinstance(q.schema.get(key), int) and complement(q.schema[key]):
@@ -382,8 +430,15 @@ def _complement_bound(flat, emitted) -> tuple | None:
 
 
 def _json_type(v) -> str:
-    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
-            dict: "object", type(None): "null"}[type(v)]
+    return {
+        bool: "boolean",
+        int: "number",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+        type(None): "null",
+    }[type(v)]
 
 
 def _refuse_unhandled(parts, ctx) -> None:
@@ -391,10 +446,20 @@ def _refuse_unhandled(parts, ctx) -> None:
         for key, value in part.schema.items():
             if key in VALIDATION and key not in HANDLED:
                 raise UnsupportedSchemaError(key, part.ptr)
-            if key in ("$id", "id") and part.ptr and isinstance(value, str) and ctx.has_refs \
-                    and not value.startswith("#") and (key == "$id" or ctx.draft4):
-                raise UnsupportedSchemaError(key, part.ptr, "a nested base URI changes how "
-                                             "$ref resolves; remove it or inline the references.")
+            if (
+                key in ("$id", "id")
+                and part.ptr
+                and isinstance(value, str)
+                and ctx.has_refs
+                and not value.startswith("#")
+                and (key == "$id" or ctx.draft4)
+            ):
+                raise UnsupportedSchemaError(
+                    key,
+                    part.ptr,
+                    "a nested base URI changes how "
+                    "$ref resolves; remove it or inline the references.",
+                )
 
 
 def _candidates(parts, ctx) -> str | None:
@@ -406,8 +471,12 @@ def candidate_values(parts, ctx) -> list:
     """The first const/enum's values that every part accepts."""
     first = next(p.schema for p in parts if "enum" in p.schema or "const" in p.schema)
     values = first["enum"] if "enum" in first else [first["const"]]
-    return [v for v in values if ctx.valid(v, [p.schema for p in parts if not p.added])
-            and all(ADDED_VALIDATOR.evolve(schema=p.schema).is_valid(v) for p in parts if p.added)]
+    return [
+        v
+        for v in values
+        if ctx.valid(v, [p.schema for p in parts if not p.added])
+        and all(ADDED_VALIDATOR.evolve(schema=p.schema).is_valid(v) for p in parts if p.added)
+    ]
 
 
 def _types(parts, infer: bool = True) -> list[str]:
@@ -416,13 +485,15 @@ def _types(parts, infer: bool = True) -> list[str]:
     instances, like ``null``, are valid but never generated)."""
     for part in parts:
         t = part.schema.get("type")
-        if t is not None and not all(isinstance(x, str) for x in ([t] if isinstance(t, str)
-                                                                  else t)):
+        if t is not None and not all(
+            isinstance(x, str) for x in ([t] if isinstance(t, str) else t)
+        ):
             raise UnsupportedSchemaError("type", part.ptr, "schemas inside 'type' (draft 3).")
     allowed = _facts(parts).types
     if infer and not any("type" in p.schema for p in parts):
-        hinted = {t for t, keys in TYPE_KEYWORDS.items()
-                  if any(keys & p.schema.keys() for p in parts)}
+        hinted = {
+            t for t, keys in TYPE_KEYWORDS.items() if any(keys & p.schema.keys() for p in parts)
+        }
         allowed &= hinted | ({"integer"} if "number" in hinted else set()) or allowed
     if "number" in allowed:
         allowed.discard("integer")  # the number regex covers integers
