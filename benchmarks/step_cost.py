@@ -25,8 +25,11 @@ from run import forward_ms  # noqa: E402
 from constrained_spec import cache as kv  # noqa: E402
 from constrained_spec.models import DEFAULT_MODEL, load_model, skinny_matmul  # noqa: E402
 
-PHASES = {"aten::_weight_int4pack_mm_for_cpu": "4-bit matmuls", "aten::mm": "LM head",
-          "aten::_scaled_dot_product_flash_attention_for_cpu": "attention"}
+PHASES = {
+    "aten::_weight_int4pack_mm_for_cpu": "4-bit matmuls",
+    "aten::mm": "LM head",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+}
 
 
 def phases() -> None:
@@ -41,19 +44,25 @@ def phases() -> None:
             median = statistics.median(forward_ms(model, context, n, reps=10)[1:])
             line = f"{weights} n={n}: {median:.1f} ms"
             if weights == "int4":
+                cache = kv.new_cache(model)
+                kv.forward(model, cache, context, "cpu")
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    forward_ms(model, context, n, reps=10)
+                    for _ in range(10):  # the steps alone, not the context's prefill
+                        kv.forward(model, cache, context[-n:], "cpu")
+                        kv.crop(cache, len(context))
                 split = {name: 0.0 for name in [*PHASES.values(), "other"]}
                 for event in prof.key_averages():
                     split[PHASES.get(event.key, "other")] += event.self_cpu_time_total / 1e3
                 total = sum(split.values())
-                line += " (" + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items()) + ")"
+                line += (
+                    " (" + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items()) + ")"
+                )
             print(line, flush=True)
         for n in (100, 300, 1000):
             times = []
             for _ in range(3):
                 t = time.perf_counter()
-                kv.forward(model, kv.new_cache(model), list(range(1000, 1000 + n)), "cpu")
+                kv.prefill(model, kv.new_cache(model), list(range(1000, 1000 + n)), "cpu")
                 times.append(1e3 * (time.perf_counter() - t))
             print(f"{weights} prefill of {n} tokens: {min(times):.0f} ms", flush=True)
 
@@ -72,8 +81,11 @@ def main(mode: str) -> None:
         t0 = time.perf_counter()
         first, *timed = forward_ms(model, context, n, reps=10)
         median = statistics.median(timed)
-        print(f"{mode} n={n}: median {median:.1f} ms, first {first:.0f} ms, "
-              f"{time.perf_counter() - t0:.0f} s in all", flush=True)
+        print(
+            f"{mode} n={n}: median {median:.1f} ms, first {first:.0f} ms, "
+            f"{time.perf_counter() - t0:.0f} s in all",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -158,10 +158,8 @@ def decode(
     cache = kv.new_cache(target)
     features = drafter is not None and drafter.uses_features  # a trained head reads the target's
     prefill = torch.empty(0, 0, device=device) if features else None
-    if len(prompt) > 1:
-        out = kv.forward(target, cache, prompt[:-1], device, features)  # the last prompt token
-        if features:  # opens round 1
-            prefill = out[1]
+    if len(prompt) > 1:  # the last prompt token opens round 1
+        prefill = kv.prefill(target, cache, prompt[:-1], device, features)
     if drafter is not None:
         drafter.begin(prompt, prefill)
     stats.prefill_s = time.perf_counter() - start

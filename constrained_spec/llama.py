@@ -112,8 +112,9 @@ class CompactLlama(nn.Module):
         return CompactCache(s.layers, s.kv_heads, s.head_dim, min(256, s.context), s.context)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: CompactCache):
-        """Feed ``ids`` (n,) after the cache's positions; returns their logits and features."""
+    def forward(self, ids: torch.Tensor, cache: CompactCache, logits: bool = True):
+        """Feed ``ids`` (n,) after the cache's positions; returns their logits (None unless
+        ``logits``) and features."""
         s, n, start = self.shape, ids.shape[0], cache.length
         cache.reserve(n)
         positions = torch.arange(start, start + n, dtype=torch.float32)
@@ -136,7 +137,7 @@ class CompactLlama(nn.Module):
             x = x + down(F.silu(g) * u)
         cache.length = start + n
         features = F.rms_norm(x, (s.hidden,), self.norms[-1], s.eps)  # (n, d)
-        return self.lm_head(features), features
+        return (self.lm_head(features) if logits else None), features
 
 
 # Up to this many new tokens (every verify pass: drafts are at most 24), each one attends by
