@@ -46,7 +46,7 @@ def sequences(gen, n: int, data: Path) -> list[tuple[list[int], int]]:
 def top1(model, ids: list[int], start: int) -> torch.Tensor:
     """Argmax at the positions predicting ids[start:] (the answer and its EOS)."""
     logits = kv.forward(model, kv.new_cache(model), ids[:-1], "cpu")  # (n - 1, V)
-    return logits[start - 1:].argmax(-1)
+    return logits[start - 1 :].argmax(-1)
 
 
 def llama_cpp_top1(ids: list[int], start: int):
@@ -57,7 +57,7 @@ def llama_cpp_top1(ids: list[int], start: int):
         return None
     llm.reset()
     llm.eval(ids[:-1])
-    return torch.tensor(llm.scores[start - 1: len(ids) - 1]).argmax(-1)
+    return torch.tensor(llm.scores[start - 1 : len(ids) - 1]).argmax(-1)
 
 
 _LLM = {}
@@ -66,8 +66,10 @@ _LLM = {}
 def _llama(path: str):
     if path not in _LLM:
         from llama_cpp import Llama
-        _LLM[path] = Llama(path, n_ctx=2048, logits_all=True, verbose=False,
-                           n_threads=torch.get_num_threads())
+
+        _LLM[path] = Llama(
+            path, n_ctx=2048, logits_all=True, verbose=False, n_threads=torch.get_num_threads()
+        )
     return _LLM[path]
 
 
@@ -80,10 +82,12 @@ def main(argv=None) -> int:
     float_model, tokenizer = load_model(DEFAULT_MODEL, weights="float")
     gen = Generator(float_model, tokenizer)
     seqs = sequences(gen, args.n, Path(args.data))
-    paths = {"int4 (the GGUF's Q4_1 blocks)": load_model(DEFAULT_MODEL, weights="int4")[0],
-             "int4 (requantized, any Llama)": from_transformers(float_model, "int4"),
-             "int8 (requantized, any Llama)": from_transformers(float_model, "int8"),
-             "float32, compact forward": from_transformers(float_model, "float")}
+    paths = {
+        "int4 (the GGUF's Q4_1 blocks)": load_model(DEFAULT_MODEL, weights="int4")[0],
+        "int4 (requantized, any Llama)": from_transformers(float_model, "int4"),
+        "int8 (requantized, any Llama)": from_transformers(float_model, "int8"),
+        "float32, compact forward": from_transformers(float_model, "float"),
+    }
     agree = {name: 0 for name in [*paths, "llama.cpp (same GGUF)"]}
     total = 0
     for ids, start in seqs:
@@ -92,19 +96,32 @@ def main(argv=None) -> int:
         for name, model in paths.items():
             agree[name] += int((top1(model, ids, start) == reference).sum())
         theirs = llama_cpp_top1(ids, start)
-        agree["llama.cpp (same GGUF)"] = None if theirs is None else \
-            agree["llama.cpp (same GGUF)"] + int((theirs == reference).sum())
-    result = {"positions": total, "requests": len(seqs),
-              "agreement": {k: (v / total if v is not None else None) for k, v in agree.items()}}
+        agree["llama.cpp (same GGUF)"] = (
+            None
+            if theirs is None
+            else agree["llama.cpp (same GGUF)"] + int((theirs == reference).sum())
+        )
+    result = {
+        "positions": total,
+        "requests": len(seqs),
+        "agreement": {k: (v / total if v is not None else None) for k, v in agree.items()},
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "agreement.json").write_text(json.dumps(result, indent=1))
-    lines = [f"# Top-1 agreement with the float32 copy: {total} answer positions of "
-             f"{len(seqs)} extract requests (teacher-forced)", "",
-             f"Command: `python benchmarks/agreement.py {' '.join(argv or sys.argv[1:])}`", "",
-             "| path | top-1 agreement |", "|---|---|"]
-    lines += [f"| {k} | {v:.2%} |" if v is not None else f"| {k} | not installed |"
-              for k, v in result["agreement"].items()]
+    lines = [
+        f"# Top-1 agreement with the float32 copy: {total} answer positions of "
+        f"{len(seqs)} extract requests (teacher-forced)",
+        "",
+        f"Command: `python benchmarks/agreement.py {' '.join(argv or sys.argv[1:])}`",
+        "",
+        "| path | top-1 agreement |",
+        "|---|---|",
+    ]
+    lines += [
+        f"| {k} | {v:.2%} |" if v is not None else f"| {k} | not installed |"
+        for k, v in result["agreement"].items()
+    ]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

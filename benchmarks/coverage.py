@@ -55,8 +55,9 @@ def source_of(name: str) -> str:
 def select_files(args) -> list[Path]:
     files = sorted(Path(args.data).glob("*.json"))
     if not files:
-        raise SystemExit(f"no schema files in {args.data}: pass --data DIR (JSONSchemaBench "
-                         f"layout).")
+        raise SystemExit(
+            f"no schema files in {args.data}: pass --data DIR (JSONSchemaBench layout)."
+        )
     if args.sources:
         wanted = set(args.sources.split(","))
         files = [f for f in files if source_of(f.name) in wanted]
@@ -70,10 +71,11 @@ def select_files(args) -> list[Path]:
             k = max(3, round(args.sample * len(group) / len(files)))
             picked += rng.sample(group, min(k, len(group)))
         files = sorted(picked)
-    return files[:args.limit] if args.limit else files
+    return files[: args.limit] if args.limit else files
 
 
 # --- one schema -----------------------------------------------------------------------------
+
 
 def translate(schema: dict, which: str) -> dict:
     """Runs in a bounded child: the regex, or why there is none."""
@@ -81,6 +83,7 @@ def translate(schema: dict, which: str) -> dict:
         if which == "ours":
             return {"regex": schema_to_regex(schema)}
         from outlines_core.json_schema import build_regex_from_schema
+
         return {"regex": build_regex_from_schema(json.dumps(schema), "")}
     except UnsupportedSchemaError as e:
         return {"status": "refused", "keyword": e.keyword, "pointer": e.pointer, "message": str(e)}
@@ -94,8 +97,9 @@ def translate(schema: dict, which: str) -> dict:
 def run_one(which: str, schema: dict, tests: list, oracle, tok, vocab, args) -> dict:
     t0 = time.perf_counter()
     try:
-        out = run_bounded(lambda: translate(schema, which), "translating the schema",
-                          args.timeout, args.memory_gb)
+        out = run_bounded(
+            lambda: translate(schema, which), "translating the schema", args.timeout, args.memory_gb
+        )
     except SchemaTooComplex as e:
         out = {"status": "too_complex", "keyword": "translate", "message": str(e)}
     out["translate_s"] = round(time.perf_counter() - t0, 4)
@@ -111,8 +115,11 @@ def run_one(which: str, schema: dict, tests: list, oracle, tok, vocab, args) -> 
         constraint = compile_regex(regex, vocab, len(tok), None)
     except SchemaTooComplex as e:
         kind = "time" if "longer than" in str(e) else "memory"
-        return out | {"status": "too_complex", "keyword": f"compile {kind}",
-                      "message": str(e)[:300]}
+        return out | {
+            "status": "too_complex",
+            "keyword": f"compile {kind}",
+            "message": str(e)[:300],
+        }
     except Exception as e:
         return out | {"status": "error", "message": f"compile: {type(e).__name__}: {e}"[:300]}
     out["compile_s"] = round(time.perf_counter() - t1, 4)
@@ -158,7 +165,9 @@ def fuzz(c, oracle, n: int) -> dict:
             ok = False
         if not ok:
             bad.append(text[:200])
-    return {"fuzz_texts": done, "fuzz_invalid": len(bad)} | ({"fuzz_examples": bad[:3]} if bad else {})
+    return {"fuzz_texts": done, "fuzz_invalid": len(bad)} | (
+        {"fuzz_examples": bad[:3]} if bad else {}
+    )
 
 
 def random_text(c, rng, max_len: int = 300) -> str | None:
@@ -167,8 +176,11 @@ def random_text(c, rng, max_len: int = 300) -> str | None:
     for step in range(max_len):
         if c.accepting(state) and rng.random() < 0.2:
             break
-        options = [(b, s) for b, tid in c._byte_ids.items()
-                   if (s := c.index.get_next_state(state, tid)) is not None]
+        options = [
+            (b, s)
+            for b, tid in c._byte_ids.items()
+            if (s := c.index.get_next_state(state, tid)) is not None
+        ]
         if step > max_len // 3:
             options = [o for o in options if o[0] in closers] or options
         if not options:
@@ -182,8 +194,10 @@ def mask_times(c, tests, tok, max_states: int = 8) -> list[float]:
     valid = [t for t in tests if t["valid"]]
     if not valid:
         return []
-    ids = tok.encode(json.dumps(valid[0]["data"], separators=(",", ":"), ensure_ascii=False),
-                     add_special_tokens=False)
+    ids = tok.encode(
+        json.dumps(valid[0]["data"], separators=(",", ":"), ensure_ascii=False),
+        add_special_tokens=False,
+    )
     times, state = [], c.initial_state
     for token in ids[:max_states]:
         t0 = time.perf_counter()
@@ -207,6 +221,7 @@ def make_oracle(schema: dict):
             return v.is_valid(x)
         except Exception:  # e.g. unresolvable remote $ref
             return False
+
     return oracle
 
 
@@ -225,6 +240,7 @@ def run_file(path: Path, tok, vocab, args) -> dict:
 
 # --- report ---------------------------------------------------------------------------------
 
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, math.floor(q * len(xs)))] if xs else float("nan")
@@ -234,61 +250,104 @@ def summarize(records: list[dict], which: str) -> dict:
     rs = [r[which] for r in records if which in r]
     status = collections.Counter(r["status"] for r in rs)
     refused = collections.Counter(r["keyword"] for r in rs if r["status"] in ("refused",))
-    complex_ = collections.Counter(r.get("keyword", "?") for r in rs if r["status"] == "too_complex")
+    complex_ = collections.Counter(
+        r.get("keyword", "?") for r in rs if r["status"] == "too_complex"
+    )
     total = lambda k: sum(r.get(k, 0) for r in rs)  # noqa: E731
     ctime = [r["translate_s"] + r["compile_s"] for r in rs if r["status"] == "compiled"]
     masks = [m for r in rs for m in r.get("mask_ms", [])]
-    return {"files": len(rs), "status": dict(status), "refused_by_keyword": dict(refused.most_common()),
-            "too_complex_by_cause": dict(complex_),
-            "invalidation_errors": total("invalid_accepted"),
-            "schemas_with_invalidation_errors": sum(bool(r.get("invalid_accepted")) for r in rs),
-            "invalid_rejected": total("invalid_rejected"),
-            "validation_errors": total("valid_rejected"), "valid_accepted": total("valid_accepted"),
-            "fuzz_texts": total("fuzz_texts"), "fuzz_invalid": total("fuzz_invalid"),
-            "compile_s": {"p50": pct(ctime, .5), "p90": pct(ctime, .9), "max": max(ctime, default=0)},
-            "mask_ms": {"p50": pct(masks, .5), "p99": pct(masks, .99), "n": len(masks)}}
+    return {
+        "files": len(rs),
+        "status": dict(status),
+        "refused_by_keyword": dict(refused.most_common()),
+        "too_complex_by_cause": dict(complex_),
+        "invalidation_errors": total("invalid_accepted"),
+        "schemas_with_invalidation_errors": sum(bool(r.get("invalid_accepted")) for r in rs),
+        "invalid_rejected": total("invalid_rejected"),
+        "validation_errors": total("valid_rejected"),
+        "valid_accepted": total("valid_accepted"),
+        "fuzz_texts": total("fuzz_texts"),
+        "fuzz_invalid": total("fuzz_invalid"),
+        "compile_s": {"p50": pct(ctime, 0.5), "p90": pct(ctime, 0.9), "max": max(ctime, default=0)},
+        "mask_ms": {"p50": pct(masks, 0.5), "p99": pct(masks, 0.99), "n": len(masks)},
+    }
 
 
 def write_report(records: list[dict], command: str, out_dir: Path = OUT) -> None:
     ours, raw = summarize(records, "ours"), summarize(records, "raw")
-    (out_dir / "summary.json").write_text(json.dumps({"command": command, "ours": ours, "raw": raw},
-                                                 indent=1))
-    lines = [f"# JSON Schema coverage on jsonschemabench-dev ({len(records)} files)", "",
-             f"Command: `{command}`", "",
-             "Instances are judged by jsonschema with its format checker; ours = "
-             "constrained_spec.schema, raw = outlines-core `build_regex_from_schema` as is. "
-             "Compile = translate + index build against the SmolLM2-135M tokenizer, bounded per "
-             "schema (see the command's --timeout / --memory-gb).", "",
-             "| | ours | raw outlines-core |", "|---|---|---|"]
-    translated = [("translated (regex only, --translate-only)", "translated")] \
-        if ours["status"].get("translated") or raw["status"].get("translated") else []
-    for label, key in translated + [("compiled", "compiled")] * (not translated) + [
-                       ("refused (named keyword)", "refused"),
-                       ("too complex (bound hit)", "too_complex"),
-                       ("invalid schema (meta-schema)", "invalid_schema"), ("other errors", "error")]:
+    (out_dir / "summary.json").write_text(
+        json.dumps({"command": command, "ours": ours, "raw": raw}, indent=1)
+    )
+    lines = [
+        f"# JSON Schema coverage on jsonschemabench-dev ({len(records)} files)",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Instances are judged by jsonschema with its format checker; ours = "
+        "constrained_spec.schema, raw = outlines-core `build_regex_from_schema` as is. "
+        "Compile = translate + index build against the SmolLM2-135M tokenizer, bounded per "
+        "schema (see the command's --timeout / --memory-gb).",
+        "",
+        "| | ours | raw outlines-core |",
+        "|---|---|---|",
+    ]
+    translated = (
+        [("translated (regex only, --translate-only)", "translated")]
+        if ours["status"].get("translated") or raw["status"].get("translated")
+        else []
+    )
+    for label, key in (
+        translated
+        + [("compiled", "compiled")] * (not translated)
+        + [
+            ("refused (named keyword)", "refused"),
+            ("too complex (bound hit)", "too_complex"),
+            ("invalid schema (meta-schema)", "invalid_schema"),
+            ("other errors", "error"),
+        ]
+    ):
         lines.append(f"| {label} | {_rate(ours, key)} | {_rate(raw, key)} |")
-    checked = [] if translated else [
-        ("**invalidation errors** (invalid accepted)", "invalidation_errors"),
-        ("schemas with invalidation errors", "schemas_with_invalidation_errors"),
-        ("invalid instances rejected", "invalid_rejected"),
-        ("validation errors (valid rejected)", "validation_errors"),
-        ("valid instances accepted", "valid_accepted"),
-        ("fuzz texts / invalid among them", None)]
+    checked = (
+        []
+        if translated
+        else [
+            ("**invalidation errors** (invalid accepted)", "invalidation_errors"),
+            ("schemas with invalidation errors", "schemas_with_invalidation_errors"),
+            ("invalid instances rejected", "invalid_rejected"),
+            ("validation errors (valid rejected)", "validation_errors"),
+            ("valid instances accepted", "valid_accepted"),
+            ("fuzz texts / invalid among them", None),
+        ]
+    )
     for label, key in checked:
-        val = (lambda s: f"{s['fuzz_texts']} / {s['fuzz_invalid']}") if key is None \
+        val = (
+            (lambda s: f"{s['fuzz_texts']} / {s['fuzz_invalid']}")
+            if key is None
             else (lambda s: str(s[key]))
+        )
         lines.append(f"| {label} | {val(ours)} | {val(raw)} |")
-    for label, key, sub in [] if translated else [
+    for label, key, sub in (
+        []
+        if translated
+        else [
             ("compile s p50 / p90 / max", "compile_s", ("p50", "p90", "max")),
-            ("mask build ms p50 / p99", "mask_ms", ("p50", "p99"))]:
+            ("mask build ms p50 / p99", "mask_ms", ("p50", "p99")),
+        ]
+    ):
         fmt = lambda s: " / ".join(f"{s[key][k]:.3g}" for k in sub)  # noqa: E731
         lines.append(f"| {label} | {fmt(ours)} | {fmt(raw)} |")
-    lines += ["", "Refusals by keyword (ours): " + ", ".join(
-        f"`{k}` {v}" for k, v in ours["refused_by_keyword"].items()),
-        "", "Too complex by cause (ours): " + ", ".join(
-        f"{k} {v}" for k, v in ours["too_complex_by_cause"].items()),
-        "", "Too complex by cause (raw): " + ", ".join(
-        f"{k} {v}" for k, v in raw["too_complex_by_cause"].items()), ""]
+    lines += [
+        "",
+        "Refusals by keyword (ours): "
+        + ", ".join(f"`{k}` {v}" for k, v in ours["refused_by_keyword"].items()),
+        "",
+        "Too complex by cause (ours): "
+        + ", ".join(f"{k} {v}" for k, v in ours["too_complex_by_cause"].items()),
+        "",
+        "Too complex by cause (raw): "
+        + ", ".join(f"{k} {v}" for k, v in raw["too_complex_by_cause"].items()),
+        "",
+    ]
     lines += source_table(records, bool(translated))
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
 
@@ -302,26 +361,41 @@ def source_table(records, translated: bool = False) -> list[str]:
     if translated:
         lines = ["| source | files | ours translated | raw translated |", "|---|---|---|---|"]
     else:
-        lines = ["| source | files | ours compiled | raw compiled | ours inval. err | raw inval. "
-                 "err | ours valid. err | raw valid. err |", "|---|---|---|---|---|---|---|---|"]
+        lines = [
+            "| source | files | ours compiled | raw compiled | ours inval. err | raw inval. "
+            "err | ours valid. err | raw valid. err |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
     by = collections.defaultdict(list)
     for r in records:
-        by[r["source"].split("---")[0] if r["source"].startswith("Glaive") else r["source"]].append(r)
+        by[r["source"].split("---")[0] if r["source"].startswith("Glaive") else r["source"]].append(
+            r
+        )
     for src in sorted(by):
         rs = [r for r in by[src] if "ours" in r]
         c = lambda w: sum(r[w]["status"] in ("compiled", "translated") for r in rs)  # noqa: E731
         e = lambda w, k: sum(r[w].get(k, 0) for r in rs)  # noqa: E731
         counts = f"| {src} | {len(rs)} | {c('ours')} | {c('raw')} |"
-        lines.append(counts if translated else counts + (
-            f" {e('ours', 'invalid_accepted')} | {e('raw', 'invalid_accepted')} | "
-            f"{e('ours', 'valid_rejected')} | {e('raw', 'valid_rejected')} |"))
+        lines.append(
+            counts
+            if translated
+            else counts
+            + (
+                f" {e('ours', 'invalid_accepted')} | {e('raw', 'invalid_accepted')} | "
+                f"{e('ours', 'valid_rejected')} | {e('raw', 'valid_rejected')} |"
+            )
+        )
     return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=DATA,
-                    help="JSONSchemaBench-style folder (default: the committed 48-file sample)")
+    ap.add_argument(
+        "--data",
+        type=Path,
+        default=DATA,
+        help="JSONSchemaBench-style folder (default: the committed 48-file sample)",
+    )
     ap.add_argument("--limit", type=int, help="at most N files (after other filters)")
     ap.add_argument("--sample", type=int, help="stratified sample of about N files")
     ap.add_argument("--sources", help="comma-separated sources, e.g. Github_easy,Kubernetes")
@@ -332,9 +406,12 @@ def main() -> None:
     ap.add_argument("--results", default="results.jsonl", help="file name under the output dir")
     ap.add_argument("--resume", action="store_true", help="skip files already in the results")
     ap.add_argument("--report-only", action="store_true")
-    ap.add_argument("--translate-only", action="store_true",
-                    help="only translate each schema (no index build, no instances): fast enough "
-                         "for all 5,197 files")
+    ap.add_argument(
+        "--translate-only",
+        action="store_true",
+        help="only translate each schema (no index build, no instances): fast enough "
+        "for all 5,197 files",
+    )
     ap.add_argument("--out", type=Path, default=OUT, help="output directory")
     args = ap.parse_args()
     if args.quick:
@@ -348,11 +425,17 @@ def main() -> None:
     if args.report_only:
         records = [json.loads(x) for x in results.read_text().splitlines()]
         summary = out_dir / "summary.json"
-        return write_report(records, summary.exists() and json.loads(summary.read_text())["command"]
-                            or command, out_dir)
+        return write_report(
+            records,
+            summary.exists() and json.loads(summary.read_text())["command"] or command,
+            out_dir,
+        )
     files = select_files(args)
-    done = {json.loads(x)["file"] for x in results.read_text().splitlines()} \
-        if args.resume and results.exists() else set()
+    done = (
+        {json.loads(x)["file"] for x in results.read_text().splitlines()}
+        if args.resume and results.exists()
+        else set()
+    )
     if not args.resume:
         results.write_text("")
     tok = load_tokenizer()  # the default model's tokenizer, without its weights
@@ -365,9 +448,12 @@ def main() -> None:
             rec = run_file(path, tok, vocab, args)
             out.write(json.dumps(rec, separators=(",", ":")) + "\n")
             out.flush()
-            print(f"[{i + 1}/{len(files)} {time.time() - t0:.0f}s] {path.name}: "
-                  f"ours={rec.get('ours', {}).get('status')} raw={rec.get('raw', {}).get('status')}"
-                  f" inval={rec.get('ours', {}).get('invalid_accepted', 0)}", flush=True)
+            print(
+                f"[{i + 1}/{len(files)} {time.time() - t0:.0f}s] {path.name}: "
+                f"ours={rec.get('ours', {}).get('status')} raw={rec.get('raw', {}).get('status')}"
+                f" inval={rec.get('ours', {}).get('invalid_accepted', 0)}",
+                flush=True,
+            )
     records = [json.loads(x) for x in results.read_text().splitlines()]
     write_report(records, command, out_dir)
     print((out_dir / "report.md").read_text())

@@ -87,14 +87,14 @@ HOT_T = 0.7
 @dataclass(frozen=True)
 class Config:
     name: str
-    kind: str                  # engine | outlines | hf | hf-assisted | llama.cpp
+    kind: str  # engine | outlines | hf | hf-assisted | llama.cpp
     drafter: str | None = None  # forced | lookup | int8 | int8+lookup (hf-assisted: lookup | int8)
-    k: int = 0                 # engine: draft-model tokens per round (k_max when adaptive)
+    k: int = 0  # engine: draft-model tokens per round (k_max when adaptive)
     adaptive: bool = False
     temperature: float = 0.0
     min_confidence: float = 0.0  # engine: CompositeDrafter.min_confidence (an early stop)
-    after_lookup: bool = False   # engine: CompositeDrafter.model_after_lookup (an ablation)
-    float_target: bool = False   # engine: the float32 transformers target, whatever --weights
+    after_lookup: bool = False  # engine: CompositeDrafter.model_after_lookup (an ablation)
+    float_target: bool = False  # engine: the float32 transformers target, whatever --weights
     max_draft: int | None = None  # engine: CompositeDrafter.max_draft (None: its default)
 
     @property
@@ -111,46 +111,94 @@ def all_configs() -> list[Config]:
     base = Config("baseline", "engine")
     base_float = Config("baseline-float", "engine", float_target=True)
     forced, lookup = Config("forced", "engine", "forced"), Config("lookup", "engine", "lookup")
-    model = {d: [Config(f"{d}/k{k}", "engine", d, k) for k in KS]
-             + [Config(f"{d}/adaptive", "engine", d, ADAPTIVE_K_MAX, adaptive=True)]
-             for d in ("int8", "int8+lookup", "bf16+lookup", "head", "head+lookup")}
-    model["head+lookup"] += [Config(f"head+lookup/k{KS[-1]}/c{c:g}", "engine", "head+lookup",
-                                    KS[-1], min_confidence=c) for c in CONFIDENCES]
-    model["head+lookup"].append(Config(f"head+lookup/k{KS[-1]}/c0.3/after-lookup", "engine",
-                                       "head+lookup", KS[-1], min_confidence=0.3,
-                                       after_lookup=True))
+    model = {
+        d: [Config(f"{d}/k{k}", "engine", d, k) for k in KS]
+        + [Config(f"{d}/adaptive", "engine", d, ADAPTIVE_K_MAX, adaptive=True)]
+        for d in ("int8", "int8+lookup", "bf16+lookup", "head", "head+lookup")
+    }
+    model["head+lookup"] += [
+        Config(f"head+lookup/k{KS[-1]}/c{c:g}", "engine", "head+lookup", KS[-1], min_confidence=c)
+        for c in CONFIDENCES
+    ]
+    model["head+lookup"].append(
+        Config(
+            f"head+lookup/k{KS[-1]}/c0.3/after-lookup",
+            "engine",
+            "head+lookup",
+            KS[-1],
+            min_confidence=0.3,
+            after_lookup=True,
+        )
+    )
     # draft-length caps: on the int4 target a verify's cost grows in steps of 4 tokens
-    capped = [replace(c, name=f"{c.name}/d{d}", max_draft=d) for d in DRAFT_CAPS
-              for c in (lookup, *(c for c in model["head+lookup"] if c.min_confidence == 0.3
-                                  and not c.after_lookup),
-                        Config("head+lookup/k4/c0.3", "engine", "head+lookup", 4,
-                               min_confidence=0.3))]
-    peers = [Config("outlines", "outlines"), Config("hf+outlines", "hf"),
-             Config("hf-assisted-lookup+outlines", "hf-assisted", "lookup"),
-             Config("hf-assisted-int8+outlines", "hf-assisted", "int8"),
-             Config("llama.cpp", "llama.cpp")]
-    return ([base, base_float, forced, lookup, *model["int8"], *model["int8+lookup"], *model["bf16+lookup"],
-             *model["head"][:-1], *model["head+lookup"]]
-            + capped + [hot(c) for c in capped]
-            + [hot(base), hot(base_float), hot(lookup), hot(model["int8"][1]), hot(model["int8+lookup"][1]),
-               hot(model["int8+lookup"][-1]), hot(model["head"][1]), hot(model["head+lookup"][1]),
-               *(hot(c) for c in model["head+lookup"]
-                 if c.min_confidence and not c.after_lookup)]
-            + peers + [hot(peers[1]), hot(peers[4])])
+    capped = [
+        replace(c, name=f"{c.name}/d{d}", max_draft=d)
+        for d in DRAFT_CAPS
+        for c in (
+            lookup,
+            *(c for c in model["head+lookup"] if c.min_confidence == 0.3 and not c.after_lookup),
+            Config("head+lookup/k4/c0.3", "engine", "head+lookup", 4, min_confidence=0.3),
+        )
+    ]
+    peers = [
+        Config("outlines", "outlines"),
+        Config("hf+outlines", "hf"),
+        Config("hf-assisted-lookup+outlines", "hf-assisted", "lookup"),
+        Config("hf-assisted-int8+outlines", "hf-assisted", "int8"),
+        Config("llama.cpp", "llama.cpp"),
+    ]
+    return (
+        [
+            base,
+            base_float,
+            forced,
+            lookup,
+            *model["int8"],
+            *model["int8+lookup"],
+            *model["bf16+lookup"],
+            *model["head"][:-1],
+            *model["head+lookup"],
+        ]
+        + capped
+        + [hot(c) for c in capped]
+        + [
+            hot(base),
+            hot(base_float),
+            hot(lookup),
+            hot(model["int8"][1]),
+            hot(model["int8+lookup"][1]),
+            hot(model["int8+lookup"][-1]),
+            hot(model["head"][1]),
+            hot(model["head+lookup"][1]),
+            *(hot(c) for c in model["head+lookup"] if c.min_confidence and not c.after_lookup),
+        ]
+        + peers
+        + [hot(peers[1]), hot(peers[4])]
+    )
 
 
 def select_configs(spec: str) -> list[Config]:
     configs, chosen = all_configs(), []
-    groups = {"all": lambda c: True, "default": lambda c: True,
-              "engine": lambda c: not c.peer, "peers": lambda c: c.peer,
-              "greedy": lambda c: c.greedy, "sampled": lambda c: not c.greedy}
+    groups = {
+        "all": lambda c: True,
+        "default": lambda c: True,
+        "engine": lambda c: not c.peer,
+        "peers": lambda c: c.peer,
+        "greedy": lambda c: c.greedy,
+        "sampled": lambda c: not c.greedy,
+    }
     for pattern in [p.strip() for p in spec.split(",") if p.strip()]:
-        match = [c for c in configs if (groups[pattern](c) if pattern in groups
-                                        else fnmatch.fnmatchcase(c.name, pattern))]
+        match = [
+            c
+            for c in configs
+            if (groups[pattern](c) if pattern in groups else fnmatch.fnmatchcase(c.name, pattern))
+        ]
         if not match:
             names = ", ".join(c.name for c in configs)
-            raise SystemExit(f"--configs: {pattern!r} matches nothing. Names: {names}; "
-                             f"groups: {', '.join(groups)}.")
+            raise SystemExit(
+                f"--configs: {pattern!r} matches nothing. Names: {names}; "
+                f"groups: {', '.join(groups)}."
+            )
         chosen += [c for c in match if c not in chosen]
     if not any(c.name == "baseline" for c in chosen):  # speedups are relative to it
         chosen.insert(0, configs[0])
@@ -161,6 +209,7 @@ def select_configs(spec: str) -> list[Config]:
 
 
 # --- measurement helpers ------------------------------------------------------------------------
+
 
 class Meter:
     """Counters shared by every run: target forwards (a hook) and time in Constraint.mask."""
@@ -215,6 +264,7 @@ def peak_rss_mb() -> float | None:
     except OSError:
         pass
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -241,27 +291,36 @@ class TimedProcessor:
 
 # --- runners: one request under one configuration -----------------------------------------------
 
+
 class Bench:
     def __init__(self, args, model, tokenizer, configs):
         self.args, self.model, self.tokenizer = args, model, tokenizer
         self.gen = Generator(model, tokenizer, draft=None)
         self.float_gen = self._float_gen(args) if any(c.float_target for c in configs) else None
         self.eos = self.gen.vocab.eos_id
-        self._outlines = None       # outlines Transformers model, or the exception it raised
-        self._indexes: dict = {}    # request id → outlines-core Index, or the exception
-        self._llama = None          # llama_cpp.Llama, or the exception it raised
-        self._drafters: dict = {}   # configuration name → its drafter
+        self._outlines = None  # outlines Transformers model, or the exception it raised
+        self._indexes: dict = {}  # request id → outlines-core Index, or the exception
+        self._llama = None  # llama_cpp.Llama, or the exception it raised
+        self._drafters: dict = {}  # configuration name → its drafter
         self.int8 = None
         if any(c.drafter in ("int8", "int8+lookup") for c in configs):
             from constrained_spec.models import quantize_int8
+
             self.int8 = quantize_int8(model)  # before the meter's hook, which a copy would inherit
-        self.bf16 = copy.deepcopy(model).to(torch.bfloat16) \
-            if any(c.drafter == "bf16+lookup" for c in configs) else None  # before the hook too
+        self.bf16 = (
+            copy.deepcopy(model).to(torch.bfloat16)
+            if any(c.drafter == "bf16+lookup" for c in configs)
+            else None
+        )  # before the hook too
         if args.skinny_matmul:  # after the draft copies: they keep their own kernels
             from constrained_spec.models import skinny_matmul
+
             skinny_matmul(model)
-        self.head = self._head(args, model) if any(
-            (c.drafter or "").startswith("head") for c in configs) else None
+        self.head = (
+            self._head(args, model)
+            if any((c.drafter or "").startswith("head") for c in configs)
+            else None
+        )
         self.meter = Meter(model)
 
     def _float_gen(self, args):
@@ -269,8 +328,11 @@ class Bench:
         ran before the compact forward."""
         if not isinstance(self.model, CompactLlama):
             return self.gen
-        model = workloads.tiny_model_and_tokenizer()[0] if args.quick else \
-            load_model(args.model, weights="float")[0]
+        model = (
+            workloads.tiny_model_and_tokenizer()[0]
+            if args.quick
+            else load_model(args.model, weights="float")[0]
+        )
         return Generator(model, self.tokenizer, draft=None)
 
     def _head(self, args, model):
@@ -289,16 +351,22 @@ class Bench:
             drafter = {
                 "forced": lambda: CompositeDrafter(model=None, use_lookup=False),
                 "lookup": lambda: CompositeDrafter(model=None),
-                "int8": lambda: CompositeDrafter(DraftModel(self.int8, width), use_forced=False,
-                                                 use_lookup=False),
+                "int8": lambda: CompositeDrafter(
+                    DraftModel(self.int8, width), use_forced=False, use_lookup=False
+                ),
                 "int8+lookup": lambda: model_drafter(self.int8, width),
                 "bf16+lookup": lambda: model_drafter(self.bf16, width),
-                "head": lambda: CompositeDrafter(HeadDraft(self.head, self.model),
-                                                 use_forced=False, use_lookup=False,
-                                                 min_confidence=stop),
-                "head+lookup": lambda: CompositeDrafter(HeadDraft(self.head, self.model),
-                                                        min_confidence=stop,
-                                                        model_after_lookup=config.after_lookup),
+                "head": lambda: CompositeDrafter(
+                    HeadDraft(self.head, self.model),
+                    use_forced=False,
+                    use_lookup=False,
+                    min_confidence=stop,
+                ),
+                "head+lookup": lambda: CompositeDrafter(
+                    HeadDraft(self.head, self.model),
+                    min_confidence=stop,
+                    model_after_lookup=config.after_lookup,
+                ),
             }[config.drafter]()
             if config.max_draft is not None:
                 drafter.max_draft = config.max_draft
@@ -306,12 +374,18 @@ class Bench:
         return self._drafters[config.name]
 
     def run(self, config: Config, request: Request, seed: int, max_new_tokens: int) -> dict:
-        row = {"config": config.name, "request": request.id, "seed": seed,
-               "temperature": config.temperature, "prompt_tokens": request.prompt_tokens,
-               "loadavg": os.getloadavg()[0]}
+        row = {
+            "config": config.name,
+            "request": request.id,
+            "seed": seed,
+            "temperature": config.temperature,
+            "prompt_tokens": request.prompt_tokens,
+            "loadavg": os.getloadavg()[0],
+        }
         try:
             runner = {"engine": self.run_engine, "llama.cpp": self.run_llama_cpp}.get(
-                config.kind, self.run_peer)
+                config.kind, self.run_peer
+            )
             row.update(runner(config, request, seed, max_new_tokens))
             row["status"] = row.get("status", "ok")
         except Exception as e:  # a crash is a result, recorded as such
@@ -325,27 +399,45 @@ class Bench:
         gen = self.float_gen if config.float_target else self.gen
         self.meter.reset()
         t0 = time.perf_counter()
-        result = gen.generate(request.messages, schema=request.schema,
-                                   max_new_tokens=max_new_tokens,
-                                   temperature=config.temperature, seed=seed,
-                                   num_draft_tokens=max(config.k, 1), speculative=speculative,
-                                   adaptive_k=config.adaptive, drafter=drafter)
+        result = gen.generate(
+            request.messages,
+            schema=request.schema,
+            max_new_tokens=max_new_tokens,
+            temperature=config.temperature,
+            seed=seed,
+            num_draft_tokens=max(config.k, 1),
+            speculative=speculative,
+            adaptive_k=config.adaptive,
+            drafter=drafter,
+        )
         wall = time.perf_counter() - t0
         s, n = result.stats, len(result.token_ids)
-        return {"token_ids": result.token_ids, "text": result.text, "finish_reason":
-                result.finish_reason, "output_tokens": n, "wall_s": wall, "decode_s": s.total_s,
-                "ttft_s": s.ttft_s, "tpot_s": (s.total_s - s.ttft_s) / (n - 1) if n > 1 else None,
-                "prefill_s": s.prefill_s, "gen_s": s.total_s - s.prefill_s,
-                "draft_s": s.draft_s, "verify_s": s.verify_s,
-                "mask_s": self.meter.mask_s, "mask_calls": self.meter.mask_calls,
-                "target_calls": s.target_calls, "forward_calls": self.meter.forwards,
-                "committed_tokens": n + (result.finish_reason == "stop"),
-                "drafted": s.drafted, "accepted": s.accepted,
-                "accepted_by_position": s.accepted_by_position,
-                "drafted_by_position": s.drafted_by_position,
-                "drafted_by_source": s.drafted_by_source,
-                "accepted_by_source": s.accepted_by_source,
-                "accepted_lengths": s.accepted_lengths}
+        return {
+            "token_ids": result.token_ids,
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "output_tokens": n,
+            "wall_s": wall,
+            "decode_s": s.total_s,
+            "ttft_s": s.ttft_s,
+            "tpot_s": (s.total_s - s.ttft_s) / (n - 1) if n > 1 else None,
+            "prefill_s": s.prefill_s,
+            "gen_s": s.total_s - s.prefill_s,
+            "draft_s": s.draft_s,
+            "verify_s": s.verify_s,
+            "mask_s": self.meter.mask_s,
+            "mask_calls": self.meter.mask_calls,
+            "target_calls": s.target_calls,
+            "forward_calls": self.meter.forwards,
+            "committed_tokens": n + (result.finish_reason == "stop"),
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "accepted_by_position": s.accepted_by_position,
+            "drafted_by_position": s.drafted_by_position,
+            "drafted_by_source": s.drafted_by_source,
+            "accepted_by_source": s.accepted_by_source,
+            "accepted_lengths": s.accepted_lengths,
+        }
 
     # peers -----------------------------------------------------------------------------------
 
@@ -357,14 +449,18 @@ class Bench:
                 from outlines.backends.outlines_core import OutlinesCoreBackend
                 from outlines_core import Index
                 from outlines_core.json_schema import build_regex_from_schema
+
                 model = self.outlines_model()
                 vocabulary = getattr(self, "_outlines_vocab", None)
                 if vocabulary is None:
                     vocabulary = self._outlines_vocab = OutlinesCoreBackend(model).vocabulary
                 regex = build_regex_from_schema(json.dumps(request.schema), "")
                 t = time.perf_counter()
-                index = run_bounded(lambda: Index(regex, vocabulary), "outlines compile",
-                                    timeout_s=self.args.compile_timeout)
+                index = run_bounded(
+                    lambda: Index(regex, vocabulary),
+                    "outlines compile",
+                    timeout_s=self.args.compile_timeout,
+                )
                 self._indexes[request.id] = (index, time.perf_counter() - t)
             except Exception as e:
                 self._indexes[request.id] = (e, None)
@@ -373,7 +469,9 @@ class Bench:
     def outlines_model(self):
         def load():
             import outlines
+
             return outlines.from_transformers(self.model, self.tokenizer)
+
         return self._load_once("_outlines", load, Exception)
 
     def run_peer(self, config, request, seed, max_new_tokens) -> dict:
@@ -383,14 +481,22 @@ class Bench:
             return {"status": "unavailable", "error": f"{type(e).__name__}: {e}"}
         index, compile_s = self.outlines_index(request)
         if isinstance(index, Exception):
-            return {"status": "error", "error": f"outlines compile: {type(index).__name__}: "
-                                                f"{str(index)[:300]}"}
-        sampling = {"do_sample": False} if config.greedy else {
-            "do_sample": True, "temperature": config.temperature, "top_k": 0, "top_p": 1.0}
+            return {
+                "status": "error",
+                "error": f"outlines compile: {type(index).__name__}: {str(index)[:300]}",
+            }
+        sampling = (
+            {"do_sample": False}
+            if config.greedy
+            else {"do_sample": True, "temperature": config.temperature, "top_k": 0, "top_p": 1.0}
+        )
         sampling.update(max_new_tokens=max_new_tokens, eos_token_id=self.eos, pad_token_id=self.eos)
         if config.kind == "hf-assisted":
-            sampling.update({"prompt_lookup_num_tokens": 10} if config.drafter == "lookup"
-                            else {"assistant_model": self.int8})
+            sampling.update(
+                {"prompt_lookup_num_tokens": 10}
+                if config.drafter == "lookup"
+                else {"assistant_model": self.int8}
+            )
         torch.manual_seed(seed)  # transformers samples from the global generator
         self.meter.reset()
         t0 = time.perf_counter()
@@ -404,26 +510,45 @@ class Bench:
         ids = new[: new.index(self.eos)] if stop else new
         n, forwards = len(ids), self.meter.forwards
         ttft = processor.first_call_s
-        return {"token_ids": ids, "text": self.gen.vocab.decode(ids),
-                "finish_reason": "stop" if stop else "length", "output_tokens": n,
-                "peer_prompt_tokens": prompt_len, "wall_s": wall, "decode_s": wall, "ttft_s": ttft,
-                "gen_s": wall - ttft if ttft is not None else None,
-                "tpot_s": (wall - ttft) / (n - 1) if n > 1 and ttft is not None else None,
-                "mask_s": processor.seconds, "mask_calls": processor.calls,
-                "target_calls": forwards, "forward_calls": forwards,
-                "committed_tokens": n + stop, "peer_compile_s": compile_s}
+        return {
+            "token_ids": ids,
+            "text": self.gen.vocab.decode(ids),
+            "finish_reason": "stop" if stop else "length",
+            "output_tokens": n,
+            "peer_prompt_tokens": prompt_len,
+            "wall_s": wall,
+            "decode_s": wall,
+            "ttft_s": ttft,
+            "gen_s": wall - ttft if ttft is not None else None,
+            "tpot_s": (wall - ttft) / (n - 1) if n > 1 and ttft is not None else None,
+            "mask_s": processor.seconds,
+            "mask_calls": processor.calls,
+            "target_calls": forwards,
+            "forward_calls": forwards,
+            "committed_tokens": n + stop,
+            "peer_compile_s": compile_s,
+        }
 
     def llama_cpp(self):
         """The built-in model's own GGUF in llama.cpp, threads as torch's; loaded once."""
+
         def load():
             from llama_cpp import Llama
 
             from constrained_spec.models import BUILTIN_MODELS, _verified_gguf, cache_dir
+
             gguf = _verified_gguf(BUILTIN_MODELS[self.args.model], cache_dir() / self.args.model)
-            return Llama(str(gguf), n_ctx=4096, n_threads=torch.get_num_threads(),
-                         n_threads_batch=torch.get_num_threads(), verbose=False)
-        return self._load_once("_llama", load,
-                               (ImportError, KeyError, OSError, ValueError, RuntimeError))
+            return Llama(
+                str(gguf),
+                n_ctx=4096,
+                n_threads=torch.get_num_threads(),
+                n_threads_batch=torch.get_num_threads(),
+                verbose=False,
+            )
+
+        return self._load_once(
+            "_llama", load, (ImportError, KeyError, OSError, ValueError, RuntimeError)
+        )
 
     def _load_once(self, attr: str, load, errors):
         """``load()`` on first use, kept in ``attr``; a failure (one of ``errors``) is kept too
@@ -440,17 +565,22 @@ class Bench:
     def run_llama_cpp(self, config, request, seed, max_new_tokens) -> dict:
         try:
             from llama_cpp import LlamaGrammar
+
             llm = self.llama_cpp()
         except (ImportError, KeyError) as e:
             return {"status": "unavailable", "error": f"{type(e).__name__}: {e}"}
         t = time.perf_counter()  # its grammar is built before the clock, like outlines' index
         grammar = LlamaGrammar.from_json_schema(json.dumps(request.schema), verbose=False)
         compile_s = time.perf_counter() - t
-        text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
-                                                  tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            request.messages, add_generation_prompt=True, tokenize=False
+        )
         prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the GGUF's own vocabulary
-        sampling = {"temp": 0.0} if config.greedy else {
-            "temp": config.temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+        sampling = (
+            {"temp": 0.0}
+            if config.greedy
+            else {"temp": config.temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+        )
         llm.reset()  # no KV reuse from the previous request: the same footing as the others
         llm.set_seed(seed)
         new, ttft = [], None
@@ -465,28 +595,44 @@ class Bench:
         stop = self.eos in new
         ids = new[: new.index(self.eos)] if stop else new
         n = len(ids)
-        return {"token_ids": ids, "text": self.gen.vocab.decode(ids),
-                "finish_reason": "stop" if stop else "length", "output_tokens": n,
-                "peer_prompt_tokens": len(prompt), "wall_s": wall, "decode_s": wall,
-                "ttft_s": ttft, "gen_s": wall - ttft if ttft is not None else None,
-                "tpot_s": (wall - ttft) / (n - 1) if n > 1 and ttft is not None else None,
-                "target_calls": n + stop, "forward_calls": n + stop,
-                "committed_tokens": n + stop, "peer_compile_s": compile_s}
+        return {
+            "token_ids": ids,
+            "text": self.gen.vocab.decode(ids),
+            "finish_reason": "stop" if stop else "length",
+            "output_tokens": n,
+            "peer_prompt_tokens": len(prompt),
+            "wall_s": wall,
+            "decode_s": wall,
+            "ttft_s": ttft,
+            "gen_s": wall - ttft if ttft is not None else None,
+            "tpot_s": (wall - ttft) / (n - 1) if n > 1 and ttft is not None else None,
+            "target_calls": n + stop,
+            "forward_calls": n + stop,
+            "committed_tokens": n + stop,
+            "peer_compile_s": compile_s,
+        }
 
     def _hf_generate(self, request, processor, sampling):
         from transformers import LogitsProcessorList
-        text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
-                                                  tokenize=False)
+
+        text = self.tokenizer.apply_chat_template(
+            request.messages, add_generation_prompt=True, tokenize=False
+        )
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         input_ids = torch.tensor([ids])
         with torch.inference_mode():
-            out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                      logits_processor=LogitsProcessorList([processor]), **sampling)
-        return len(ids), out[0, len(ids):].tolist()
+            out = self.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                logits_processor=LogitsProcessorList([processor]),
+                **sampling,
+            )
+        return len(ids), out[0, len(ids) :].tolist()
 
     def _outlines_generate(self, request, processor, sampling):
         from outlines.generator import SteerableGenerator
         from outlines.inputs import Chat
+
         model = self.outlines_model()
         # outlines returns decoded text; keep its ids instead (token counts must be exact)
         model._decode_generation = lambda generated: generated  # noqa: SLF001
@@ -501,11 +647,13 @@ class Bench:
 
 # --- forward costs, measured apart from the decode loop ----------------------------------------
 
+
 @torch.inference_mode()
 def forward_ms(model, context: list[int], n: int, reps: int) -> list[float]:
     """ms of ``reps`` + 1 forwards over the last n tokens of ``context``, each after the rest
     is cached. The first is a warm-up (or, under torch.compile, the compilation)."""
     from constrained_spec import cache as kv
+
     cache = kv.new_cache(model)
     kv.forward(model, cache, context, "cpu")
     times = []
@@ -527,9 +675,11 @@ def calibrate(target, draft, context: list[int], reps: int = 3) -> dict:
     def step_ms(model, n: int) -> float:
         return statistics.median(forward_ms(model, context, n, reps)[1:])
 
-    out = {"context_tokens": len(context),
-           "target_ms": {n: step_ms(target, n) for n in (1, 2, 3, 4, 5, 8, 9, 17)},
-           **bandwidth_limit(target)}
+    out = {
+        "context_tokens": len(context),
+        "target_ms": {n: step_ms(target, n) for n in (1, 2, 3, 4, 5, 8, 9, 17)},
+        **bandwidth_limit(target),
+    }
     if draft is not None:
         out["draft_step_ms"] = step_ms(draft, 1)
         t = time.perf_counter()
@@ -539,26 +689,36 @@ def calibrate(target, draft, context: list[int], reps: int = 3) -> dict:
     return out
 
 
+PREFILL_ONLY = ("nibbles", "scale_rows", "offset_rows")  # kernels.Int4Linear's prefill buffers
+
+
 def bandwidth_limit(target) -> dict:
     """The one-token step's floor on this machine: the bytes of weights a step reads (every
-    parameter and buffer but the input embedding's rows, which are looked up) over the memory
-    read bandwidth measured by summing a 1 GiB tensor."""
+    parameter and buffer but the input embedding's rows, which are looked up, and the 4-bit
+    linears' prefill-only buffers) over the memory read bandwidth, the best of 5 sums of a
+    1 GiB tensor."""
     embed = target.get_input_embeddings().weight
-    tensors = {t.data_ptr(): t for t in [*target.parameters(), *target.buffers()]}
+    named = [*target.named_parameters(), *target.named_buffers()]
+    tensors = {t.data_ptr(): t for name, t in named if not name.endswith(PREFILL_ONLY)}
     if embed.data_ptr() != target.get_output_embeddings().weight.data_ptr():
         tensors.pop(embed.data_ptr(), None)  # untied: its rows are gathered, not streamed
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     big = torch.ones(2**28)  # 1 GiB of float32
-    big.sum()
-    t = time.perf_counter()
-    for _ in range(3):
+    best = float("inf")
+    for _ in range(6):
+        t = time.perf_counter()
         big.sum()
-    read_gb_s = 3 * big.numel() * 4 / (time.perf_counter() - t) / 1e9
-    return {"weight_bytes": weight_bytes, "read_gb_s": read_gb_s,
-            "bandwidth_limit_ms": weight_bytes / read_gb_s / 1e6}
+        best = min(best, time.perf_counter() - t)  # the first sum also faults the pages in
+    read_gb_s = big.numel() * 4 / best / 1e9
+    return {
+        "weight_bytes": weight_bytes,
+        "read_gb_s": read_gb_s,
+        "bandwidth_limit_ms": weight_bytes / read_gb_s / 1e6,
+    }
 
 
 # --- correctness fields ------------------------------------------------------------------------
+
 
 def divergence_gap(gen, request: Request, reference: list[int], other: list[int]) -> tuple:
     """(first index where two greedy outputs differ, the reference's top-2 masked logit gap
@@ -566,8 +726,9 @@ def divergence_gap(gen, request: Request, reference: list[int], other: list[int]
     if reference == other:
         return None, None
     constraint = gen.compile(schema=request.schema)
-    return first_divergence(gen.target, constraint, gen.encode_prompt(request.messages),
-                            reference, other)
+    return first_divergence(
+        gen.target, constraint, gen.encode_prompt(request.messages), reference, other
+    )
 
 
 def judge(row: dict, request: Request, config: Config, reference: dict | None, gen) -> None:
@@ -579,8 +740,9 @@ def judge(row: dict, request: Request, config: Config, reference: dict | None, g
         parsed = True
     except ValueError:
         value, parsed = None, False
-    row["valid"] = parsed and row["finish_reason"] == "stop" and \
-        workloads.is_valid(request.schema, value)
+    row["valid"] = (
+        parsed and row["finish_reason"] == "stop" and workloads.is_valid(request.schema, value)
+    )
     if request.expected is not None:
         row["exact_match"] = parsed and value == request.expected
     if not config.greedy or reference is None:
@@ -592,32 +754,47 @@ def judge(row: dict, request: Request, config: Config, reference: dict | None, g
     row["identical"] = row["token_ids"] == reference["token_ids"]
     if not row["identical"]:
         index, gap = divergence_gap(gen, request, reference["token_ids"], row["token_ids"])
-        row.update(first_divergence=index, divergence_gap=gap,
-                   near_tie=gap is not None and gap < NEAR_TIE)
+        row.update(
+            first_divergence=index, divergence_gap=gap, near_tie=gap is not None and gap < NEAR_TIE
+        )
 
 
 # --- the run -----------------------------------------------------------------------------------
 
+
 def machine_info(args) -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(),
-            "cpus": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_start": os.getloadavg(),
+    }
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
-        info["cpu"] = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                           if line.startswith("model name"))
+        info["cpu"] = next(
+            line.split(":", 1)[1].strip()
+            for line in cpuinfo.splitlines()
+            if line.startswith("model name")
+        )
         info["avx512_bf16"] = "avx512_bf16" in cpuinfo
     except (OSError, StopIteration):
         pass
     for name in ("transformers", "outlines", "outlines_core", "jsonschema", "llama_cpp_python"):
         try:
             from importlib.metadata import version
+
             info[name] = version(name)
         except Exception:
             info[name] = None
     try:
-        git = lambda *a: subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True,  # noqa
-                                        text=True, timeout=10).stdout.strip()
+        git = lambda *a: subprocess.run(
+            ["git", "-C", str(ROOT), *a],
+            capture_output=True,  # noqa
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         info["git_commit"] = git("rev-parse", "HEAD")
         info["git_dirty"] = bool(git("status", "--porcelain"))
     except Exception:
@@ -630,8 +807,9 @@ def load(args):
         torch.set_num_threads(args.threads)
     if args.quick:  # the tiny model quantized as a Llama-family model would be
         model, tokenizer = workloads.tiny_model_and_tokenizer()
-        return (model if args.weights in ("auto", "float") else
-                from_transformers(model, args.weights)), tokenizer
+        return (
+            model if args.weights in ("auto", "float") else from_transformers(model, args.weights)
+        ), tokenizer
     return load_model(args.model, weights=args.weights)
 
 
@@ -655,32 +833,60 @@ def main(argv=None) -> int:
 
 
 def measure(args, configs, bench, out: Path, argv, say) -> int:
-    sel = Selection(args.seed, args.max_schema_chars, args.min_instance_chars,
-                    args.max_instance_chars, args.max_prompt_tokens, args.compile_timeout)
+    sel = Selection(
+        args.seed,
+        args.max_schema_chars,
+        args.min_instance_chars,
+        args.max_instance_chars,
+        args.max_prompt_tokens,
+        args.compile_timeout,
+    )
     say(f"selecting {args.n} {args.workload} requests from {args.data} ...")
     t = time.perf_counter()
-    requests, skipped = workloads.select_requests(bench.gen, args.workload, args.n, sel,
-                                                  Path(args.data), log=say)
-    say(f"  {len(requests) - 1} requests (+1 warm-up) in {time.perf_counter() - t:.1f} s; "
-        f"skipped: {skipped}")
+    requests, skipped = workloads.select_requests(
+        bench.gen, args.workload, args.n, sel, Path(args.data), log=say
+    )
+    say(
+        f"  {len(requests) - 1} requests (+1 warm-up) in {time.perf_counter() - t:.1f} s; "
+        f"skipped: {skipped}"
+    )
     if len(requests) < 2:
         raise SystemExit("no usable requests: loosen --max-schema-chars / --max-instance-chars.")
     warmup, requests = requests[0], requests[1:]
-    (out / "requests.json").write_text(json.dumps(
-        {"selection": asdict(sel), "warmup": warmup.to_json(), "skipped": skipped,
-         "requests": [r.to_json() for r in requests]}, indent=1, ensure_ascii=False))
-    meta = {"command": shlex.join([sys.executable, *sys.argv]) if argv is None
-            else shlex.join(["benchmarks/run.py", *argv]),
-            "args": vars(args), "machine": machine_info(args), "started": time.time(),
-            "model": "tiny random (quick)" if args.quick else args.model,
-            "configs": [asdict(c) for c in configs], "near_tie": NEAR_TIE,
-            "weights": describe_weights(args.model, args.weights, getattr(
-                bench.model, "weights", "float")) if not args.quick else args.weights}
+    (out / "requests.json").write_text(
+        json.dumps(
+            {
+                "selection": asdict(sel),
+                "warmup": warmup.to_json(),
+                "skipped": skipped,
+                "requests": [r.to_json() for r in requests],
+            },
+            indent=1,
+            ensure_ascii=False,
+        )
+    )
+    meta = {
+        "command": shlex.join([sys.executable, *sys.argv])
+        if argv is None
+        else shlex.join(["benchmarks/run.py", *argv]),
+        "args": vars(args),
+        "machine": machine_info(args),
+        "started": time.time(),
+        "model": "tiny random (quick)" if args.quick else args.model,
+        "configs": [asdict(c) for c in configs],
+        "near_tie": NEAR_TIE,
+        "weights": describe_weights(
+            args.model, args.weights, getattr(bench.model, "weights", "float")
+        )
+        if not args.quick
+        else args.weights,
+    }
 
     if args.calibrate:
         say("measuring forward costs ...")
-        meta["calibration"] = calibrate(bench.model, bench.int8,
-                                        bench.gen.encode_prompt(warmup.messages))
+        meta["calibration"] = calibrate(
+            bench.model, bench.int8, bench.gen.encode_prompt(warmup.messages)
+        )
         say(f"  {json.dumps(meta['calibration'])}")
     say(f"warming up {len(configs)} configurations ...")
     for config in configs:
@@ -694,7 +900,7 @@ def measure(args, configs, bench, out: Path, argv, say) -> int:
         reference = bench.run(configs[0], request, seed, args.max_new_tokens)  # untimed
         if reference["status"] != "ok":
             reference = None
-        order = configs[i % len(configs):] + configs[: i % len(configs)]
+        order = configs[i % len(configs) :] + configs[: i % len(configs)]
         for config in order:
             row = bench.run(config, request, seed, args.max_new_tokens)
             judge(row, request, config, reference, bench.gen)
@@ -702,8 +908,11 @@ def measure(args, configs, bench, out: Path, argv, say) -> int:
             jsonl.write(json.dumps(row, ensure_ascii=False) + "\n")
             jsonl.flush()
         done = [r for r in rows if r["request"] == request.id and r["status"] == "ok"]
-        say(f"[{i + 1}/{len(requests)}] {request.id} {request.file}: " + "  ".join(
-            f"{r['config']}={r['output_tokens'] / r['wall_s']:.1f}" for r in done) + " tok/s")
+        say(
+            f"[{i + 1}/{len(requests)}] {request.id} {request.file}: "
+            + "  ".join(f"{r['config']}={r['output_tokens'] / r['wall_s']:.1f}" for r in done)
+            + " tok/s"
+        )
         # after every request, so that a run cut short still has a report (--report-only)
         results = save(out, meta, warmup, skipped, requests[: i + 1], rows)
         gc.collect()
@@ -718,8 +927,13 @@ def measure(args, configs, bench, out: Path, argv, say) -> int:
 def save(out: Path, meta: dict, warmup, skipped, requests, rows) -> dict:
     meta.update(finished=time.time(), partial=meta.get("partial", True))
     meta["machine"]["loadavg_end"] = os.getloadavg()
-    results = {"meta": meta, "warmup": warmup.to_json(), "skipped": skipped,
-               "requests": [r.to_json() for r in requests], "results": rows}
+    results = {
+        "meta": meta,
+        "warmup": warmup.to_json(),
+        "skipped": skipped,
+        "requests": [r.to_json() for r in requests],
+        "results": rows,
+    }
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps(results, indent=1, ensure_ascii=False))
     os.replace(tmp, out / "results.json")
@@ -727,35 +941,60 @@ def save(out: Path, meta: dict, warmup, skipped, requests, rows) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--workload", choices=workloads.WORKLOADS, default="extract")
     p.add_argument("--n", type=int, default=None, help="requests (default 40; 2 with --quick)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--configs", default="default", help="comma-separated names/patterns/groups")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--weights", default="auto", choices=list(WEIGHTS),
-                   help="the target's weights for every engine configuration but "
-                        "baseline-float (default: auto, as Generator.from_pretrained)")
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=list(WEIGHTS),
+        help="the target's weights for every engine configuration but "
+        "baseline-float (default: auto, as Generator.from_pretrained)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 256 (40 with --quick)")
     p.add_argument("--seed", type=int, default=0, help="selects the requests; seeds T>0 sampling")
-    p.add_argument("--data", default=str(workloads.DATA),
-                   help="JSONSchemaBench-style folder (default: the committed 48-file sample; the "
-                   "reports use the full dev set)")
+    p.add_argument(
+        "--data",
+        default=str(workloads.DATA),
+        help="JSONSchemaBench-style folder (default: the committed 48-file sample; the "
+        "reports use the full dev set)",
+    )
     p.add_argument("--max-schema-chars", type=int, default=None, help="default 1500 (500 quick)")
     p.add_argument("--min-instance-chars", type=int, default=20)
     p.add_argument("--max-instance-chars", type=int, default=None, help="default 300 (120 quick)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
-    p.add_argument("--compile-timeout", type=float, default=10.0,
-                   help="seconds; schemas (and outlines' regexes) compiling longer are skipped")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: torch's own; 1 with --quick). On a shared "
-                        "2-core machine 2 threads can be 10x slower than 1: check first")
-    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
-                   help="skip measuring target/draft forward costs (a few seconds)")
-    p.add_argument("--skinny-matmul", action="store_true",
-                   help="the target computes 2-32-token inputs as W·xᵀ (models.SkinnyLinear): "
-                        "cheaper verify passes on CPU; the baseline uses the same model")
+    p.add_argument(
+        "--compile-timeout",
+        type=float,
+        default=10.0,
+        help="seconds; schemas (and outlines' regexes) compiling longer are skipped",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's own; 1 with --quick). On a shared "
+        "2-core machine 2 threads can be 10x slower than 1: check first",
+    )
+    p.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="skip measuring target/draft forward costs (a few seconds)",
+    )
+    p.add_argument(
+        "--skinny-matmul",
+        action="store_true",
+        help="the target computes 2-32-token inputs as W·xᵀ (models.SkinnyLinear): "
+        "cheaper verify passes on CPU; the baseline uses the same model",
+    )
     p.add_argument("--quick", action="store_true", help="tiny random model, a few requests")
     p.add_argument("--report-only", action="store_true", help="rebuild report from results.json")
     args = p.parse_args(argv)

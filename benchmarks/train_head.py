@@ -67,13 +67,21 @@ from constrained_spec.vocab import token_vocabulary  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, help="weights path (.safetensors; card .json)")
-    p.add_argument("--evaluate", type=Path, metavar="HEAD",
-                   help="no training: print HEAD's validation agreement and step cost as JSON")
+    p.add_argument(
+        "--evaluate",
+        type=Path,
+        metavar="HEAD",
+        help="no training: print HEAD's validation agreement and step cost as JSON",
+    )
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--data", type=Path, default=DEV_SET, help="the full dev set (not the sample)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--reserve", type=int, default=400,
-                   help="first files of the benchmark's seeded order, left out of training")
+    p.add_argument(
+        "--reserve",
+        type=int,
+        default=400,
+        help="first files of the benchmark's seeded order, left out of training",
+    )
     p.add_argument("--train-tokens", type=int, default=200_000, help="target tokens to encode")
     p.add_argument("--val-tokens", type=int, default=20_000)
     p.add_argument("--max-schema-chars", type=int, default=1000)
@@ -82,53 +90,99 @@ def parse_args(argv=None):
     p.add_argument("--minutes", type=float, default=12.0, help="training time budget")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--cls-weight", type=float, default=1.0)
-    p.add_argument("--reg-weight", type=float, default=1.0,
-                   help="weight of the feature regression (0: token loss only, as in EAGLE-3)")
-    p.add_argument("--answer-weight", type=float, default=1.0,
-                   help="loss weight of positions that predict an answer token, relative to "
-                   "prompt positions (what drafting is for, next to the most data)")
-    p.add_argument("--prompt-vocab", action="store_true",
-                   help="distil over the sub-vocabulary plus the sequence's prompt tokens, as "
-                   "drafting does: rare words of a schema's descriptions come back in answers")
-    p.add_argument("--init", type=Path, default=None, metavar="HEAD",
-                   help="start from a trained head (its sub-vocabulary) instead of the target's "
-                   "last layer")
-    p.add_argument("--copy-gate", action="store_true",
-                   help="open and train the copy gate (q mixes in the copy proposals)")
-    p.add_argument("--gate-only", action="store_true",
-                   help="train the copy gate alone, the rest of the head frozen (with --init)")
-    p.add_argument("--train-steps", type=int, default=1,
-                   help="draft steps unrolled in training, each reading the previous step's "
-                   "output (1 = EAGLE-1: true features only)")
+    p.add_argument(
+        "--reg-weight",
+        type=float,
+        default=1.0,
+        help="weight of the feature regression (0: token loss only, as in EAGLE-3)",
+    )
+    p.add_argument(
+        "--answer-weight",
+        type=float,
+        default=1.0,
+        help="loss weight of positions that predict an answer token, relative to "
+        "prompt positions (what drafting is for, next to the most data)",
+    )
+    p.add_argument(
+        "--prompt-vocab",
+        action="store_true",
+        help="distil over the sub-vocabulary plus the sequence's prompt tokens, as "
+        "drafting does: rare words of a schema's descriptions come back in answers",
+    )
+    p.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        metavar="HEAD",
+        help="start from a trained head (its sub-vocabulary) instead of the target's last layer",
+    )
+    p.add_argument(
+        "--copy-gate",
+        action="store_true",
+        help="open and train the copy gate (q mixes in the copy proposals)",
+    )
+    p.add_argument(
+        "--gate-only",
+        action="store_true",
+        help="train the copy gate alone, the rest of the head frozen (with --init)",
+    )
+    p.add_argument(
+        "--train-steps",
+        type=int,
+        default=1,
+        help="draft steps unrolled in training, each reading the previous step's "
+        "output (1 = EAGLE-1: true features only)",
+    )
     p.add_argument("--noise", type=float, default=0.1, help="input feature noise, × feature std")
-    p.add_argument("--loss-on", choices=("all", "answer"), default="all",
-                   help="positions that carry the loss: every one (prompts are JSON Schemas and "
-                   "records: more data in the same domain) or the answers only")
-    p.add_argument("--features", type=Path, default=None,
-                   help="cache file for the collected features (reused when present)")
-    p.add_argument("--answers", choices=("dataset", "target"), default="dataset",
-                   help="answer each prompt with a valid instance from the dataset, or with the "
-                   "target's own masked greedy output (self-distillation: what the head reads "
-                   "when drafting)")
-    p.add_argument("--dataset-tokens", type=int, default=0,
-                   help="--answers target: also train on this many tokens of teacher-forced "
-                   "dataset answers (the target's features and distributions are as true there; "
-                   "collecting runs at ~440 tok/s against ~28 for generation); cached next to "
-                   "--features as <name>.dataset.pt")
+    p.add_argument(
+        "--loss-on",
+        choices=("all", "answer"),
+        default="all",
+        help="positions that carry the loss: every one (prompts are JSON Schemas and "
+        "records: more data in the same domain) or the answers only",
+    )
+    p.add_argument(
+        "--features",
+        type=Path,
+        default=None,
+        help="cache file for the collected features (reused when present)",
+    )
+    p.add_argument(
+        "--answers",
+        choices=("dataset", "target"),
+        default="dataset",
+        help="answer each prompt with a valid instance from the dataset, or with the "
+        "target's own masked greedy output (self-distillation: what the head reads "
+        "when drafting)",
+    )
+    p.add_argument(
+        "--dataset-tokens",
+        type=int,
+        default=0,
+        help="--answers target: also train on this many tokens of teacher-forced "
+        "dataset answers (the target's features and distributions are as true there; "
+        "collecting runs at ~440 tok/s against ~28 for generation); cached next to "
+        "--features as <name>.dataset.pt",
+    )
     p.add_argument("--batch", type=int, default=16, help="--answers target: prompts per batch")
     p.add_argument("--max-new-tokens", type=int, default=192, help="--answers target: answer cap")
-    p.add_argument("--compile-timeout", type=float, default=3.0,
-                   help="--answers target: seconds per schema; slower ones are skipped")
+    p.add_argument(
+        "--compile-timeout",
+        type=float,
+        default=3.0,
+        help="--answers target: seconds per schema; slower ones are skipped",
+    )
     return p.parse_args(argv)
 
 
 # --- 1. data -------------------------------------------------------------------------------------
 
+
 def dataset_files(args) -> tuple[list[Path], list[Path]]:
     files = sorted(args.data.glob("*.json"))
     order = files[:]
     random.Random(0).shuffle(order)  # the benchmark's order (workloads.select_requests, seed 0)
-    reserved = {p.name for p in order[:args.reserve]}
+    reserved = {p.name for p in order[: args.reserve]}
     rest = [p for p in files if p.name not in reserved]
     val = [p for p in rest if int(hashlib.sha256(p.name.encode()).hexdigest(), 16) % 10 == 0]
     train = [p for p in rest if p not in set(val)]
@@ -147,18 +201,27 @@ def sequences(files: list[Path], tokenizer, args, budget: int, with_schema: bool
         schema = entry.get("schema")
         if not isinstance(schema, dict) or len(compact(schema)) > args.max_schema_chars:
             continue
-        answers = [t["data"] for t in entry.get("tests", []) if t.get("valid")
-                   and 2 <= len(compact(t["data"])) <= args.max_answer_chars]
+        answers = [
+            t["data"]
+            for t in entry.get("tests", [])
+            if t.get("valid") and 2 <= len(compact(t["data"])) <= args.max_answer_chars
+        ]
         answers = [a for a in answers if is_valid(schema, a)]
         if not answers:
             continue
         answer = max(answers, key=lambda a: len(compact(a)))  # longest: most answer positions
-        workload = ("extract", "generate")[int(hashlib.sha256(path.name.encode()).hexdigest(), 16) % 2]
-        text = tokenizer.apply_chat_template(messages_for(workload, schema, answer),
-                                             add_generation_prompt=True, tokenize=False)
+        workload = ("extract", "generate")[
+            int(hashlib.sha256(path.name.encode()).hexdigest(), 16) % 2
+        ]
+        text = tokenizer.apply_chat_template(
+            messages_for(workload, schema, answer), add_generation_prompt=True, tokenize=False
+        )
         prompt = tokenizer.encode(text, add_special_tokens=False)
-        ids = prompt + tokenizer.encode(compact(answer), add_special_tokens=False) + \
-            [tokenizer.eos_token_id]
+        ids = (
+            prompt
+            + tokenizer.encode(compact(answer), add_special_tokens=False)
+            + [tokenizer.eos_token_id]
+        )
         if len(ids) > 1500:
             continue
         yield (ids, len(prompt), schema) if with_schema else (ids, len(prompt))
@@ -184,7 +247,9 @@ def collect(target, tokenizer, files, args, budget, say, skip: int = 0):
         out.append((ids, start, h.half()))
         tokens += len(ids)
         if len(out) % 50 == 0:
-            say(f"  {len(out)} sequences, {tokens} tokens, {tokens / (time.perf_counter() - t0):.0f} tok/s")
+            say(
+                f"  {len(out)} sequences, {tokens} tokens, {tokens / (time.perf_counter() - t0):.0f} tok/s"
+            )
     return out
 
 
@@ -233,36 +298,46 @@ def self_distilled(target, tokenizer, files, args, budget, say):
                     out[b, eos] = 0.0  # finished rows pad with EOS
                 else:
                     keep = c.mask(s)
-                    out[b, :len(keep)][keep] = scores[b, :len(keep)][keep]
+                    out[b, : len(keep)][keep] = scores[b, : len(keep)][keep]
             return out
 
     jobs.sort(key=lambda j: len(j[0]))  # similar lengths share a batch: little padding
     out, t0, made = [], time.perf_counter(), 0
     for lo in range(0, len(jobs), args.batch):
-        batch = jobs[lo:lo + args.batch]
+        batch = jobs[lo : lo + args.batch]
         longest = max(len(p) for p, _ in batch)
         pad = eos
         x = torch.tensor([[pad] * (longest - len(p)) + p for p, _ in batch])
         attention = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in batch])
-        result = target.generate(input_ids=x, attention_mask=attention, do_sample=False,
-                                 max_new_tokens=args.max_new_tokens, pad_token_id=pad,
-                                 eos_token_id=pad, logits_processor=[Masked([c for _, c in batch])],
-                                 output_hidden_states=True, return_dict_in_generate=True)
+        result = target.generate(
+            input_ids=x,
+            attention_mask=attention,
+            do_sample=False,
+            max_new_tokens=args.max_new_tokens,
+            pad_token_id=pad,
+            eos_token_id=pad,
+            logits_processor=[Masked([c for _, c in batch])],
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+        )
         steps = [hs[-1] for hs in result.hidden_states]  # step 0: the prompt; then one per token
         for b, (prompt, _) in enumerate(batch):
             answer = result.sequences[b, longest:].tolist()
             if pad in answer:
-                answer = answer[:answer.index(pad) + 1]
-            h = torch.cat([steps[0][b, longest - len(prompt):]] +
-                          [s[b] for s in steps[1:len(answer)]])
+                answer = answer[: answer.index(pad) + 1]
+            h = torch.cat(
+                [steps[0][b, longest - len(prompt) :]] + [s[b] for s in steps[1 : len(answer)]]
+            )
             ids = prompt + answer[:-1]  # the last token was never fed: no feature
             assert len(h) == len(ids)
             out.append((ids, len(prompt), h.half()))
             made += len(answer)
         for _, constraint in batch:  # done with: free its per-state masks
             constraint.clear_caches()
-        say(f"  {len(out)}/{len(jobs)} answered, {made} answer tokens, "
-            f"{made / (time.perf_counter() - t0):.0f} tok/s")
+        say(
+            f"  {len(out)}/{len(jobs)} answered, {made} answer tokens, "
+            f"{made / (time.perf_counter() - t0):.0f} tok/s"
+        )
     return out
 
 
@@ -280,13 +355,14 @@ def dataset_answers(target, tokenizer, files, args, say):
 
 # --- 3. training ---------------------------------------------------------------------------------
 
+
 def sub_vocabulary(target, data, size: int) -> torch.Tensor:
     """The tokens the target most often puts first at answer positions (plus EOS)."""
     W = target.get_output_embeddings().weight
     counts = torch.zeros(W.shape[0])
     with torch.inference_mode():
         for ids, start, h in data:
-            top = (h[start - 1:].float() @ W.T).argmax(-1)
+            top = (h[start - 1 :].float() @ W.T).argmax(-1)
             counts += torch.bincount(top, minlength=len(counts)).float()
             counts[torch.tensor(ids[start:])] += 1
     return counts.argsort(descending=True)[:size].sort().values
@@ -315,10 +391,12 @@ def unrolled(head, f: torch.Tensor, e: torch.Tensor, steps: int) -> list[torch.T
         keys.append(k)
         values.append(v)
         # block 0 (true pairs): keys j' <= j - s; block t >= 1: the chain's key j' = j - (s - t)
-        allowed = [pos[None, :] <= pos[:, None] - s] + \
-                  [pos[None, :] == pos[:, None] - (s - t) for t in range(1, s + 1)]
-        outs.append(head.attend(x, q, torch.cat(keys, 2), torch.cat(values, 2),
-                                torch.cat(allowed, 1))[0])
+        allowed = [pos[None, :] <= pos[:, None] - s] + [
+            pos[None, :] == pos[:, None] - (s - t) for t in range(1, s + 1)
+        ]
+        outs.append(
+            head.attend(x, q, torch.cat(keys, 2), torch.cat(values, 2), torch.cat(allowed, 1))[0]
+        )
         inputs = torch.cat([torch.zeros_like(f[:1]), outs[-1][:-1]])  # position 0: no chain
     return outs
 
@@ -327,8 +405,11 @@ def train(head, target, data, args, say):
     embed = target.get_input_embeddings()
     W = target.get_output_embeddings().weight.detach()
     std = torch.cat([h.float() for _, _, h in data[:50]]).std().item()
-    params = [p for n, p in head.named_parameters()
-              if "embed_tokens" not in n and ("copy_gate" in n or not args.gate_only)]
+    params = [
+        p
+        for n, p in head.named_parameters()
+        if "embed_tokens" not in n and ("copy_gate" in n or not args.gate_only)
+    ]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     deadline = time.perf_counter() + 60 * args.minutes
     rng, step, order = random.Random(args.seed), 0, []
@@ -341,12 +422,14 @@ def train(head, target, data, args, say):
         f_in, e, proposals, f_next, first = head_inputs(embed, ids, h, start)
         first = first if args.loss_on == "answer" else 0
         f_next = f_next[first:-1]  # the last pair would predict past EOS
-        vocab = draft_vocabulary(head.draft_ids, ids[:start]) if args.prompt_vocab else head.draft_ids
+        vocab = (
+            draft_vocabulary(head.draft_ids, ids[:start]) if args.prompt_vocab else head.draft_ids
+        )
         rows = W[vocab].float()  # (N, d)
         copies = vocabulary_positions(vocab, proposals)
         # pair i predicts token i + 2: an answer token from i = start - 2 on
         weight = torch.ones(len(f_next))
-        weight[max(start - 2 - first, 0):] = args.answer_weight
+        weight[max(start - 2 - first, 0) :] = args.answer_weight
         with torch.no_grad():
             f_in = f_in + args.noise * std * torch.randn_like(f_in)
             p = F.softmax(f_next @ rows.T, dim=-1)
@@ -355,11 +438,16 @@ def train(head, target, data, args, say):
             preds = unrolled(head, f_in, e, args.train_steps)
         for s, pred in enumerate(preds):
             lo = max(first, s)  # step s needs s true-prefix positions before it
-            w = weight[lo - first:] / weight[lo - first:].sum() / args.train_steps
-            reg = reg + (w * F.smooth_l1_loss(pred[lo:-1], f_next[lo - first:],
-                                              reduction="none").mean(-1)).sum()
+            w = weight[lo - first :] / weight[lo - first :].sum() / args.train_steps
+            reg = (
+                reg
+                + (
+                    w
+                    * F.smooth_l1_loss(pred[lo:-1], f_next[lo - first :], reduction="none").mean(-1)
+                ).sum()
+            )
             logq = head.log_probs(pred[lo:-1], rows, copies[lo:-1])
-            cls = cls - (w * (p[lo - first:] * logq).sum(-1)).sum()
+            cls = cls - (w * (p[lo - first :] * logq).sum(-1)).sum()
         loss = (0 if args.gate_only else args.reg_weight * reg) + args.cls_weight * cls
         opt.zero_grad()
         loss.backward()
@@ -371,11 +459,14 @@ def train(head, target, data, args, say):
         opt.step()
         step += 1
         if step % 100 == 0:
-            say(f"  step {step} ({elapsed / 60:.1f} min): reg {reg.item():.3f} cls {cls.item():.3f}")
+            say(
+                f"  step {step} ({elapsed / 60:.1f} min): reg {reg.item():.3f} cls {cls.item():.3f}"
+            )
     return step
 
 
 # --- 4. evaluation -------------------------------------------------------------------------------
+
 
 @torch.inference_mode()
 def agreement(head, target, data, steps: int = 3, per_seq: int = 24, seed: int = 0):
@@ -392,23 +483,33 @@ def agreement(head, target, data, steps: int = 3, per_seq: int = 24, seed: int =
         rows = W[vocab].float()
         f = h.float()
         top = (f @ W.T).argmax(-1)  # top[i]: the target's choice for token i+1
-        covered += int(torch.isin(top[start - 1:-1], vocab).sum())
+        covered += int(torch.isin(top[start - 1 : -1], vocab).sum())
         total += len(ids) - start
         proposals = copy_proposals(ids)[1:]
-        e, copies = pair_embeddings(embed, ids[1:], proposals), vocabulary_positions(vocab, proposals)
-        for i in rng.sample(range(max(start - 2, 0), len(ids) - 1 - steps),
-                            k=min(per_seq, max(len(ids) - 1 - steps - max(start - 2, 0), 0))):
+        e, copies = (
+            pair_embeddings(embed, ids[1:], proposals),
+            vocabulary_positions(vocab, proposals),
+        )
+        for i in rng.sample(
+            range(max(start - 2, 0), len(ids) - 1 - steps),
+            k=min(per_seq, max(len(ids) - 1 - steps - max(start - 2, 0), 0)),
+        ):
             cache = HeadCache()
-            out = head(f[None, :i + 1], e[None, :i + 1], cache)[0, -1]  # predicts f_{i+1}
+            out = head(f[None, : i + 1], e[None, : i + 1], cache)[0, -1]  # predicts f_{i+1}
             for s in range(steps):
-                choice = int(vocab[head.log_probs(out[None], rows, copies[i + s:i + s + 1]).argmax()])
+                choice = int(
+                    vocab[head.log_probs(out[None], rows, copies[i + s : i + s + 1]).argmax()]
+                )
                 seen[s] += 1
                 hits[s] += choice == int(top[i + 1 + s])
                 if i + 2 + s >= len(ids):
                     break
-                out = head(out[None, None], e[None, i + 1 + s:i + 2 + s], cache)[0, -1]
-    return {"top1_by_step": [round(h / max(n, 1), 4) for h, n in zip(hits, seen)],
-            "positions_by_step": seen, "sub_vocab_coverage": round(covered / max(total, 1), 4)}
+                out = head(out[None, None], e[None, i + 1 + s : i + 2 + s], cache)[0, -1]
+    return {
+        "top1_by_step": [round(h / max(n, 1), 4) for h, n in zip(hits, seen)],
+        "positions_by_step": seen,
+        "sub_vocab_coverage": round(covered / max(total, 1), 4),
+    }
 
 
 @torch.inference_mode()
@@ -440,8 +541,11 @@ def step_costs(head, target, context_len: int = 400, reps: int = 20) -> dict:
         return 1e3 * (time.perf_counter() - t) / reps
 
     target_ms, head_ms = timed(target_step), timed(head_step)
-    return {"target_step_ms": round(target_ms, 2), "head_step_ms": round(head_ms, 2),
-            "cost_ratio": round(head_ms / target_ms, 4)}
+    return {
+        "target_step_ms": round(target_ms, 2),
+        "head_step_ms": round(head_ms, 2),
+        "cost_ratio": round(head_ms / target_ms, 4),
+    }
 
 
 def main(argv=None) -> int:
@@ -461,23 +565,37 @@ def main(argv=None) -> int:
     t, before = time.perf_counter(), (len(train_data), len(val_data))
     if args.answers == "target":
         if not train_data:
-            train_data = self_distilled(target, tokenizer, train_files, args, args.train_tokens, say)
+            train_data = self_distilled(
+                target, tokenizer, train_files, args, args.train_tokens, say
+            )
             val_data = self_distilled(target, tokenizer, val_files, args, args.val_tokens, say)
     else:
-        train_data += collect(target, tokenizer, train_files, args, args.train_tokens, say,
-                              skip=len(train_data))
-        val_data += collect(target, tokenizer, val_files, args, args.val_tokens, say,
-                            skip=len(val_data))
+        train_data += collect(
+            target, tokenizer, train_files, args, args.train_tokens, say, skip=len(train_data)
+        )
+        val_data += collect(
+            target, tokenizer, val_files, args, args.val_tokens, say, skip=len(val_data)
+        )
     if (len(train_data), len(val_data)) != before:
-        say(f"collected {len(train_data)} + {len(val_data)} sequences in {time.perf_counter() - t:.0f} s")
+        say(
+            f"collected {len(train_data)} + {len(val_data)} sequences in {time.perf_counter() - t:.0f} s"
+        )
         if args.features is not None:
             torch.save((train_data, val_data), args.features)
     count = lambda data: (sum(len(i) for i, _, _ in data), sum(len(i) - s for i, s, _ in data))
     if args.evaluate:
         head = load_head(target, token_vocabulary(tokenizer), args.evaluate)
-        say(json.dumps({"head": str(args.evaluate), "val_tokens_and_answer_tokens": count(val_data),
-                        "validation": agreement(head, target, val_data),
-                        **step_costs(head, target)}, indent=1))
+        say(
+            json.dumps(
+                {
+                    "head": str(args.evaluate),
+                    "val_tokens_and_answer_tokens": count(val_data),
+                    "validation": agreement(head, target, val_data),
+                    **step_costs(head, target),
+                },
+                indent=1,
+            )
+        )
         return 0
     card_data = {"train_tokens_and_answer_tokens": count(train_data)}
     if args.answers == "target" and args.dataset_tokens:  # training only: validation stays the
@@ -500,20 +618,33 @@ def main(argv=None) -> int:
     steps = train(head.train(), target, train_data, args, say)
     train_s = time.perf_counter() - t
     head.eval()
-    metrics = {"validation": agreement(head, target, val_data),
-               "validation_before_training": before, **step_costs(head, target)}
+    metrics = {
+        "validation": agreement(head, target, val_data),
+        "validation_before_training": before,
+        **step_costs(head, target),
+    }
     say(json.dumps(metrics, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    card = {"command": "python benchmarks/train_head.py " + " ".join(argv or sys.argv[1:]),
-            "model": args.model, "vocab_fingerprint": token_vocabulary(tokenizer).fingerprint,
-            "seed": args.seed, "train_sequences": len(train_data), "val_sequences": len(val_data),
-            **card_data,
-            "val_tokens_and_answer_tokens": count(val_data), "steps": steps,
-            "train_minutes": round(train_s / 60, 1), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "args": {k: str(v) for k, v in vars(args).items()},
-            "metrics": metrics}
+    card = {
+        "command": "python benchmarks/train_head.py " + " ".join(argv or sys.argv[1:]),
+        "model": args.model,
+        "vocab_fingerprint": token_vocabulary(tokenizer).fingerprint,
+        "seed": args.seed,
+        "train_sequences": len(train_data),
+        "val_sequences": len(val_data),
+        **card_data,
+        "val_tokens_and_answer_tokens": count(val_data),
+        "steps": steps,
+        "train_minutes": round(train_s / 60, 1),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "metrics": metrics,
+    }
     head.save(args.out, card)
-    say(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB) and {args.out.with_suffix('.json')}")
+    say(
+        f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB) and {args.out.with_suffix('.json')}"
+    )
     return 0
 
 

@@ -32,9 +32,9 @@ WORKLOADS = ("extract", "generate")
 
 @dataclass(frozen=True)
 class Selection:
-    seed: int = 0                  # shuffles the file list: the same seed gives the same requests
-    max_schema_chars: int = 1500   # compact schema text, so prompts fit the model's context
-    min_instance_chars: int = 20   # a few tokens only would measure per-request overhead
+    seed: int = 0  # shuffles the file list: the same seed gives the same requests
+    max_schema_chars: int = 1500  # compact schema text, so prompts fit the model's context
+    min_instance_chars: int = 20  # a few tokens only would measure per-request overhead
     max_instance_chars: int = 300  # compact JSON of the expected instance
     max_prompt_tokens: int = 1024
     compile_timeout_s: float = 10.0  # "compiles quickly": longer builds are skipped as too complex
@@ -42,12 +42,12 @@ class Selection:
 
 @dataclass(frozen=True)
 class Request:
-    id: str                  # "<workload>-<index>"
-    file: str                # dataset file name
-    source: str              # dataset subset (Github_easy, Kubernetes, ...)
+    id: str  # "<workload>-<index>"
+    file: str  # dataset file name
+    source: str  # dataset subset (Github_easy, Kubernetes, ...)
     workload: str
     schema: dict
-    messages: list           # chat messages (one user turn)
+    messages: list  # chat messages (one user turn)
     expected: object = None  # the instance stated in an extract prompt
     prompt_tokens: int = 0
 
@@ -79,8 +79,11 @@ def is_valid(schema: dict, value) -> bool:
 def field_lines(value, prefix: str = "") -> list[str]:
     """An instance as plain ``field: value`` lines (dotted paths, [i] for array items)."""
     if isinstance(value, dict) and value:
-        return [line for k, v in value.items()
-                for line in field_lines(v, f"{prefix}.{k}" if prefix else str(k))]
+        return [
+            line
+            for k, v in value.items()
+            for line in field_lines(v, f"{prefix}.{k}" if prefix else str(k))
+        ]
     if isinstance(value, list) and value:
         return [line for i, v in enumerate(value) for line in field_lines(v, f"{prefix}[{i}]")]
     text = value if isinstance(value, str) and "\n" not in value else compact(value)
@@ -91,11 +94,15 @@ def messages_for(workload: str, schema: dict, instance) -> list[dict]:
     schema_text = compact(schema)
     if workload == "extract":
         record = "\n".join(field_lines(instance))
-        content = (f"Convert the record below to JSON that matches this JSON Schema.\n\n"
-                   f"Schema:\n{schema_text}\n\nRecord:\n{record}\n\nAnswer with the JSON only.")
+        content = (
+            f"Convert the record below to JSON that matches this JSON Schema.\n\n"
+            f"Schema:\n{schema_text}\n\nRecord:\n{record}\n\nAnswer with the JSON only."
+        )
     elif workload == "generate":
-        content = (f"Here is a JSON Schema:\n{schema_text}\n\nWrite one realistic example "
-                   f"object that matches it. Answer with the JSON only.")
+        content = (
+            f"Here is a JSON Schema:\n{schema_text}\n\nWrite one realistic example "
+            f"object that matches it. Answer with the JSON only."
+        )
     else:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}.")
     return [{"role": "user", "content": content}]
@@ -107,14 +114,16 @@ def short_instance(schema: dict, tests: list, sel: Selection):
         if not test.get("valid"):
             continue
         text = compact(test.get("data"))
-        if sel.min_instance_chars <= len(text) <= sel.max_instance_chars and \
-                is_valid(schema, test["data"]):
+        if sel.min_instance_chars <= len(text) <= sel.max_instance_chars and is_valid(
+            schema, test["data"]
+        ):
             return test["data"]
     return None
 
 
-def select_requests(gen, workload: str, n: int, sel: Selection, data: Path = DATA,
-                    log=print) -> tuple[list[Request], dict]:
+def select_requests(
+    gen, workload: str, n: int, sel: Selection, data: Path = DATA, log=print
+) -> tuple[list[Request], dict]:
     """``n`` requests (plus one more, first, for warm-up) and the counts of skipped files by reason.
 
     Compiling is bounded by ``sel.compile_timeout_s`` (a forked child, as the library does);
@@ -164,8 +173,16 @@ def _try_file(gen, path: Path, workload: str, sel: Selection, verdicts, index: i
     if prompt_tokens > sel.max_prompt_tokens:
         return "prompt too long", None
     rid = f"{workload}-{index}" if index else f"{workload}-warmup"
-    return "ok", Request(rid, path.name, source_of(path.name), workload, schema, messages,
-                         instance if workload == "extract" else None, prompt_tokens)
+    return "ok", Request(
+        rid,
+        path.name,
+        source_of(path.name),
+        workload,
+        schema,
+        messages,
+        instance if workload == "extract" else None,
+        prompt_tokens,
+    )
 
 
 def _compile_verdict(gen, schema: dict, instance, sel: Selection) -> str:
@@ -195,8 +212,11 @@ class _VerdictCache:
     def __init__(self, gen, sel: Selection, data: Path):
         key = f"{gen.vocab.fingerprint}|{sel.compile_timeout_s}|{Path(data).resolve()}"
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        self.path = gen.cache_dir / "benchmark" / f"verdicts-{digest}.json" \
-            if gen.cache_dir is not None else None
+        self.path = (
+            gen.cache_dir / "benchmark" / f"verdicts-{digest}.json"
+            if gen.cache_dir is not None
+            else None
+        )
         self.verdicts = {}
         if self.path is not None and self.path.is_file():
             try:
@@ -222,14 +242,19 @@ class _VerdictCache:
 
 # --- the tiny model of --quick -----------------------------------------------------------------
 
-TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-                 "{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TINY_CORPUS = ('{"name": "Alice", "age": 30}', '{"name": "Bob", "age": 7, "ok": true}',
-               '{"type": "object", "properties": {"id": {"type": "integer"}}}',
-               "Convert the record below to JSON that matches this JSON Schema.",
-               "Schema: Record: Answer with the JSON only. name: Alice",
-               "[1, 2, 3] null false")
+TINY_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_CORPUS = (
+    '{"name": "Alice", "age": 30}',
+    '{"name": "Bob", "age": 7, "ok": true}',
+    '{"type": "object", "properties": {"id": {"type": "integer"}}}',
+    "Convert the record below to JSON that matches this JSON Schema.",
+    "Schema: Record: Answer with the JSON only. name: Alice",
+    "[1, 2, 3] null false",
+)
 
 
 def tiny_model_and_tokenizer(seed: int = 0):
@@ -237,8 +262,13 @@ def tiny_model_and_tokenizer(seed: int = 0):
     template): a harness check only."""
     from constrained_spec import testing
 
-    tokenizer = testing.tiny_tokenizer(TINY_CORPUS, vocab_size=400,
-                                       special_tokens=("<|im_start|>", "<|im_end|>"),
-                                       eos_token="<|im_end|>", chat_template=TINY_TEMPLATE,
-                                       bos_token="<|im_start|>", pad_token="<|im_end|>")
+    tokenizer = testing.tiny_tokenizer(
+        TINY_CORPUS,
+        vocab_size=400,
+        special_tokens=("<|im_start|>", "<|im_end|>"),
+        eos_token="<|im_end|>",
+        chat_template=TINY_TEMPLATE,
+        bos_token="<|im_start|>",
+        pad_token="<|im_end|>",
+    )
     return testing.tiny_model(tokenizer, seed, max_positions=4096), tokenizer

@@ -17,16 +17,20 @@ SCHEMA = {
         "name": {"type": "string", "maxLength": 40},
         "age": {"type": "integer", "minimum": 0, "maximum": 150},
         "email": {"type": "string", "format": "email"},
-        "languages": {"type": "array", "items": {"type": "string", "maxLength": 20},
-                      "maxItems": 4},
+        "languages": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 4},
     },
     "required": ["name", "age", "email", "languages"],
 }
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("prompt", nargs="?", default=(
-    "Extract the person as JSON: Alice Martin, 30, alice@example.com, speaks French and "
-    "English."))
+parser.add_argument(
+    "prompt",
+    nargs="?",
+    default=(
+        "Extract the person as JSON: Alice Martin, 30, alice@example.com, speaks French and "
+        "English."
+    ),
+)
 parser.add_argument("--max-new-tokens", type=int, default=80)
 parser.add_argument("--num-draft-tokens", type=int, default=4)
 args = parser.parse_args()
@@ -37,15 +41,25 @@ gen.generate(messages, schema=SCHEMA, max_new_tokens=2)  # warm-up: compile, fir
 
 runs = {}
 for name, speculative in (("baseline", False), ("speculative", True)):
-    result = gen.generate(messages, schema=SCHEMA, max_new_tokens=args.max_new_tokens,
-                          num_draft_tokens=args.num_draft_tokens, speculative=speculative)
+    result = gen.generate(
+        messages,
+        schema=SCHEMA,
+        max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens,
+        speculative=speculative,
+    )
     s, n = result.stats, len(result.token_ids)
     runs[name] = result
-    print(f"{name:12s} {n / s.total_s:6.1f} tok/s  {n:4d} tokens  {s.target_calls:4d} target "
-          f"calls  {s.total_s:6.2f} s  acceptance {s.acceptance_rate:.0%}")
+    print(
+        f"{name:12s} {n / s.total_s:6.1f} tok/s  {n:4d} tokens  {s.target_calls:4d} target "
+        f"calls  {s.total_s:6.2f} s  acceptance {s.acceptance_rate:.0%}"
+    )
 
 base, spec = runs["baseline"], runs["speculative"]
-print(f"speed-up {base.stats.total_s / spec.stats.total_s:.2f}x;",
-      "outputs identical" if base.token_ids == spec.token_ids else
-      "outputs DIFFER (see the docstring: only a near-tie may explain it)")
+print(
+    f"speed-up {base.stats.total_s / spec.stats.total_s:.2f}x;",
+    "outputs identical"
+    if base.token_ids == spec.token_ids
+    else "outputs DIFFER (see the docstring: only a near-tie may explain it)",
+)
 print(spec.text)

@@ -30,5 +30,7 @@ for text in TEXTS:
     result = gen.generate(messages, schema=Person, max_new_tokens=64)
     person = Person.model_validate_json(result.text)  # always valid when finish_reason == "stop"
     s = result.stats
-    print(f"{text!r}\n  -> {person!r}\n  ({len(result.token_ids)} tokens in {s.target_calls} "
-          f"target calls, {s.total_s:.2f} s, finish: {result.finish_reason})")
+    print(
+        f"{text!r}\n  -> {person!r}\n  ({len(result.token_ids)} tokens in {s.target_calls} "
+        f"target calls, {s.total_s:.2f} s, finish: {result.finish_reason})"
+    )

@@ -25,8 +25,10 @@ def usable(path: Path) -> bool:
     doc = json.loads(path.read_text())
     if len(compact(doc.get("schema"))) > MAX_SCHEMA:
         return False
-    return any(t.get("valid") and INSTANCE[0] <= len(compact(t.get("data"))) <= INSTANCE[1]
-               for t in doc.get("tests", []))
+    return any(
+        t.get("valid") and INSTANCE[0] <= len(compact(t.get("data"))) <= INSTANCE[1]
+        for t in doc.get("tests", [])
+    )
 
 
 def main(src: Path, out: Path) -> None:
