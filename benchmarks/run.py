@@ -116,6 +116,7 @@ def all_configs() -> list[Config]:
         + [Config(f"{d}/adaptive", "engine", d, ADAPTIVE_K_MAX, adaptive=True)]
         for d in ("int8", "int8+lookup", "bf16+lookup", "head", "head+lookup")
     }
+    k4 = lambda d: next(c for c in model[d] if c.k == 4)  # noqa: E731  (the sampled variants)
     model["head+lookup"] += [
         Config(f"head+lookup/k{KS[-1]}/c{c:g}", "engine", "head+lookup", KS[-1], min_confidence=c)
         for c in CONFIDENCES
@@ -165,11 +166,11 @@ def all_configs() -> list[Config]:
             hot(base),
             hot(base_float),
             hot(lookup),
-            hot(model["int8"][1]),
-            hot(model["int8+lookup"][1]),
+            hot(k4("int8")),
+            hot(k4("int8+lookup")),
             hot(model["int8+lookup"][-1]),
-            hot(model["head"][1]),
-            hot(model["head+lookup"][1]),
+            hot(k4("head")),
+            hot(k4("head+lookup")),
             *(hot(c) for c in model["head+lookup"] if c.min_confidence and not c.after_lookup),
         ]
         + peers

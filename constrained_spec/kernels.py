@@ -7,6 +7,8 @@ Q8_0 (w = d·q, q int8) is dequantized once to float32, where d·q is exact.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -157,10 +159,24 @@ class Int4Linear(nn.Module):
         return w.view(n, -1)
 
 
+@functools.cache
+def int4_missing() -> str | None:
+    """Why this torch build cannot run the 4-bit kernel on this machine, or None if it can (its
+    CPU int4 ops are missing from some builds and architectures)."""
+    try:
+        linear = Int4Linear.from_q4_1(*quantize_q4_1(torch.randn(64, 64)))
+        linear(torch.randn(1, 64))
+    except (RuntimeError, NotImplementedError, AttributeError) as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    return None
+
+
 def measure_prefill(shapes: list[tuple[int, int]], rows: int = 128, repeats: int = 3) -> dict:
     """Milliseconds for one pass over ``shapes`` with ``rows`` input rows, per PREFILL_KERNELS."""
     import time
 
+    if int4_missing():
+        return {"int4": 0.0, "bf16": float("inf")}  # nothing to choose: the model runs float
     layers = [Int4Linear.from_q4_1(*quantize_q4_1(torch.randn(n, k) * 0.02)) for n, k in shapes]
     xs = {k: torch.randn(rows, k) for _, k in shapes}
     result = {}
@@ -188,8 +204,10 @@ def measure_linears(
     import time
 
     makers = {"int4": lambda w: Int4Linear.from_q4_1(*quantize_q4_1(w)), "float": DenseLinear}
-    result = {}
+    result = {"int4": float("inf")} if int4_missing() else {}  # never chosen then
     for name, make in makers.items():
+        if name in result:
+            continue
         layers = [make(torch.randn(n, k) * 0.02) for n, k in shapes]
         total = 0.0
         for m in rows:

@@ -123,6 +123,15 @@ def load_model(
         )
     if weights == "auto":  # a float dtype other than float32 asks for the float path
         weights = choose_weights(name_or_path) if dtype == torch.float32 else "float"
+    if weights in ("int4", "int8"):
+        from .kernels import int4_missing
+
+        if missing := int4_missing():
+            raise WeightsError(
+                f"weights={weights!r} needs torch's 4-bit weight-only CPU kernel, "
+                f"which this torch {torch.__version__} cannot run here ({missing}): "
+                "use weights='float' (or 'auto', which measures and falls back)."
+            )
     if weights != "float" and dtype != torch.float32:
         raise WeightsError(
             f"weights={weights!r} fixes its own numerics: drop dtype={dtype} "

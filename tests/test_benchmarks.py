@@ -282,7 +282,7 @@ def test_goal_gap_arithmetic():
 
 def test_config_selection():
     names = [c.name for c in run.select_configs("int8+lookup/k[0-9]")]
-    assert names == ["baseline", "int8+lookup/k2", "int8+lookup/k4", "int8+lookup/k8"]
+    assert names == ["baseline"] + [f"int8+lookup/k{k}" for k in (2, 3, 4, 7, 8)]
     assert "int8+lookup/k4@t0.7" in [c.name for c in run.select_configs("int8+lookup/k*")]
     assert "baseline@t0.7" in [c.name for c in run.select_configs("lookup@t0.7")]
     with pytest.raises(SystemExit, match="matches nothing"):

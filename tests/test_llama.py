@@ -384,6 +384,7 @@ def test_real_default_model_int4_is_its_gguf_blocks():
     float copy's weights exactly (q and k through the un-permutation); the loaded kernels hold
     them (up to bf16 scales); top-1 agreement with the float model stays high."""
     model, tokenizer = models.load_model(models.DEFAULT_MODEL, weights="int4")
+    model.use_prefill("int4")  # the weights are read back below through 576-row inputs
     float_model, _ = models.load_model(models.DEFAULT_MODEL)
     assert isinstance(model, llama.CompactLlama) and model.weights == "int4"
     s, fm = model.shape, float_model.model
@@ -459,3 +460,17 @@ def test_greedy_speculation_equals_the_baseline_after_a_bf16_prefill(
     spec = gen.generate(prompt, schema=testing.PERSON, num_draft_tokens=4, max_new_tokens=60)
     assert spec.stats.drafted > 0
     assert spec.token_ids == base.token_ids
+
+
+def test_a_missing_int4_kernel_is_named_and_auto_falls_back(monkeypatch):
+    """A torch build without the 4-bit CPU kernel: asking for it is a clear error before any
+    loading; the measurement behind "auto" never picks it."""
+    monkeypatch.setattr(kernels, "int4_missing", lambda: "NotImplementedError: no int4 op")
+    for name in ("_load_float", "_load_builtin_int4", "_converted_copy"):
+        monkeypatch.setattr(models, name, explode)
+    for weights in ("int4", "int8"):
+        with pytest.raises(WeightsError, match="no int4 op.*weights='float'"):
+            models.load_model(models.DEFAULT_MODEL, weights=weights)
+    timings = kernels.measure_linears([(64, 64)], repeats=1)
+    assert timings["int4"] == float("inf") and timings["float"] < float("inf")
+    assert kernels.measure_prefill([(64, 64)])["bf16"] == float("inf")
