@@ -73,6 +73,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the generated text (JSON for a schema) on "
         "stdout; the live view, stats and errors go to stderr.",
     )
+    _add_generate_arguments(gen)
+    gen.set_defaults(run=_generate)
+
+    lst = commands.add_parser(
+        "grammars",
+        help="list the ready-made grammars (--grammar NAME)",
+        description="List the shipped grammars with a description.",
+    )
+    lst.set_defaults(run=_list_grammars)
+    return parser
+
+
+def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
+    """What to generate, for what prompt, with which model."""
     gen.add_argument(
         "prompt",
         metavar="PROMPT",
@@ -132,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16"],
         help="target weights dtype for --weights float (default: float32)",
     )
+    _add_decoding_arguments(gen)
+
+
+def _add_decoding_arguments(gen: argparse.ArgumentParser) -> None:
+    """How to decode, and what to show."""
     gen.add_argument(
         "--temperature",
         type=float,
@@ -193,15 +212,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="live view on stderr: accepted drafts green, rejected draft struck "
         "through orange, the target's own token blue, forced tokens underlined",
     )
-    gen.set_defaults(run=_generate)
-
-    lst = commands.add_parser(
-        "grammars",
-        help="list the ready-made grammars (--grammar NAME)",
-        description="List the shipped grammars with a description.",
-    )
-    lst.set_defaults(run=_list_grammars)
-    return parser
 
 
 def _validate(args) -> Request:

@@ -30,24 +30,26 @@ BOUNDED = {
 PROMPTS = ["hello", '{"name": "Alice", "age": 30}', "yes no yes"]
 
 
+def greedy_runs(target, draft, tokenizer, prompt: str, k: int):
+    """The masked baseline and greedy speculation on one prompt, checked to agree (up to a
+    near-tie); returns the speculative run's stats."""
+    gen = Generator(target, tokenizer, draft=draft, cache_dir=None)
+    base = gen.generate(prompt, schema=PERSON, speculative=False, max_new_tokens=80)
+    spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=k, max_new_tokens=80)
+    assert base.stats.target_calls == len(base.token_ids) + (base.finish_reason == "stop")
+    constraint = gen.compile(schema=PERSON)
+    prompt_ids = tokenizer.encode(prompt)
+    assert_greedy_match(target, constraint, prompt_ids, base.token_ids, spec.token_ids)
+    assert spec.finish_reason == base.finish_reason
+    return spec.stats
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_speculative_equals_the_masked_baseline(
     prompt, k, tiny_target, tiny_draft, tiny_tokenizer
 ):
-    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
-    base = gen.generate(prompt, schema=PERSON, speculative=False, max_new_tokens=80)
-    spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=k, max_new_tokens=80)
-    assert base.stats.target_calls == len(base.token_ids) + (base.finish_reason == "stop")
-    assert_greedy_match(
-        tiny_target,
-        gen.compile(schema=PERSON),
-        tiny_tokenizer.encode(prompt),
-        base.token_ids,
-        spec.token_ids,
-    )
-    assert spec.finish_reason == base.finish_reason
-    assert spec.stats.drafted > 0
+    assert greedy_runs(tiny_target, tiny_draft, tiny_tokenizer, prompt, k).drafted > 0
 
 
 @pytest.mark.parametrize("drafter", ["model", "head"])
@@ -59,19 +61,8 @@ def test_greedy_speculative_equals_the_masked_baseline_on_int4(
     """The compact int4 target: its verify pass of k+1 tokens must pick what its one-token
     steps pick (int4 kernel rows are independent of how many are fed)."""
     draft = tiny_draft if drafter == "model" else random_head(tiny_int4_target)
-    gen = Generator(tiny_int4_target, tiny_tokenizer, draft=draft, cache_dir=None)
-    base = gen.generate(prompt, schema=PERSON, speculative=False, max_new_tokens=80)
-    spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=k, max_new_tokens=80)
-    assert base.stats.target_calls == len(base.token_ids) + (base.finish_reason == "stop")
-    assert_greedy_match(
-        tiny_int4_target,
-        gen.compile(schema=PERSON),
-        tiny_tokenizer.encode(prompt),
-        base.token_ids,
-        spec.token_ids,
-    )
-    assert spec.finish_reason == base.finish_reason
-    assert spec.stats.drafted_by_source.get("model", 0) > 0, spec.stats.drafted_by_source
+    stats = greedy_runs(tiny_int4_target, draft, tiny_tokenizer, prompt, k)
+    assert stats.drafted_by_source.get("model", 0) > 0, stats.drafted_by_source
 
 
 class IllegalDrafter:
