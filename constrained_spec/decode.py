@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import copy
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,7 +155,46 @@ def decode(
     adaptive: AdaptiveK | None = None,
 ):
     """Generate until EOS or ``max_new_tokens``; returns (new token ids, finish_reason, stats)."""
-    stats, start = Stats(), time.perf_counter()
+    stats, output = Stats(), []
+    for r in decode_rounds(
+        target,
+        constraint,
+        prompt,
+        drafter,
+        sampling,
+        num_draft_tokens,
+        max_new_tokens,
+        generator,
+        stats,
+        adaptive,
+    ):
+        output += r.committed
+        if on_round is not None:
+            on_round(r)
+    return output, finish_reason(output, constraint), stats
+
+
+def finish_reason(output: list[int], constraint: Constraint) -> str:
+    """Why decoding ended: "stop" iff EOS was committed (legal only where the text is
+    complete), else "length" (``max_new_tokens`` or the context)."""
+    return "stop" if output[-1:] == [constraint.eos_id] else "length"
+
+
+def decode_rounds(
+    target,
+    constraint: Constraint,
+    prompt: list[int],
+    drafter: Drafter | None,
+    sampling: SamplingConfig,
+    num_draft_tokens: int,
+    max_new_tokens: int,
+    generator: torch.Generator,
+    stats: Stats,
+    adaptive: AdaptiveK | None = None,
+) -> Iterator[Round]:
+    """The decode loop, one ``Round`` (committed tokens only) per target call; fills ``stats``.
+    Decoding runs only while the caller iterates: closing the iterator stops it at once."""
+    start = time.perf_counter()
     device = next(target.parameters()).device
     cache = kv.new_cache(target)
     features = drafter is not None and drafter.uses_features  # a trained head reads the target's
@@ -193,11 +234,8 @@ def decode(
             drafter.observe(committed, hidden[: len(committed)] if features else None)
         if stats.target_calls == 1:
             stats.ttft_s = t2 - start
-        if on_round is not None:
-            on_round(Round(draft.tokens, n, token, committed, draft.sources))
+        yield Round(draft.tokens, n, token, committed, draft.sources)
     stats.total_s = time.perf_counter() - start
-    output = tokens[len(prompt) :]
-    return output, ("stop" if state == FINISHED else "length"), stats
 
 
 @dataclass
@@ -331,6 +369,43 @@ class Generator:
         """Text the constraint accepts, distributed exactly as plain masked sampling.
         ``drafter``: this request's drafter instead of the Generator's (a Drafter; with
         ``speculative=False`` none is used)."""
+        *_, result = self.stream(
+            prompt,
+            schema,
+            regex,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            num_draft_tokens,
+            speculative,
+            seed,
+            adaptive_k,
+            on_round,
+            drafter,
+        )
+        return result
+
+    def stream(
+        self,
+        prompt,
+        schema=None,
+        regex: str | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        num_draft_tokens: int = 4,
+        speculative: bool = True,
+        seed: int | None = None,
+        adaptive_k: bool = False,
+        on_round: Callable[[Round], None] | None = None,
+        drafter: Drafter | None = None,
+    ) -> Iterator[str | Result]:
+        """``generate`` as it happens: the committed text in pieces (``str``), then the
+        ``Result``. Only committed tokens are shown, never a draft that may still be rolled back,
+        and a character split across tokens comes out whole. The arguments are checked and the
+        constraint compiled now; decoding runs while you iterate and stops when you close it."""
         sampling = _check_sampling(temperature, top_k, top_p, num_draft_tokens, max_new_tokens)
         prompt_ids = self.encode_prompt(prompt)
         max_new_tokens = min(max_new_tokens, self.context - len(prompt_ids))  # then "length"
@@ -341,7 +416,8 @@ class Generator:
         drafter = self.drafter if drafter is None else _checked_drafter(drafter)
         drafter = drafter if speculative else None
         adaptive = AdaptiveK(max(num_draft_tokens, 1)) if adaptive_k else None
-        ids, finish, stats = decode(
+        stats = Stats()
+        rounds = decode_rounds(
             self.target,
             constraint,
             prompt_ids,
@@ -350,13 +426,29 @@ class Generator:
             num_draft_tokens,
             max_new_tokens,
             generator,
-            on_round,
+            stats,
             adaptive,
         )
+        return self._pieces(rounds, constraint, stats, schema_dict is not None, on_round)
+
+    def _pieces(self, rounds, constraint, stats, parse_json: bool, on_round) -> Iterator:
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a split character
+        ids: list[int] = []
+        with contextlib.closing(rounds):  # closing the pieces stops the decode loop too
+            for r in rounds:
+                if on_round is not None:
+                    on_round(r)
+                ids += r.committed
+                piece = utf8.decode(self.vocab.output_bytes(r.committed))
+                if piece:
+                    yield piece
+        if tail := utf8.decode(b"", final=True):  # only an incomplete character at "length"
+            yield tail
         token_ids = [t for t in ids if t != self.vocab.eos_id]
         text = self.vocab.decode(token_ids)
-        value = json.loads(text) if schema_dict is not None and finish == "stop" else None
-        return Result(text, value, token_ids, finish, stats)
+        finish = finish_reason(ids, constraint)
+        value = json.loads(text) if parse_json and finish == "stop" else None
+        yield Result(text, value, token_ids, finish, stats)
 
     def encode_prompt(self, prompt) -> list[int]:
         """The token ids generate() feeds for ``prompt`` (str, chat messages or ids), checked."""

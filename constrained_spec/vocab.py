@@ -54,10 +54,13 @@ class TokenVocabulary:
         """The bytes of a token sequence; special tokens become NUL, which never matches text."""
         return b"".join(self.token_bytes[i] or b"\x00" for i in ids)
 
+    def output_bytes(self, ids: list[int]) -> bytes:
+        """The bytes a token sequence adds to the output (EOS and special tokens add none)."""
+        return b"".join(self.token_bytes[i] or b"" for i in ids if i != self.eos_id)
+
     def decode(self, ids: list[int]) -> str:
         """Text of a token sequence, from the same bytes the automaton saw (EOS contributes none)."""
-        data = b"".join(self.token_bytes[i] or b"" for i in ids if i != self.eos_id)
-        return data.decode("utf-8", errors="replace")
+        return self.output_bytes(ids).decode("utf-8", errors="replace")
 
 
 def token_vocabulary(tokenizer) -> TokenVocabulary:

@@ -238,7 +238,7 @@ class ExplodingModel(torch.nn.Module):
 @pytest.fixture
 def guarded_gen(tiny_target, tiny_tokenizer, monkeypatch):
     gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
-    monkeypatch.setattr(decode_module, "decode", lambda *a, **k: ExplodingModel()())
+    monkeypatch.setattr(decode_module, "decode_rounds", lambda *a, **k: ExplodingModel()())
     return gen
 
 
