@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import os
 import re
 import resource
 import sys
@@ -82,7 +83,41 @@ def build_parser() -> argparse.ArgumentParser:
         description="List the shipped grammars with a description.",
     )
     lst.set_defaults(run=_list_grammars)
+
+    srv = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (needs the [serve] extra)",
+        description="Serve POST /v1/chat/completions (response_format, tools, regex/grammar "
+        "extensions, streaming), GET /v1/models and GET /health. Requests run one at a "
+        "time, in arrival order (docs/server.md).",
+    )
+    _add_serve_arguments(srv)
+    srv.set_defaults(run=_serve)
     return parser
+
+
+def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
+    srv.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME", help="as for generate")
+    srv.add_argument("--draft", default="auto", metavar="DRAFT", help="as for generate")
+    srv.add_argument("--weights", default="auto", choices=list(WEIGHTS), help="as for generate")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: local)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("CONSTRAINED_SPEC_API_KEY"),
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (default: $CONSTRAINED_SPEC_API_KEY, "
+        "else no key)",
+    )
+    for flag, default, what in (
+        ("--max-queue", 64, "requests waiting or running; more get 429"),
+        ("--max-tokens", 4096, "the most tokens a request may ask for; more get 400"),
+        ("--max-body-bytes", 1 << 20, "request body size limit; larger get 413"),
+        ("--max-schema-bytes", 64 << 10, "schema / regex size limit; larger get 400"),
+    ):
+        srv.add_argument(
+            flag, type=int, default=default, metavar="N", help=f"{what} (default: {default})"
+        )
 
 
 def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
@@ -366,6 +401,32 @@ def _generate(args, out: Console, err: Console) -> int:
                 getattr(gen, "weights_choice", gen.weights),
             )
         )
+    return 0
+
+
+def _serve(args, out: Console, err: Console) -> int:
+    _check_model_name(args.model, "--model")
+    if not 0 < args.port < 65536 or min(args.max_queue, args.max_tokens) < 1:
+        raise UsageError("--port must be in 1..65535; --max-queue and --max-tokens >= 1.")
+    try:
+        from .server import ServerConfig, serve
+    except ImportError as e:
+        raise UsageError(
+            f"the server needs its extra ({e.name} is missing): pip install "
+            "'constrained_spec[serve]'."
+        ) from None
+    config = ServerConfig(
+        model=args.model,
+        draft=args.draft,
+        weights=args.weights,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        max_schema_bytes=args.max_schema_bytes,
+        max_tokens=args.max_tokens,
+        max_queue=args.max_queue,
+    )
+    err.print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (loading the model)")
+    serve(config, args.host, args.port)
     return 0
 
 

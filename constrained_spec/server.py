@@ -1,0 +1,577 @@
+"""An OpenAI-compatible HTTP server: ``constrained-spec serve`` (``pip install -e ".[serve]"``).
+
+POST /v1/chat/completions turns ``response_format`` (json_schema / json_object), ``tools`` with a
+forced ``tool_choice``, or the extension fields ``regex`` / ``grammar`` into a constraint, checks
+everything it can before queueing (schema → regex runs here: a bad schema is a 400 at once), and
+hands the request to the one worker thread that owns the Generator.
+
+Requests run one at a time (no batched engine yet): the worker takes the next job when the last
+one ends. ``Worker.take`` is the one place a batched engine would take several jobs per step.
+A job's events (start, text pieces, done or error) go back to its HTTP handler through an asyncio
+queue; a handler whose client has gone cancels its job, which frees its queue slot at once and
+stops decoding at the next round (closing Generator.stream stops the decode loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .errors import ConstraintError, GenerationInputError
+from .grammars import load_grammar
+from .models import DEFAULT_MODEL
+from .schema import load_schema, schema_to_regex
+
+FREE_TEXT = r"[\s\S]*"  # no constraint asked for: any text, ended by the model's EOS
+POLL_S = 0.25  # how often a waiting handler checks whether its client has gone
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str = DEFAULT_MODEL
+    draft: str = "auto"  # decode.DRAFTS
+    weights: str = "auto"  # models.WEIGHTS
+    api_key: str | None = None  # None: no key needed
+    max_body_bytes: int = 1 << 20  # 413 above this
+    max_schema_bytes: int = 64 << 10  # a schema (or regex) longer than this as JSON text: 400
+    max_tokens: int = 4096  # the most a request may ask for: 400 above it
+    default_max_tokens: int = 512  # when a request names none
+    max_queue: int = 64  # requests waiting or running; 429 above it
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def response(self) -> JSONResponse:
+        kind = {401: "authentication_error", 429: "rate_limit_error"}.get(self.status)
+        kind = kind or ("server_error" if self.status >= 500 else "invalid_request_error")
+        body = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        return JSONResponse({"error": body}, status_code=self.status)
+
+
+# ---------------------------------------------------------------- the request, checked
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # fields a client sends and we do not use
+
+    messages: list[dict[str, Any]]
+    model: str | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    seed: int | None = None
+    stream: bool = False
+    n: int | None = None
+    stop: str | list[str] | None = None
+    logprobs: bool | None = None
+    regex: str | None = None  # extension: the whole reply matches this regex
+    grammar: str | None = None  # extension: a grammar shipped in constrained_spec/grammar_files
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the worker runs for one request: everything checked, nothing needing the model."""
+
+    messages: list[dict]
+    regex: str
+    tool: str | None  # "" when the reply names one of several tools; None: a plain reply
+    temperature: float
+    top_p: float | None
+    max_tokens: int
+    seed: int | None
+    stream: bool
+
+
+def plan(req: ChatRequest, config: ServerConfig) -> Plan:
+    """Check a request and turn it into a Plan; APIError(400) naming the field otherwise."""
+    _refuse_unsupported(req)
+    max_tokens = req.max_completion_tokens or req.max_tokens or config.default_max_tokens
+    if not 1 <= max_tokens <= config.max_tokens:
+        raise APIError(
+            400,
+            f"max_tokens={max_tokens} is outside 1..{config.max_tokens}, this server's limit: "
+            "ask for fewer tokens (or start the server with a higher --max-tokens).",
+            "max_tokens_too_large" if max_tokens > config.max_tokens else "invalid_max_tokens",
+            "max_tokens",
+        )
+    temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
+    if not 0 <= temperature <= 2:
+        raise APIError(400, f"temperature={temperature} must be in [0, 2].", "invalid_value")
+    if req.top_p is not None and not 0 < req.top_p <= 1:
+        raise APIError(400, f"top_p={req.top_p} must be in (0, 1].", "invalid_value", "top_p")
+    messages = _messages(req.messages)
+    regex, tool, preamble = _constraint(req, config)
+    if preamble:  # tools: the model reads their descriptions in a system message first
+        messages = [{"role": "system", "content": preamble}] + messages
+    top_p = None if req.top_p in (None, 1) else req.top_p
+    return Plan(messages, regex, tool, temperature, top_p, max_tokens, req.seed, req.stream)
+
+
+def _refuse_unsupported(req: ChatRequest) -> None:
+    for name, ok, why in (
+        ("n", req.n in (None, 1), "only n=1 is served"),
+        ("stop", not req.stop, "the constraint decides where a reply ends"),
+        ("logprobs", not req.logprobs, "log-probabilities are not returned"),
+    ):
+        if not ok:
+            raise APIError(400, f"{name} is not supported: {why}; remove it.", "unsupported", name)
+
+
+def _messages(messages: list[dict]) -> list[dict]:
+    """Chat messages as the chat template takes them: role and text content."""
+    if not messages:
+        raise APIError(400, "messages is empty: send at least one message.", "invalid", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise APIError(400, f"messages[{i}].role={role!r} is unknown.", "invalid", "messages")
+        if isinstance(content, list):  # content parts: only text is understood
+            if any(p.get("type") != "text" for p in content):
+                raise APIError(
+                    400,
+                    f"messages[{i}] has a non-text content part: this model reads text only.",
+                    "unsupported",
+                    "messages",
+                )
+            content = "".join(p.get("text", "") for p in content)
+        if m.get("tool_calls"):  # an earlier call, shown to the model as the JSON it wrote
+            content = (content or "") + json.dumps([c.get("function") for c in m["tool_calls"]])
+        out.append({"role": "system" if role == "developer" else role, "content": content or ""})
+    return out
+
+
+def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[str, str | None, str]:
+    """(regex, tool, preamble) from whichever of response_format / tools / regex / grammar."""
+    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    given = [
+        name
+        for name, v in (
+            ("response_format", (req.response_format or {}).get("type", "text") != "text"),
+            ("tools", tools),
+            ("regex", req.regex),
+            ("grammar", req.grammar),
+        )
+        if v
+    ]
+    if len(given) > 1:
+        raise APIError(400, f"pass only one of {' and '.join(given)}.", "invalid", given[1])
+    if tools:
+        return _tool_constraint(tools, req.tool_choice, config)
+    if req.regex is not None:
+        _check_size(req.regex, config, "regex")
+        return req.regex, None, ""
+    if req.grammar is not None:
+        try:
+            loaded = load_grammar(req.grammar)
+        except ConstraintError as e:
+            raise APIError(400, str(e), "unknown_grammar", "grammar") from None
+        return loaded.get("regex") or _schema_regex(loaded["schema"], config, "grammar"), None, ""
+    fmt = req.response_format or {"type": "text"}
+    if fmt.get("type") == "json_object":
+        return _schema_regex({"type": "object"}, config, "response_format"), None, ""
+    if fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(
+                400,
+                "response_format.json_schema.schema is missing: send "
+                '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}.',
+                "invalid_schema",
+                "response_format",
+            )
+        return _schema_regex(schema, config, "response_format"), None, ""
+    if fmt.get("type") != "text":
+        raise APIError(
+            400,
+            f"response_format type {fmt.get('type')!r} is unknown: use json_schema, "
+            "json_object or text.",
+            "invalid",
+            "response_format",
+        )
+    return FREE_TEXT, None, ""
+
+
+def _tool_constraint(tools: list[dict], choice, config: ServerConfig) -> tuple[str, str, str]:
+    functions = {t.get("function", {}).get("name"): t.get("function", {}) for t in tools}
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if name not in functions:
+            raise APIError(
+                400,
+                f"tool_choice names {name!r}, which is not in tools ({', '.join(map(str, functions))}).",
+                "invalid",
+                "tool_choice",
+            )
+        functions = {name: functions[name]}
+    elif choice != "required":
+        raise APIError(
+            400,
+            f"tool_choice={choice!r} is not supported: every reply here is constrained, so "
+            'pass tool_choice="required" or {"type": "function", "function": {"name": ...}}.',
+            "unsupported_tool_choice",
+            "tool_choice",
+        )
+    params = {n: f.get("parameters") or {"type": "object"} for n, f in functions.items()}
+    if len(params) == 1:  # the reply is the arguments object itself
+        ((name, schema),) = params.items()
+        preamble = f"Call the function {name}; reply with its arguments as one JSON object."
+    else:  # the reply names the function too: {"name": ..., "arguments": {...}}
+        name, schema = "", {"anyOf": [_envelope(n, s) for n, s in params.items()]}
+        preamble = 'Call one function; reply as {"name": ..., "arguments": {...}}.'
+    listing = json.dumps(list(functions.values()))
+    return _schema_regex(schema, config, "tools"), name, f"Functions: {listing}\n{preamble}"
+
+
+def _envelope(name: str, parameters: dict) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _schema_regex(schema: dict, config: ServerConfig, param: str) -> str:
+    _check_size(schema, config, param)
+    try:
+        return schema_to_regex(load_schema(schema))
+    except ConstraintError as e:  # UnsupportedSchemaError names the keyword and its place
+        code = "unsupported_schema" if hasattr(e, "keyword") else "invalid_schema"
+        raise APIError(400, str(e), code, param) from None
+
+
+def _check_size(value, config: ServerConfig, param: str) -> None:
+    size = len(value if isinstance(value, str) else json.dumps(value))
+    if size > config.max_schema_bytes:
+        raise APIError(
+            400,
+            f"the {param} constraint is {size} bytes, above this server's limit of "
+            f"{config.max_schema_bytes}: simplify it (or start the server with a higher "
+            "--max-schema-bytes).",
+            "schema_too_large",
+            param,
+        )
+
+
+# ---------------------------------------------------------------- the worker
+
+
+@dataclass
+class Job:
+    plan: Plan
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    released: bool = False  # its queue slot was given back
+
+    def send(self, kind: str, value=None) -> None:  # from the worker thread
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop has closed: the server is shutting down
+            pass
+
+
+class Worker:
+    """The one thread that loads and owns the Generator and runs the queued jobs."""
+
+    def __init__(self, config: ServerConfig, load: Callable[[], Any]):
+        self.config, self.load = config, load
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.lock = threading.Lock()
+        self.pending = 0  # jobs admitted and not yet released (waiting or running)
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
+        self.gen, self.load_error = None, None
+        self.loaded = threading.Event()
+        threading.Thread(target=self._main, name="constrained-spec-worker", daemon=True).start()
+
+    def submit(self, job: Job) -> None:
+        with self.lock:
+            if self.pending >= self.config.max_queue:
+                raise APIError(
+                    429,
+                    f"the queue is full ({self.config.max_queue} requests waiting or running): "
+                    "retry shortly.",
+                    "queue_full",
+                )
+            self.pending += 1
+        self.jobs.put(job)
+
+    def release(self, job: Job, outcome: str) -> None:
+        """Give back the job's slot (once) and count how it ended."""
+        with self.lock:
+            if not job.released:
+                job.released, self.pending = True, self.pending - 1
+                self.counts[outcome] += 1
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled.set()  # the worker stops at its next round (or skips the job)
+        self.release(job, "cancelled")
+
+    def take(self) -> list[Job]:
+        """The jobs to run next: one (a batched engine would take several per step here)."""
+        return [self.jobs.get()]
+
+    def _main(self) -> None:
+        try:
+            self.gen = self.load()
+        except Exception as e:  # reported by /health and every request, not a dead thread
+            self.load_error = f"{type(e).__name__}: {e}"
+        self.loaded.set()
+        while True:
+            for job in self.take():
+                if not job.cancelled.is_set():
+                    self._run(job)
+
+    def _run(self, job: Job) -> None:
+        outcome, p = "failed", job.plan
+        try:
+            if self.gen is None:
+                raise APIError(500, f"the model failed to load: {self.load_error}", "load_failed")
+            stream = self.gen.stream(  # checks and compiles here, before any model work
+                p.messages,
+                regex=p.regex,
+                max_new_tokens=p.max_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                seed=p.seed,
+            )
+            job.send("start", len(self.gen.encode_prompt(p.messages)))
+            for item in stream:
+                if job.cancelled.is_set():  # the client has gone: stop decoding now
+                    stream.close()
+                    return
+                job.send("piece" if isinstance(item, str) else "done", item)
+            outcome = "completed"
+        except (ConstraintError, GenerationInputError) as e:  # the schema compile, the prompt
+            job.send("error", APIError(400, str(e), "invalid_request"))
+        except APIError as e:
+            job.send("error", e)
+        except Exception as e:  # a bug: answer 500 with its name, keep serving
+            job.send("error", APIError(500, f"{type(e).__name__}: {e}", "internal_error"))
+        finally:
+            self.release(job, outcome)
+
+
+# ---------------------------------------------------------------- responses
+
+
+def usage(prompt_tokens: int, result) -> dict:
+    s = result.stats
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(result.token_ids),
+        "total_tokens": prompt_tokens + len(result.token_ids),
+        "speculation": {  # extension: how the reply was decoded
+            "target_calls": s.target_calls,
+            "drafted_tokens": s.drafted,
+            "accepted_drafts": s.accepted,
+        },
+    }
+
+
+def message(plan_: Plan, result) -> tuple[dict, str]:
+    """The reply message and finish_reason; a stopped tool reply is a tool call."""
+    if plan_.tool is None or result.finish_reason != "stop":
+        return {"role": "assistant", "content": result.text}, result.finish_reason
+    name, arguments = plan_.tool, result.text
+    if not name:  # several tools: the reply is {"name": ..., "arguments": {...}}
+        envelope = json.loads(result.text)
+        name, arguments = envelope["name"], json.dumps(envelope["arguments"])
+    call = {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+    return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+
+
+def chunk(rid: str, model: str, delta: dict, finish: str | None = None, **extra) -> str:
+    body = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        **extra,
+    }
+    return f"data: {json.dumps(body)}\n\n"
+
+
+# ---------------------------------------------------------------- the app
+
+
+def create_app(config: ServerConfig, load: Callable[[], Any] | None = None) -> FastAPI:
+    """The FastAPI app; ``load`` builds the Generator in the worker thread (default: the
+    configured model via Generator.from_pretrained)."""
+    app = FastAPI(title="constrained_spec", docs_url=None, redoc_url=None)
+    worker = Worker(config, load or (lambda: _load(config)))
+    app.state.worker = worker
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return e.response()
+
+    @app.get("/health")
+    async def health():
+        status = "error" if worker.load_error else "ok" if worker.loaded.is_set() else "loading"
+        code = {"ok": 200, "loading": 503, "error": 500}[status]
+        body = {"status": status, "queue": worker.pending, **worker.counts}
+        if worker.load_error:
+            body["error"] = worker.load_error
+        return JSONResponse(body, status_code=code)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _authorize(request, config)
+        model = {"id": config.model, "object": "model", "created": 0, "owned_by": "local"}
+        return {"object": "list", "data": [model]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        _authorize(request, config)
+        p = plan(await _read_request(request, config), config)
+        if not worker.loaded.is_set():
+            raise APIError(503, "the model is still loading: retry in a few seconds.", "loading")
+        job = Job(p, asyncio.get_running_loop())
+        worker.submit(job)
+        kind, value = await _next_event(job, request, worker)
+        if kind == "error":
+            raise value
+        rid, prompt_tokens = f"chatcmpl-{uuid.uuid4().hex}", value
+        if p.stream:
+            events = _sse(job, request, worker, rid, config.model, prompt_tokens)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await _complete(job, request, worker, rid, config.model, prompt_tokens)
+
+    return app
+
+
+def _load(config: ServerConfig):
+    from .decode import Generator
+
+    return Generator.from_pretrained(config.model, draft=config.draft, weights=config.weights)
+
+
+def _authorize(request: Request, config: ServerConfig) -> None:
+    if config.api_key is None:
+        return
+    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(given.encode(), config.api_key.encode()):
+        raise APIError(
+            401, "wrong or missing API key: send 'Authorization: Bearer KEY'.", "invalid_api_key"
+        )
+
+
+async def _read_request(request: Request, config: ServerConfig) -> ChatRequest:
+    declared = request.headers.get("content-length")
+    too_large = APIError(
+        413,
+        f"the request body is larger than this server's limit of {config.max_body_bytes} "
+        "bytes: send less (or start the server with a higher --max-body-bytes).",
+        "request_too_large",
+    )
+    if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+        raise too_large  # before reading it
+    body = b""
+    async for part in request.stream():
+        body += part
+        if len(body) > config.max_body_bytes:
+            raise too_large
+    try:
+        return ChatRequest.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "body"
+        raise APIError(
+            422,
+            f"{where}: {first['msg']} ({len(e.errors())} problem(s) in the body).",
+            "invalid_request_body",
+            where,
+        ) from None
+
+
+async def _next_event(job: Job, request: Request, worker: Worker) -> tuple[str, Any]:
+    """The job's next event; cancels the job if the client has gone (checked at each event
+    and every POLL_S while waiting), which frees its slot and stops its decoding."""
+    while True:
+        if await request.is_disconnected():
+            worker.cancel(job)
+            raise APIError(499, "the client closed the request.", "client_closed")
+        try:
+            return await asyncio.wait_for(job.events.get(), POLL_S)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _complete(job, request, worker, rid: str, model: str, prompt_tokens: int):
+    while True:
+        kind, value = await _next_event(job, request, worker)
+        if kind == "error":
+            raise value
+        if kind == "done":
+            msg, finish = message(job.plan, value)
+            return {
+                "id": rid,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [{"index": 0, "message": msg, "finish_reason": finish}],
+                "usage": usage(prompt_tokens, value),
+            }
+
+
+async def _sse(job, request, worker, rid, model, prompt_tokens) -> AsyncIterator[str]:
+    """Committed text as it comes; a tool call comes whole at the end (it is parsed first)."""
+    ended = False
+    try:
+        yield chunk(rid, model, {"role": "assistant", "content": ""})
+        while True:
+            kind, value = await _next_event(job, request, worker)
+            if kind == "piece" and job.plan.tool is None:
+                yield chunk(rid, model, {"content": value})
+            elif kind == "error":  # after the headers: reported in the stream, then closed
+                ended = True
+                yield f"data: {json.dumps({'error': {'message': value.message}})}\n\n"
+                return
+            elif kind == "done":
+                ended, (msg, finish) = True, message(job.plan, value)
+                if msg.get("tool_calls"):
+                    calls = [{"index": 0, **c} for c in msg["tool_calls"]]
+                    yield chunk(rid, model, {"tool_calls": calls})
+                elif job.plan.tool is not None:  # a cut tool reply is shown as text
+                    yield chunk(rid, model, {"content": value.text})
+                yield chunk(rid, model, {}, finish, usage=usage(prompt_tokens, value))
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        if not ended:  # the client left early: stop decoding, free the slot
+            worker.cancel(job)
+
+
+def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Run the server until interrupted; the model loads in the background (503 until then)."""
+    import uvicorn
+
+    uvicorn.run(create_app(config), host=host, port=port, log_level="warning")
