@@ -106,7 +106,8 @@ class Plan:
 def plan(req: ChatRequest, config: ServerConfig) -> Plan:
     """Check a request and turn it into a Plan; APIError(400) naming the field otherwise."""
     _refuse_unsupported(req)
-    max_tokens = req.max_completion_tokens or req.max_tokens or config.default_max_tokens
+    default = min(config.default_max_tokens, config.max_tokens)
+    max_tokens = req.max_completion_tokens or req.max_tokens or default
     if not 1 <= max_tokens <= config.max_tokens:
         raise APIError(
             400,

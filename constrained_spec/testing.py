@@ -1,6 +1,6 @@
 """Helpers for tests and benchmark checks: tiny models built on the spot, a plain reference of
 the masked sampling policy and of the distribution it puts on a finite language, and where two
-greedy outputs first differ.
+greedy outputs first differ; a server process on a free local port.
 
 Imported by tests/ and benchmarks/ only; it needs ``tokenizers`` and ``transformers`` (both
 dependencies of the package) and no network.
@@ -8,8 +8,14 @@ dependencies of the package) and no network.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 
@@ -210,3 +216,45 @@ def assert_greedy_match(
     assert index is None or (gap is not None and gap < NEAR_TIE), (
         f"greedy outputs diverge at token {index}, a clear decision (top-2 gap {gap})"
     )
+
+
+@contextlib.contextmanager
+def server_process(*args: str, timeout_s: float = 900.0, on_loading=None) -> Iterator[str]:
+    """Run ``constrained-spec serve *args`` on a free local port until the block ends; yields
+    its base URL (``http://127.0.0.1:PORT``) once /health says the model is loaded.
+    ``on_loading(base_url)`` is called once if /health answered 503 (loading) first.
+    The child imports this checkout's package (cwd = the repository root, via ``-m``)."""
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "constrained_spec", "serve", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, cwd=root)
+    url, deadline, loading_seen = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s, False
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with code {proc.returncode}: {cmd}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server did not load within {timeout_s} s")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except urllib.error.HTTPError as e:  # 503 while loading
+                if e.code == 503 and not loading_seen and on_loading is not None:
+                    loading_seen = True
+                    on_loading(url)
+            except OSError:  # not listening yet
+                pass
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
