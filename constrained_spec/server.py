@@ -49,6 +49,7 @@ class ServerConfig:
     max_tokens: int = 4096  # the most a request may ask for: 400 above it
     default_max_tokens: int = 512  # when a request names none
     max_queue: int = 64  # requests waiting or running; 429 above it
+    threads: int | None = None  # torch's intra-op threads (None: torch's default, the cores)
 
 
 class APIError(Exception):
@@ -470,8 +471,12 @@ def create_app(config: ServerConfig, load: Callable[[], Any] | None = None) -> F
 
 
 def _load(config: ServerConfig):
+    import torch
+
     from .decode import Generator
 
+    if config.threads is not None:  # on a shared CPU one thread can be many times faster
+        torch.set_num_threads(config.threads)
     return Generator.from_pretrained(config.model, draft=config.draft, weights=config.weights)
 
 
