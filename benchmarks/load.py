@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -171,7 +172,7 @@ def metadata(argv: list[str], start: float) -> dict:
         return subprocess.run(cmd, capture_output=True, text=True).stdout.strip()
 
     return {
-        "command": " ".join(["python", "benchmarks/load.py", *argv]),
+        "command": shlex.join(["python", "benchmarks/load.py", *argv]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)),
         "minutes": (time.time() - start) / 60,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",

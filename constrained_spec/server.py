@@ -107,8 +107,8 @@ class Plan:
 def plan(req: ChatRequest, config: ServerConfig) -> Plan:
     """Check a request and turn it into a Plan; APIError(400) naming the field otherwise."""
     _refuse_unsupported(req)
-    default = min(config.default_max_tokens, config.max_tokens)
-    max_tokens = req.max_completion_tokens or req.max_tokens or default
+    asked = [n for n in (req.max_completion_tokens, req.max_tokens) if n is not None]
+    max_tokens = asked[0] if asked else min(config.default_max_tokens, config.max_tokens)
     if not 1 <= max_tokens <= config.max_tokens:
         raise APIError(
             400,
@@ -119,7 +119,9 @@ def plan(req: ChatRequest, config: ServerConfig) -> Plan:
         )
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
     if not 0 <= temperature <= 2:
-        raise APIError(400, f"temperature={temperature} must be in [0, 2].", "invalid_value")
+        raise APIError(
+            400, f"temperature={temperature} must be in [0, 2].", "invalid_value", "temperature"
+        )
     if req.top_p is not None and not 0 < req.top_p <= 1:
         raise APIError(400, f"top_p={req.top_p} must be in (0, 1].", "invalid_value", "top_p")
     messages = _messages(req.messages)
