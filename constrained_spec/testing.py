@@ -177,6 +177,30 @@ def sequence_distribution(
     return dist
 
 
+def chi_square(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]):
+    """(p-value, total variation) of ``samples`` (token sequences) against the enumerated
+    distribution ``exact``; cells expected below 5 counts are merged into their neighbour (scipy
+    is a test dependency: imported here, not by the package)."""
+    from scipy.stats import chisquare
+
+    counts = dict.fromkeys(exact, 0)
+    for key in samples:
+        assert key in counts, f"sampled a sequence of probability ~0: {key}"
+        counts[key] += 1
+    n, keys = len(samples), sorted(exact, key=exact.get, reverse=True)
+    observed, expected = [], []
+    for k in keys:  # merge the rare tail into one cell so every expected count is >= 5
+        if exact[k] * n >= 5 or not observed:
+            observed.append(counts[k]), expected.append(exact[k] * n)
+        else:
+            observed[-1] += counts[k]
+            expected[-1] += exact[k] * n
+    scale = sum(observed) / sum(expected)
+    p_value = chisquare(observed, [e * scale for e in expected]).pvalue
+    tv = 0.5 * sum(abs(counts[k] / n - exact[k]) for k in keys)
+    return p_value, tv
+
+
 @torch.no_grad()
 def first_divergence(
     target, constraint: Constraint, prompt: list[int], reference: list[int], other: list[int]
