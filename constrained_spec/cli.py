@@ -76,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_arguments(gen)
     gen.set_defaults(run=_generate)
 
+    job = commands.add_parser(
+        "batch",
+        help="a corpus job: JSONL prompts in, JSONL results out (resumable)",
+        description='Generate for every row of a JSONL file ({"id", "prompt" or '
+        '"messages", optional "schema"}), several rows decoded together; each result '
+        "line (id, text, value, finish_reason, stats, or error) is appended as its row "
+        "finishes, and a rerun skips the ids already in --output.",
+    )
+    _add_batch_arguments(job)
+    job.set_defaults(run=_batch)
+
     lst = commands.add_parser(
         "grammars",
         help="list the ready-made grammars (--grammar NAME)",
@@ -214,6 +225,115 @@ def _add_decoding_arguments(gen: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_batch_arguments(job: argparse.ArgumentParser) -> None:
+    job.add_argument("--input", required=True, metavar="FILE", help="JSONL rows")
+    job.add_argument("--output", required=True, metavar="FILE", help="JSONL results (appended)")
+    which = job.add_mutually_exclusive_group()
+    which.add_argument(
+        "--schema", metavar="FILE", help="the rows' schema (a row may bring its own)"
+    )
+    which.add_argument("--regex", metavar="RE", help="a regex every output must match")
+    which.add_argument(
+        "--grammar", metavar="NAME", help="a shipped grammar (`grammars` lists them)"
+    )
+    job.add_argument(
+        "--batch-size", type=int, default=8, metavar="B", help="rows decoded together (default: 8)"
+    )
+    job.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="NAME",
+        help=f"target model (default: {DEFAULT_MODEL})",
+    )
+    job.add_argument(
+        "--weights",
+        default="auto",
+        choices=list(WEIGHTS),
+        help="how the target runs (default: auto)",
+    )
+    job.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)"
+    )
+    job.add_argument("--top-k", type=int, default=None, metavar="K")
+    job.add_argument("--top-p", type=float, default=None, metavar="P")
+    job.add_argument(
+        "--seed", type=int, default=None, help="row seeds: this plus the row's line number"
+    )
+    job.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    job.add_argument("--no-speculation", action="store_true", help="the batched masked baseline")
+
+
+def _batch(args, out: Console, err: Console) -> int:
+    """The corpus job: everything checked before the model loads, then rows stream to --output."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from .decode import Generator, _check_sampling
+    from .jobs import done_ids, read_rows, run_job
+
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size {args.batch_size} must be >= 1.")
+    _check_sampling(args.temperature, args.top_k, args.top_p, 0, args.max_new_tokens)
+    constraint = _constraint(args) if (args.schema or args.regex or args.grammar) else None
+    rows = read_rows(Path(args.input))
+    if constraint is None and (bare := next((r for r in rows if r.schema is None), None)):
+        raise UsageError(
+            f'{args.input}:{bare.line} has no "schema" and the job has none: pass '
+            "--schema, --regex or --grammar."
+        )
+    output = Path(args.output)
+    done = len(done_ids(output) & {row.id for row in rows})  # a corrupt output stops it here
+    _check_model_name(args.model, "--model")
+    err.print(f"{len(rows)} rows, {done} already in {output}; loading {args.model} ...")
+    gen = Generator.from_pretrained(
+        args.model, draft="none" if args.no_speculation else "lookup", weights=args.weights
+    )
+    options = dict(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+    )
+    columns = (
+        TextColumn("rows"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+    )
+    with Progress(*columns, console=err, transient=False) as bar:
+        task = bar.add_task("", total=len(rows) - done)
+
+        def progress(finished, total, tokens, seconds):
+            rate = f"{finished / seconds:.2f} rows/s, {tokens / seconds:.1f} tok/s"
+            bar.update(task, completed=finished, description=rate)
+
+        counts = run_job(gen, rows, constraint or {}, output, options, args.batch_size, progress)
+    err.print(
+        f"done: {counts['stopped']} stopped, {counts['length']} cut at --max-new-tokens, "
+        f"{counts['refused']} refused schemas, {counts['error']} bad rows, "
+        f"{counts['skipped']} already done → {output}"
+    )
+    return 0
+
+
+def _constraint(args) -> dict:
+    """The constraint of --schema / --regex / --grammar, checked (refusals raise now)."""
+    if args.grammar is not None:
+        constraint = load_grammar(args.grammar)
+    elif args.schema is not None:
+        constraint = {"schema": load_schema(args.schema)}
+    else:
+        constraint = {"regex": args.regex}
+    if "schema" in constraint:
+        schema_to_regex(constraint["schema"])  # refuses unsupported keywords now, not later
+    else:
+        try:
+            re.compile(constraint["regex"])
+        except re.error as e:
+            raise UsageError(f"invalid regex {constraint['regex'][:80]!r}: {e}.") from None
+    return constraint
+
+
 def _validate(args) -> Request:
     """Everything that can be checked without the model; raises UsageError / ConstraintError."""
     problems = []
@@ -234,20 +354,7 @@ def _validate(args) -> Request:
     if problems:
         raise UsageError("; ".join(problems) + ".")
 
-    if args.grammar is not None:
-        constraint = load_grammar(args.grammar)
-    elif args.schema is not None:
-        constraint = {"schema": load_schema(args.schema)}
-    else:
-        constraint = {"regex": args.regex}
-    if "schema" in constraint:
-        schema_to_regex(constraint["schema"])  # refuses unsupported keywords now, not later
-    else:
-        try:
-            re.compile(constraint["regex"])
-        except re.error as e:
-            raise UsageError(f"invalid regex {constraint['regex'][:80]!r}: {e}.") from None
-
+    constraint = _constraint(args)
     _check_model_name(args.model, "--model")
     draft = None if args.draft.lower() == "none" or args.no_speculation else args.draft
     if draft not in (None, *DRAFTS):
