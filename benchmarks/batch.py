@@ -11,6 +11,7 @@ request queued at once, waiting only measures the queue's length.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import statistics
@@ -67,7 +68,8 @@ def write_report(runs: list[dict], meta: dict, out: Path) -> None:
         "",
         f"Command: `{meta['command']}`  ",
         f"Machine: {meta['machine'].get('cpu')}, torch {meta['machine']['torch']}, "
-        f"{meta['machine']['torch_threads']} threads; target weights: {meta['weights']}.",
+        f"{meta['machine']['torch_threads']} threads; target weights: {meta['weights']}; "
+        f"drafts: forced + lookup, at most {meta['max_draft']} tokens.",
         "",
         "| config | B | tok/s | × single speculative | latency p50 / max (s) | target calls "
         "| acceptance | greedy = B 1 | = baseline |",
@@ -112,13 +114,16 @@ def main(argv=None) -> int:
     p.add_argument("--data", default=str(workloads.DATA), help="schema folder (default: sample)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--weights", default="auto")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="selects the requests")
+    p.add_argument("--max-draft", type=int, default=None, help="cap each row's draft (tuning)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    say = lambda *a: print(*a, flush=True)  # noqa: E731
+    say = lambda *a: print(*a, flush=True)
     gen = Generator.from_pretrained(args.model, draft="lookup", weights=args.weights)
+    if args.max_draft is not None:
+        gen.drafter = dataclasses.replace(gen.drafter, max_draft=args.max_draft)
     selected, _ = workloads.select_requests(
         gen, args.workload, args.n, workloads.Selection(args.seed), Path(args.data), log=say
     )
@@ -134,6 +139,7 @@ def main(argv=None) -> int:
         "workload": args.workload,
         "n": len(requests),
         "weights": gen.weights,
+        "max_draft": gen.drafter.max_draft,
         "machine": machine_info(argparse.Namespace()),
     }
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import functools
 import re
 import resource
 import sys
@@ -261,6 +262,18 @@ def _add_batch_arguments(job: argparse.ArgumentParser) -> None:
     )
     job.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
     job.add_argument("--no-speculation", action="store_true", help="the batched masked baseline")
+    job.add_argument(
+        "--ray",
+        action="store_true",
+        help="run on Ray Data, one Generator per actor (pip install -e '.[ray]')",
+    )
+    job.add_argument("--ray-actors", type=int, default=1, metavar="N", help="actors (default: 1)")
+    job.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="a running Ray cluster (default: start one on this machine)",
+    )
 
 
 def _batch(args, out: Console, err: Console) -> int:
@@ -283,10 +296,21 @@ def _batch(args, out: Console, err: Console) -> int:
     output = Path(args.output)
     done = len(done_ids(output) & {row.id for row in rows})  # a corrupt output stops it here
     _check_model_name(args.model, "--model")
-    err.print(f"{len(rows)} rows, {done} already in {output}; loading {args.model} ...")
-    gen = Generator.from_pretrained(
-        args.model, draft="none" if args.no_speculation else "lookup", weights=args.weights
+    make_generator = functools.partial(
+        Generator.from_pretrained,
+        args.model,
+        draft="none" if args.no_speculation else "lookup",
+        weights=args.weights,
     )
+    err.print(f"{len(rows)} rows, {done} already in {output}; loading {args.model} ...")
+    if args.ray:
+        run = _on_ray(args, make_generator)
+    else:
+        gen = make_generator()
+
+        def run(*job):
+            return run_job(gen, *job)
+
     options = dict(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -307,13 +331,31 @@ def _batch(args, out: Console, err: Console) -> int:
             rate = f"{finished / seconds:.2f} rows/s, {tokens / seconds:.1f} tok/s"
             bar.update(task, completed=finished, description=rate)
 
-        counts = run_job(gen, rows, constraint or {}, output, options, args.batch_size, progress)
+        counts = run(rows, constraint or {}, output, options, args.batch_size, progress)
     err.print(
         f"done: {counts['stopped']} stopped, {counts['length']} cut at --max-new-tokens, "
         f"{counts['refused']} refused schemas, {counts['error']} bad rows, "
         f"{counts['skipped']} already done → {output}"
     )
     return 0
+
+
+def _on_ray(args, make_generator):
+    """The job's runner on Ray: a local Ray instance, or the cluster at --ray-address."""
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--ray needs Ray: pip install -e '.[ray]'.") from None
+    from .jobs import run_job_on_ray
+
+    if args.ray_actors < 1:
+        raise UsageError(f"--ray-actors {args.ray_actors} must be >= 1.")
+    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False)
+
+    def run(*job):
+        return run_job_on_ray(make_generator, *job[:-1], actors=args.ray_actors, progress=job[-1])
+
+    return run
 
 
 def _constraint(args) -> dict:

@@ -124,6 +124,67 @@ def run_job(
     return counts
 
 
+def run_job_on_ray(
+    make_generator,
+    rows: list[Row],
+    constraint: dict,
+    output: Path,
+    options: dict,
+    batch_size: int,
+    actors: int = 1,
+    progress=None,
+) -> Counter:
+    """run_job on Ray Data, for corpora that outgrow one machine: the pending rows become a
+    dataset mapped in blocks by ``actors`` actors, each with its own Generator
+    (``make_generator()``, called once per actor); result lines are appended by this process
+    as blocks come back, so resuming works as in run_job."""
+    import ray
+
+    done = done_ids(output)
+    todo = [row for row in rows if row.id not in done]
+    counts = Counter(skipped=len(rows) - len(todo))
+    if not todo:
+        return counts
+    items = [
+        {"index": i, "request": json.dumps(_request(row, constraint, options))}
+        for i, row in enumerate(todo)
+    ]
+    dataset = ray.data.from_items(items).map_batches(
+        _RayWorker,
+        fn_constructor_args=(make_generator, batch_size),
+        batch_size=2 * batch_size,  # a block keeps the actor's batch full, with refills
+        concurrency=actors,
+    )
+    start, tokens = time.perf_counter(), 0
+    with open(output, "a", encoding="utf-8") as out:
+        for item in dataset.iter_rows():
+            row = todo[int(item["index"])]
+            line, kind = _line_of(row, json.loads(item["result"]))
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.flush()
+            counts[kind] += 1
+            tokens += line.get("stats", {}).get("tokens", 0)
+            if progress is not None:
+                finished = sum(counts.values()) - counts["skipped"]
+                progress(finished, len(todo), tokens, time.perf_counter() - start)
+        os.fsync(out.fileno())
+    return counts
+
+
+class _RayWorker:
+    """One Ray actor: a Generator, decoding a block of requests as one continuous batch."""
+
+    def __init__(self, make_generator, batch_size: int):
+        self.gen, self.batch_size = make_generator(), batch_size
+
+    def __call__(self, block: dict) -> dict:
+        requests = [json.loads(text) for text in block["request"]]
+        results = [""] * len(requests)
+        for i, result in self.gen.batch(requests, self.batch_size):
+            results[i] = json.dumps(_result_fields(result), ensure_ascii=False)
+        return {"index": block["index"], "result": results}
+
+
 def _request(row: Row, constraint: dict, options: dict) -> dict:
     request = {**options, "prompt": row.prompt}
     if row.schema is not None:
@@ -137,12 +198,16 @@ def _request(row: Row, constraint: dict, options: dict) -> dict:
 
 def _result_line(row: Row, result) -> tuple[dict, str]:
     """The output line of a row, and its kind for the summary."""
+    return _line_of(row, _result_fields(result))
+
+
+def _result_fields(result) -> dict:
+    """A Result or a row's error as the JSON fields of its line (the id aside)."""
     if isinstance(result, Exception):
         kind = "refused" if isinstance(result, ConstraintError) else "error"
-        return {"id": row.id, "error": str(result).splitlines()[0]}, kind
+        return {"error": str(result).splitlines()[0], "kind": kind}
     stats = result.stats
-    line = {
-        "id": row.id,
+    return {
         "text": result.text,
         "value": result.value,
         "finish_reason": result.finish_reason,
@@ -154,4 +219,10 @@ def _result_line(row: Row, result) -> tuple[dict, str]:
             "latency_s": round(stats.total_s, 4),
         },
     }
-    return line, "stopped" if result.finish_reason == "stop" else "length"
+
+
+def _line_of(row: Row, fields: dict) -> tuple[dict, str]:
+    if "error" in fields:
+        return {"id": row.id, "error": fields["error"]}, fields["kind"]
+    kind = "stopped" if fields["finish_reason"] == "stop" else "length"
+    return {"id": row.id, **fields}, kind

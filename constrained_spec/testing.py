@@ -97,6 +97,18 @@ def tiny_model(tokenizer, seed: int, layers: int = 2, max_positions: int = 256):
     return model
 
 
+def tiny_int4_generator():
+    """A Generator over the tiny target quantized as the default model ships, drafting forced
+    tokens and prompt lookup: importable by worker processes (a Ray actor builds its own)."""
+    from . import llama
+    from .decode import Generator
+    from .draft import CompositeDrafter
+
+    tokenizer = tiny_tokenizer()
+    target = llama.from_transformers(tiny_model(tokenizer, seed=0), "int4")
+    return Generator(target, tokenizer, draft=CompositeDrafter(), cache_dir=None)
+
+
 def random_head(target, seed: int = 0) -> DraftHead:
     """A draft head with random weights, q = 0 on odd ids, the copy gate open (q mixes in the
     copy proposals)."""

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from constrained_spec import Generator, cli
+from constrained_spec import Generator, cli, testing
 from constrained_spec.draft import CompositeDrafter
 from constrained_spec.jobs import JobInputError, done_ids, read_rows, run_job
 from constrained_spec.testing import PERSON
@@ -55,7 +55,7 @@ def test_an_interrupted_job_resumes_with_every_id_once(gen, tmp_path):
     assert counts["skipped"] == 4
     got, expected = lines(cut), lines(whole)
     assert sorted(map(str, (line["id"] for line in got))) == sorted(str(row["id"]) for row in ROWS)
-    key = lambda line: str(line["id"])  # noqa: E731
+    key = lambda line: str(line["id"])
     for a, b in zip(sorted(got, key=key), sorted(expected, key=key)):
         assert {k: v for k, v in a.items() if k != "stats"} == {
             k: v for k, v in b.items() if k != "stats"
@@ -120,3 +120,26 @@ def test_the_cli_checks_the_job_before_loading(tmp_path, monkeypatch, capsys):
         == 2
     )
     assert "top_p" in capsys.readouterr().err
+
+
+def test_the_job_on_ray_writes_what_the_local_job_writes(tmp_path):
+    """A local Ray instance, one actor with its own Generator: the same lines as in-process,
+    and a resumed job skips the ids already written."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install '.[ray]')")
+    from constrained_spec.jobs import run_job_on_ray
+
+    rows = read_rows(write_rows(tmp_path / "in.jsonl", ROWS))
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    run_job(testing.tiny_int4_generator(), rows, REGEX, local, OPTIONS, batch_size=3)
+    on_ray.write_text("".join(local.read_text().splitlines(keepends=True)[:2]))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        counts = run_job_on_ray(
+            testing.tiny_int4_generator, rows, REGEX, on_ray, OPTIONS, batch_size=3
+        )
+    finally:
+        ray.shutdown()
+    assert counts["skipped"] == 2 and sum(counts.values()) == len(ROWS)
+    key = lambda line: str(line["id"])
+    strip = lambda line: {k: v for k, v in line.items() if k != "stats"}
+    assert sorted(map(strip, lines(on_ray)), key=key) == sorted(map(strip, lines(local)), key=key)
