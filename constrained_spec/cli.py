@@ -263,6 +263,9 @@ def _add_batch_arguments(job: argparse.ArgumentParser) -> None:
     job.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
     job.add_argument("--no-speculation", action="store_true", help="the batched masked baseline")
     job.add_argument(
+        "--raw-prompt", action="store_true", help='feed "prompt" as is, without the chat template'
+    )
+    job.add_argument(
         "--ray",
         action="store_true",
         help="run on Ray Data, one Generator per actor (pip install -e '.[ray]')",
@@ -317,6 +320,7 @@ def _batch(args, out: Console, err: Console) -> int:
         top_p=args.top_p,
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
+        raw_prompt=args.raw_prompt,
     )
     columns = (
         TextColumn("rows"),

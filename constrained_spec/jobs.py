@@ -1,7 +1,7 @@
 """Corpus jobs: a JSONL file of prompts in, one JSONL result line per row out, resumable.
 
-Input lines: ``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages": [...]}``, optionally with
-their own ``"schema"`` (else the job's). The whole input is checked before the model loads; a bad
+Input lines: ``{"id": ..., "prompt": "..."}`` (sent as one user chat message, as `generate` does)
+or ``{"id": ..., "messages": [...]}``, optionally with their own ``"schema"`` (else the job's). The whole input is checked before the model loads; a bad
 row (an unsupported schema, an empty or too long prompt) gets its error in its own result line
 and the others go on. Results are appended as rows finish, each line written whole and flushed,
 so a crash or Ctrl-C loses at most the rows in flight; a rerun skips the ids already written.
@@ -186,7 +186,14 @@ class _RayWorker:
 
 
 def _request(row: Row, constraint: dict, options: dict) -> dict:
-    request = {**options, "prompt": row.prompt}
+    """generate() arguments of a row; options["raw_prompt"]: a "prompt" is fed as is, not as a
+    user chat message."""
+    options = dict(options)
+    chat = isinstance(row.prompt, str) and not options.pop("raw_prompt", False)
+    request = {
+        **options,
+        "prompt": [{"role": "user", "content": row.prompt}] if chat else row.prompt,
+    }
     if row.schema is not None:
         request["schema"] = row.schema
     else:

@@ -28,7 +28,7 @@ ROWS = [{"id": i, "prompt": f"hello {'yes no ' * i}"} for i in range(7)] + [
     {"id": "refused", "prompt": "hi", "schema": {"type": "string", "format": "uri-template"}},
     {"id": "too long", "prompt": "yes " * 400},
 ]
-OPTIONS = dict(max_new_tokens=12, temperature=0.0)
+OPTIONS = dict(max_new_tokens=12, temperature=0.0, raw_prompt=True)  # no chat template
 
 
 def lines(path):
@@ -143,3 +143,13 @@ def test_the_job_on_ray_writes_what_the_local_job_writes(tmp_path):
     key = lambda line: str(line["id"])
     strip = lambda line: {k: v for k, v in line.items() if k != "stats"}
     assert sorted(map(strip, lines(on_ray)), key=key) == sorted(map(strip, lines(local)), key=key)
+
+
+def test_a_prompt_is_one_user_message_unless_raw():
+    from constrained_spec.jobs import Row, _request
+
+    row = Row(1, 1, "Alice is 30", None)
+    assert _request(row, REGEX, {})["prompt"] == [{"role": "user", "content": "Alice is 30"}]
+    assert _request(row, REGEX, {"raw_prompt": True})["prompt"] == "Alice is 30"
+    messages = [{"role": "system", "content": "JSON only"}, {"role": "user", "content": "hi"}]
+    assert _request(Row(2, 2, messages, None), REGEX, {})["prompt"] == messages
