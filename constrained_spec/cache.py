@@ -75,6 +75,17 @@ def forward(model, cache: DynamicCache, input_ids: list[int], device, features: 
     return (logits[0].float(), seen[-1][0]) if features else logits[0].float()
 
 
+def forward_rows(model, caches: list, rows: list[list[int]], device) -> list[torch.Tensor]:
+    """Each row's ids fed after its own cache; each row's logits, (n_i, V). The compact forward
+    takes every row in one pass (the weights read once); transformers' forward takes them one
+    after another (its caches would need padding and position bookkeeping to share a pass)."""
+    if isinstance(model, CompactLlama):
+        ids = [torch.tensor(row, dtype=torch.long, device=device) for row in rows]
+        logits, _ = model.forward_rows(ids, caches)
+        return list(logits.split([len(row) for row in rows]))
+    return [forward(model, cache, row, device) for cache, row in zip(caches, rows)]
+
+
 @memoize
 def _cache_argument(model_class) -> str:
     """transformers 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns)."""

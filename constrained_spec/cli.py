@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import functools
 import os
 import re
 import resource
@@ -76,6 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_generate_arguments(gen)
     gen.set_defaults(run=_generate)
+
+    job = commands.add_parser(
+        "batch",
+        help="a corpus job: JSONL prompts in, JSONL results out (resumable)",
+        description='Generate for every row of a JSONL file ({"id", "prompt" or '
+        '"messages", optional "schema"}), several rows decoded together; each result '
+        "line (id, text, value, finish_reason, stats, or error) is appended as its row "
+        "finishes, and a rerun skips the ids already in --output.",
+    )
+    _add_batch_arguments(job)
+    job.set_defaults(run=_batch)
 
     lst = commands.add_parser(
         "grammars",
@@ -255,6 +267,160 @@ def _add_decoding_arguments(gen: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_batch_arguments(job: argparse.ArgumentParser) -> None:
+    job.add_argument("--input", required=True, metavar="FILE", help="JSONL rows")
+    job.add_argument("--output", required=True, metavar="FILE", help="JSONL results (appended)")
+    which = job.add_mutually_exclusive_group()
+    which.add_argument(
+        "--schema", metavar="FILE", help="the rows' schema (a row may bring its own)"
+    )
+    which.add_argument("--regex", metavar="RE", help="a regex every output must match")
+    which.add_argument(
+        "--grammar", metavar="NAME", help="a shipped grammar (`grammars` lists them)"
+    )
+    job.add_argument(
+        "--batch-size", type=int, default=8, metavar="B", help="rows decoded together (default: 8)"
+    )
+    job.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="NAME",
+        help=f"target model (default: {DEFAULT_MODEL})",
+    )
+    job.add_argument(
+        "--weights",
+        default="auto",
+        choices=list(WEIGHTS),
+        help="how the target runs (default: auto)",
+    )
+    job.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)"
+    )
+    job.add_argument("--top-k", type=int, default=None, metavar="K")
+    job.add_argument("--top-p", type=float, default=None, metavar="P")
+    job.add_argument(
+        "--seed", type=int, default=None, help="row seeds: this plus the row's line number"
+    )
+    job.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    job.add_argument("--no-speculation", action="store_true", help="the batched masked baseline")
+    job.add_argument(
+        "--raw-prompt", action="store_true", help='feed "prompt" as is, without the chat template'
+    )
+    job.add_argument(
+        "--ray",
+        action="store_true",
+        help="run on Ray Data, one Generator per actor (pip install -e '.[ray]')",
+    )
+    job.add_argument("--ray-actors", type=int, default=1, metavar="N", help="actors (default: 1)")
+    job.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="a running Ray cluster (default: start one on this machine)",
+    )
+
+
+def _batch(args, out: Console, err: Console) -> int:
+    """The corpus job: everything checked before the model loads, then rows stream to --output."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from .decode import Generator, _check_sampling
+    from .jobs import done_ids, read_rows, run_job
+
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size {args.batch_size} must be >= 1.")
+    _check_sampling(args.temperature, args.top_k, args.top_p, 0, args.max_new_tokens)
+    constraint = _constraint(args) if (args.schema or args.regex or args.grammar) else None
+    rows = read_rows(Path(args.input))
+    if constraint is None and (bare := next((r for r in rows if r.schema is None), None)):
+        raise UsageError(
+            f'{args.input}:{bare.line} has no "schema" and the job has none: pass '
+            "--schema, --regex or --grammar."
+        )
+    output = Path(args.output)
+    done = len(done_ids(output) & {row.id for row in rows})  # a corrupt output stops it here
+    _check_model_name(args.model, "--model")
+    make_generator = functools.partial(
+        Generator.from_pretrained,
+        args.model,
+        draft="none" if args.no_speculation else "lookup",
+        weights=args.weights,
+    )
+    err.print(f"{len(rows)} rows, {done} already in {output}; loading {args.model} ...")
+    if args.ray:
+        run = _on_ray(args, make_generator)
+    else:
+        gen = make_generator()
+
+        def run(*job):
+            return run_job(gen, *job)
+
+    options = dict(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        raw_prompt=args.raw_prompt,
+    )
+    columns = (
+        TextColumn("rows"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+    )
+    with Progress(*columns, console=err, transient=False) as bar:
+        task = bar.add_task("", total=len(rows) - done)
+
+        def progress(finished, total, tokens, seconds):
+            rate = f"{finished / seconds:.2f} rows/s, {tokens / seconds:.1f} tok/s"
+            bar.update(task, completed=finished, description=rate)
+
+        counts = run(rows, constraint or {}, output, options, args.batch_size, progress)
+    err.print(
+        f"done: {counts['stopped']} stopped, {counts['length']} cut at --max-new-tokens, "
+        f"{counts['refused']} refused schemas, {counts['error']} bad rows, "
+        f"{counts['skipped']} already done → {output}"
+    )
+    return 0
+
+
+def _on_ray(args, make_generator):
+    """The job's runner on Ray: a local Ray instance, or the cluster at --ray-address."""
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--ray needs Ray: pip install -e '.[ray]'.") from None
+    from .jobs import run_job_on_ray
+
+    if args.ray_actors < 1:
+        raise UsageError(f"--ray-actors {args.ray_actors} must be >= 1.")
+    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False)
+
+    def run(*job):
+        return run_job_on_ray(make_generator, *job[:-1], actors=args.ray_actors, progress=job[-1])
+
+    return run
+
+
+def _constraint(args) -> dict:
+    """The constraint of --schema / --regex / --grammar, checked (refusals raise now)."""
+    if args.grammar is not None:
+        constraint = load_grammar(args.grammar)
+    elif args.schema is not None:
+        constraint = {"schema": load_schema(args.schema)}
+    else:
+        constraint = {"regex": args.regex}
+    if "schema" in constraint:
+        schema_to_regex(constraint["schema"])  # refuses unsupported keywords now, not later
+    else:
+        try:
+            re.compile(constraint["regex"])
+        except re.error as e:
+            raise UsageError(f"invalid regex {constraint['regex'][:80]!r}: {e}.") from None
+    return constraint
+
+
 def _validate(args) -> Request:
     """Everything that can be checked without the model; raises UsageError / ConstraintError."""
     problems = []
@@ -275,20 +441,7 @@ def _validate(args) -> Request:
     if problems:
         raise UsageError("; ".join(problems) + ".")
 
-    if args.grammar is not None:
-        constraint = load_grammar(args.grammar)
-    elif args.schema is not None:
-        constraint = {"schema": load_schema(args.schema)}
-    else:
-        constraint = {"regex": args.regex}
-    if "schema" in constraint:
-        schema_to_regex(constraint["schema"])  # refuses unsupported keywords now, not later
-    else:
-        try:
-            re.compile(constraint["regex"])
-        except re.error as e:
-            raise UsageError(f"invalid regex {constraint['regex'][:80]!r}: {e}.") from None
-
+    constraint = _constraint(args)
     _check_model_name(args.model, "--model")
     draft = None if args.draft.lower() == "none" or args.no_speculation else args.draft
     if draft not in (None, *DRAFTS):

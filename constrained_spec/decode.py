@@ -7,7 +7,7 @@ import contextlib
 import copy
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,30 +116,46 @@ def speculative_step(
     positions. The caller crops the cache to the committed tokens.
     A draft is cut at its first illegal token (drafters should not propose one; sampled drafts
     must come from a masked q, since cutting an unmasked sampled draft would bias the output)."""
-    states = [state]  # state_i = the automaton state after draft[:i]
-    for token in draft.tokens:
-        after = constraint.step(states[-1], token)
-        if after is None:  # p(token) = 0: it could only be rejected, so the draft ends here
-            draft = draft.truncate(len(states) - 1)
-            break
-        states.append(after)
+    draft, states = legal_states(constraint, state, draft)
     device = next(target.parameters()).device
     out = kv.forward(target, cache, [tokens[-1]] + draft.tokens, device, features)
     logits, hidden = out if features else (out, None)  # (k+1, V), (k+1, d)
+    n, token = torch.stack(verify(logits, constraint, states, draft, sampling, generator)).tolist()
+    return n, token, constraint.step(states[n], token), hidden  # .tolist(): the one host sync
+
+
+def legal_states(constraint: Constraint, state: int, draft: Draft) -> tuple[Draft, list[int]]:
+    """The draft cut at its first illegal token, and the automaton states before each of its
+    tokens and after the last (state_i = the state after draft[:i])."""
+    states = [state]
+    for token in draft.tokens:
+        after = constraint.step(states[-1], token)
+        if after is None:  # p(token) = 0: it could only be rejected, so the draft ends here
+            return draft.truncate(len(states) - 1), states
+        states.append(after)
+    return draft, states
+
+
+def verify(
+    logits: torch.Tensor,
+    constraint: Constraint,
+    states: list[int],
+    draft: Draft,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact acceptance rule on the target's logits (k+1, V) over [last committed] + draft:
+    (accepted length, the target's own token) as 0-d device tensors, no host sync."""
+    device = logits.device
     masks = torch.stack([constraint.mask(s, device) for s in states])  # (k+1, V)
     draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # (k,)
     if sampling.greedy:
-        n, token = verify_greedy(logits, masks, draft_ids)
-    else:
-        target_probs = policy(logits, masks, sampling)  # (k+1, V)
-        draft_probs = (
-            draft.probs
-            if draft.probs is not None
-            else one_hot(draft.tokens, logits.shape[-1], device)
-        )  # (k, V)
-        n, token = verify_sampled(target_probs, draft_probs, draft_ids, generator)
-    n, token = torch.stack([n, token]).tolist()  # the round's one host sync
-    return n, token, constraint.step(states[n], token), hidden
+        return verify_greedy(logits, masks, draft_ids)
+    target_probs = policy(logits, masks, sampling)  # (k+1, V)
+    draft_probs = (
+        draft.probs if draft.probs is not None else one_hot(draft.tokens, logits.shape[-1], device)
+    )  # (k, V)
+    return verify_sampled(target_probs, draft_probs, draft_ids, generator)
 
 
 def decode(
@@ -450,6 +466,81 @@ class Generator:
         value = json.loads(text) if parse_json and finish == "stop" else None
         yield Result(text, value, token_ids, finish, stats)
 
+    def generate_batch(self, requests: Iterable[dict], batch_size: int = 8) -> list[Result]:
+        """generate() over many requests, ``batch_size`` of them decoded together (one target
+        forward per round for all of them), results in order. A request is a dict of
+        generate()'s arguments (BATCH_ARGUMENTS; "prompt" required). Every request is checked
+        before any model work: the first bad one raises. Drafts: grammar-forced tokens and
+        prompt lookup per row (a draft head or model drafts one request at a time)."""
+        from .batch import decode_batch
+
+        rows = [self._row(i, request) for i, request in enumerate(requests)]
+        results: list[Result] = [None] * len(rows)  # type: ignore[list-item]
+        for row in decode_batch(self.target, rows, _batch_size(batch_size)):
+            results[row.index] = self._row_result(row)
+        return results
+
+    def batch(
+        self, requests: Iterable[dict], batch_size: int = 8
+    ) -> Iterator[tuple[int, Result | ValueError]]:
+        """As generate_batch, for corpus jobs: yields (index, Result) as rows finish; a bad
+        request yields (index, its error: one of the package's documented errors) and the
+        others go on."""
+        from .batch import decode_batch
+
+        failed: list[tuple[int, ValueError]] = []
+
+        def rows():
+            for i, request in enumerate(requests):
+                try:
+                    yield self._row(i, request)
+                except BAD_REQUEST_ERRORS as err:
+                    failed.append((i, err))
+
+        for row in decode_batch(self.target, rows(), _batch_size(batch_size)):
+            yield from _drain(failed)
+            yield row.index, self._row_result(row)
+        yield from _drain(failed)
+
+    def _row(self, index: int, request: dict):
+        """One request of a batch, checked and compiled: a batch.Row."""
+        from .batch import Row, row_drafter
+
+        if not isinstance(request, dict) or "prompt" not in request:
+            raise GenerationInputError(
+                f"request {index}: a batch request is a dict with at least a 'prompt'."
+            )
+        unknown = sorted(set(request) - set(BATCH_ARGUMENTS))
+        if unknown:
+            raise GenerationInputError(
+                f"request {index}: unknown field(s) {', '.join(unknown)}; a batch request "
+                f"takes {', '.join(BATCH_ARGUMENTS)}."
+            )
+        r = {**BATCH_DEFAULTS, **request}
+        sampling = _check_sampling(r["temperature"], r["top_k"], r["top_p"], 0, r["max_new_tokens"])
+        prompt_ids = self.encode_prompt(r["prompt"])
+        schema = load_schema(r["schema"]) if r["schema"] is not None else None
+        generator = torch.Generator(device=next(self.target.parameters()).device)
+        generator.manual_seed(r["seed"] if r["seed"] is not None else torch.seed())
+        return Row(
+            index,
+            prompt_ids,
+            self.compile(schema=schema, regex=r["regex"]),
+            sampling,
+            generator,
+            row_drafter(self.drafter) if r["speculative"] else None,
+            min(r["max_new_tokens"], self.context - len(prompt_ids)),
+            parse_json=schema is not None,
+        )
+
+    def _row_result(self, row) -> Result:
+        ids = row.tokens[len(row.prompt) :]
+        token_ids = [t for t in ids if t != self.vocab.eos_id]
+        text = self.vocab.decode(token_ids)
+        finish = row.finish_reason
+        value = json.loads(text) if row.parse_json and finish == "stop" else None
+        return Result(text, value, token_ids, finish, row.stats)
+
     def encode_prompt(self, prompt) -> list[int]:
         """The token ids generate() feeds for ``prompt`` (str, chat messages or ids), checked."""
         if isinstance(prompt, str):
@@ -480,6 +571,32 @@ class Generator:
                 "shorten the prompt."
             )
         return ids
+
+
+# What a batch request may set (generate()'s arguments, less the per-call hooks), and defaults.
+BATCH_DEFAULTS = {
+    "schema": None,
+    "regex": None,
+    "max_new_tokens": 256,
+    "temperature": 0.0,
+    "top_k": None,
+    "top_p": None,
+    "seed": None,
+    "speculative": True,
+}
+BATCH_ARGUMENTS = ("prompt", *BATCH_DEFAULTS)
+BAD_REQUEST_ERRORS = (ConstraintError, GenerationInputError)
+
+
+def _batch_size(batch_size: int) -> int:
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise GenerationInputError(f"batch_size={batch_size!r} must be an int >= 1.")
+    return batch_size
+
+
+def _drain(failed: list):
+    while failed:
+        yield failed.pop(0)
 
 
 # Drafts that need no download. "auto" is what measured fastest on the default model on a 2-core

@@ -15,10 +15,11 @@ from torch import nn
 
 GROUP = 32
 SKINNY_MAX = 32  # up to this many rows, W·xᵀ streams the weight once where x·Wᵀ packs it
-# From this many input rows on (a prompt's prefill: verify passes feed at most 25 tokens) a 4-bit
-# linear may run its "bf16" prefill kernel: the weight dequantized to bf16 once per call, then one
-# dense matmul, where the 4-bit kernel re-reads it for every 4 rows. Chosen per machine
-# (models.calibration): 2× faster for 300 rows with avx512_bf16, slower without it.
+# A prompt's prefill (one request's input of this many tokens or more: verify passes feed at most
+# 25, and a batch of rows never counts) may run the 4-bit linears' "bf16" prefill kernel: the
+# weight dequantized to bf16 once per call, then one dense matmul, where the 4-bit kernel re-reads
+# it for every 4 rows. Chosen per machine (models.calibration): 2× faster for 300 rows with
+# avx512_bf16, slower without it.
 PREFILL_ROWS = 33
 PREFILL_KERNELS = ("int4", "bf16")
 
@@ -90,7 +91,7 @@ class DenseLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight.float().contiguous(), requires_grad=False)  # (N, K)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
         n = x.shape[0]
         if n == 1 and x.device.type == "cpu":
             return torch.mm(self.weight, x.repeat(2, 1).T)[:, :1].T
@@ -141,11 +142,13 @@ class Int4Linear(nn.Module):
             copies=2,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
+        """``prefill``: x is a prompt's prefill (never a step, a verify pass or a batch of
+        rows), which may take the prefill kernel."""
         x = x.to(torch.bfloat16)
         if self.copies > 1:
             x = x.repeat(1, self.copies)  # (n, copies·K)
-        if self.prefill == "bf16" and x.shape[0] >= PREFILL_ROWS:
+        if prefill and self.prefill == "bf16":
             return F.linear(x, self.dequantized_bf16()).float()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, GROUP, self.scale_zero
@@ -186,7 +189,7 @@ def measure_prefill(shapes: list[tuple[int, int]], rows: int = 128, repeats: int
             start = time.perf_counter()
             for layer, (_, k) in zip(layers, shapes):
                 layer.prefill = kernel
-                layer(xs[k])
+                layer(xs[k], prefill=True)
             best = min(best, time.perf_counter() - start)
         result[kernel] = 1e3 * best
     return result

@@ -98,8 +98,7 @@ class CompactLlama(nn.Module):
         return self.lm_head
 
     def use_prefill(self, kernel: str) -> None:
-        """The 4-bit linears' kernel for inputs of kernels.PREFILL_ROWS rows or more: a prompt's
-        prefill, never a step or a verify pass, so the baseline and speculation still compute
+        """The 4-bit linears' kernel for a prompt's prefill (kernels.PREFILL_ROWS tokens or more), never a step or a verify pass, so the baseline and speculation still compute
         the same function after it."""
         assert kernel in kernels.PREFILL_KERNELS, kernel
         for linear in self.linears:
@@ -111,37 +110,61 @@ class CompactLlama(nn.Module):
         s = self.shape
         return CompactCache(s.layers, s.kv_heads, s.head_dim, min(256, s.context), s.context)
 
-    @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: CompactCache, logits: bool = True):
         """Feed ``ids`` (n,) after the cache's positions; returns their logits (None unless
         ``logits``) and features."""
-        s, n, start = self.shape, ids.shape[0], cache.length
-        cache.reserve(n)
-        positions = torch.arange(start, start + n, dtype=torch.float32)
-        angles = positions[:, None] * self.rope[None, :]  # (n, hd/2)
-        cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)  # (n, hd)
+        return self.forward_rows([ids], [cache], logits)
+
+    @torch.inference_mode()
+    def forward_rows(self, rows: list[torch.Tensor], caches: list[CompactCache], logits=True):
+        """Feed each row's ids after its own cache's positions, the rows' tokens stacked through
+        every matmul (the weights are read once for all rows), attention per row. Returns logits
+        (None unless ``logits``) and features, (Σn, ·), the rows in order. A row's values do not
+        depend on the other rows: 4-bit kernel rows are independent of how many are fed, so a row
+        of a batch computes what it would alone (the float LM head up to its last bits)."""
+        s, sizes = self.shape, [ids.shape[0] for ids in rows]
+        starts = [cache.length for cache in caches]
+        long = len(rows) == 1 and sizes[0] >= kernels.PREFILL_ROWS  # a prompt's prefill
+        for cache, n in zip(caches, sizes):
+            cache.reserve(n)
+        positions = torch.cat(
+            [torch.arange(a, a + n, dtype=torch.float32) for a, n in zip(starts, sizes)]
+        )
+        angles = positions[:, None] * self.rope[None, :]  # (N, hd/2)
+        cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)  # (N, hd)
         # a new token sees every cached position and the new ones up to itself
-        mask = torch.ones(n, start + n, dtype=torch.bool).tril(start) if n > ROW_EXACT else None
-        x = self.embed(ids)  # (n, d)
+        mask = (
+            torch.ones(sizes[0], starts[0] + sizes[0], dtype=torch.bool).tril(starts[0])
+            if long
+            else None
+        )
+        x, total = self.embed(torch.cat(rows)), sum(sizes)  # (N, d)
         for layer in range(s.layers):
             qkv, o, gate_up, down = self.linears[4 * layer : 4 * layer + 4]
-            h = qkv(F.rms_norm(x, (s.hidden,), self.norms[2 * layer], s.eps))
-            h = h.view(n, s.heads + 2 * s.kv_heads, s.head_dim).transpose(0, 1)  # (H+2KV, n, hd)
+            h = qkv(F.rms_norm(x, (s.hidden,), self.norms[2 * layer], s.eps), long)
+            h = h.view(total, s.heads + 2 * s.kv_heads, s.head_dim).transpose(0, 1)
             qk = _rotate(h[: s.heads + s.kv_heads], cos, sin)  # q and k heads at once
-            cache.keys[layer, :, start : start + n] = qk[s.heads :]  # (KV, n, hd)
-            cache.values[layer, :, start : start + n] = h[s.heads + s.kv_heads :]
-            a = _attend(qk[: s.heads], cache.keys[layer], cache.values[layer], start, mask)
-            x = x + o(a.transpose(0, 1).reshape(n, -1))  # (H, n, hd) → (n, d)
-            h = gate_up(F.rms_norm(x, (s.hidden,), self.norms[2 * layer + 1], s.eps))
-            g, u = h.chunk(2, dim=-1)  # (n, I) each
-            x = x + down(F.silu(g) * u)
-        cache.length = start + n
-        features = F.rms_norm(x, (s.hidden,), self.norms[-1], s.eps)  # (n, d)
+            parts, offset = [], 0
+            for cache, start, n in zip(caches, starts, sizes):
+                new = slice(offset, offset + n)
+                cache.keys[layer, :, start : start + n] = qk[s.heads :, new]  # (KV, n, hd)
+                cache.values[layer, :, start : start + n] = h[s.heads + s.kv_heads :, new]
+                keys, values = cache.keys[layer], cache.values[layer]
+                parts.append(_attend(qk[: s.heads, new], keys, values, start, mask))
+                offset += n
+            a = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # (H, N, hd)
+            x = x + o(a.transpose(0, 1).reshape(total, -1), long)
+            h = gate_up(F.rms_norm(x, (s.hidden,), self.norms[2 * layer + 1], s.eps), long)
+            g, u = h.chunk(2, dim=-1)  # (N, I) each
+            x = x + down(F.silu(g) * u, long)
+        for cache, start, n in zip(caches, starts, sizes):
+            cache.length = start + n
+        features = F.rms_norm(x, (s.hidden,), self.norms[-1], s.eps)  # (N, d)
         return (self.lm_head(features) if logits else None), features
 
 
 # Up to this many new tokens (every verify pass: drafts are at most 24), each one attends by
-# itself, exactly as a one-token step at its position would: the 4-bit kernel's bf16 rounding of
+# itself (from kernels.PREFILL_ROWS on, a prompt's tokens attend in one masked call), exactly as a one-token step at its position would: the 4-bit kernel's bf16 rounding of
 # every matmul input turns a masked kernel's last-bit differences into visible ones (0.15 in the
 # logits at 2 tokens), and greedy speculation must commit the baseline's tokens.
 ROW_EXACT = 32

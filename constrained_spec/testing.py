@@ -103,6 +103,18 @@ def tiny_model(tokenizer, seed: int, layers: int = 2, max_positions: int = 256):
     return model
 
 
+def tiny_int4_generator():
+    """A Generator over the tiny target quantized as the default model ships, drafting forced
+    tokens and prompt lookup: importable by worker processes (a Ray actor builds its own)."""
+    from . import llama
+    from .decode import Generator
+    from .draft import CompositeDrafter
+
+    tokenizer = tiny_tokenizer()
+    target = llama.from_transformers(tiny_model(tokenizer, seed=0), "int4")
+    return Generator(target, tokenizer, draft=CompositeDrafter(), cache_dir=None)
+
+
 def random_head(target, seed: int = 0) -> DraftHead:
     """A draft head with random weights, q = 0 on odd ids, the copy gate open (q mixes in the
     copy proposals)."""
@@ -181,6 +193,30 @@ def sequence_distribution(
     assert pruned < 1e-3, f"pruned mass {pruned:.2e}: raise prune or shorten the language"
     assert dist, "the enumeration reached no accepting state"
     return dist
+
+
+def chi_square(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]):
+    """(p-value, total variation) of ``samples`` (token sequences) against the enumerated
+    distribution ``exact``; cells expected below 5 counts are merged into their neighbour (scipy
+    is a test dependency: imported here, not by the package)."""
+    from scipy.stats import chisquare
+
+    counts = dict.fromkeys(exact, 0)
+    for key in samples:
+        assert key in counts, f"sampled a sequence of probability ~0: {key}"
+        counts[key] += 1
+    n, keys = len(samples), sorted(exact, key=exact.get, reverse=True)
+    observed, expected = [], []
+    for k in keys:  # merge the rare tail into one cell so every expected count is >= 5
+        if exact[k] * n >= 5 or not observed:
+            observed.append(counts[k]), expected.append(exact[k] * n)
+        else:
+            observed[-1] += counts[k]
+            expected[-1] += exact[k] * n
+    scale = sum(observed) / sum(expected)
+    p_value = chisquare(observed, [e * scale for e in expected]).pvalue
+    tv = 0.5 * sum(abs(counts[k] / n - exact[k]) for k in keys)
+    return p_value, tv
 
 
 @torch.no_grad()

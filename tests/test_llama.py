@@ -434,16 +434,17 @@ def test_real_default_model_int4_is_its_gguf_blocks():
 # --- the bf16 prefill kernel ----------------------------------------------------------------------
 
 
-def test_the_prefill_kernel_runs_only_on_prompt_length_inputs():
-    """Verify passes (at most 25 tokens) and steps keep the 4-bit kernel whatever the prefill
-    kernel; from PREFILL_ROWS rows on the bf16 kernel computes the same product, up to bf16."""
+def test_the_prefill_kernel_runs_only_on_prompt_prefills():
+    """Verify passes, steps and batches of rows (however many) keep the 4-bit kernel whatever the
+    prefill kernel; a prefill on the bf16 kernel computes the same product, up to bf16."""
     torch.manual_seed(0)
     linear = kernels.Int4Linear.from_q4_1(*kernels.quantize_q4_1(torch.randn(96, 64) * 0.1))
     short, long = torch.randn(25, 64), torch.randn(kernels.PREFILL_ROWS, 64)
     four_bit = linear(short), linear(long)
     linear.prefill = "bf16"
     assert torch.equal(linear(short), four_bit[0])
-    bf16 = linear(long)
+    assert torch.equal(linear(long), four_bit[1]), "a batch of rows took the prefill kernel"
+    bf16 = linear(long, prefill=True)
     assert not torch.equal(bf16, four_bit[1]), "the bf16 kernel did not run"
     torch.testing.assert_close(bf16, four_bit[1], atol=0.05 * four_bit[1].abs().max(), rtol=0)
 

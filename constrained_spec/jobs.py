@@ -1,0 +1,235 @@
+"""Corpus jobs: a JSONL file of prompts in, one JSONL result line per row out, resumable.
+
+Input lines: ``{"id": ..., "prompt": "..."}`` (sent as one user chat message, as `generate` does)
+or ``{"id": ..., "messages": [...]}``, optionally with their own ``"schema"`` (else the job's). The whole input is checked before the model loads; a bad
+row (an unsupported schema, an empty or too long prompt) gets its error in its own result line
+and the others go on. Results are appended as rows finish, each line written whole and flushed,
+so a crash or Ctrl-C loses at most the rows in flight; a rerun skips the ids already written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConstraintError, GenerationInputError
+
+
+class JobInputError(GenerationInputError):
+    """The input (or output) file of a batch job is unusable as a whole: names file and line."""
+
+
+@dataclass(frozen=True)
+class Row:
+    id: object  # the input's id (a str or an int), echoed in its result line
+    line: int  # 1-based line number in the input
+    prompt: object  # text, or chat messages
+    schema: dict | None  # the row's own schema, else None (the job's constraint)
+
+
+def read_rows(path: Path) -> list[Row]:
+    """Every row of the input, checked: JSON objects with a unique id and a prompt or messages."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise JobInputError(f"cannot read the input {path}: {err}.") from None
+    rows, seen = [], set()
+    for number, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise JobInputError(f"{where}: not JSON ({err.msg}, column {err.colno}).") from None
+        if not isinstance(item, dict) or "id" not in item:
+            raise JobInputError(f'{where}: a row is a JSON object with an "id".')
+        if not isinstance(item["id"], (str, int)) or isinstance(item["id"], bool):
+            raise JobInputError(f"{where}: the id must be a string or an integer.")
+        if item["id"] in seen:
+            raise JobInputError(f"{where}: the id {item['id']!r} appears twice.")
+        seen.add(item["id"])
+        unknown = sorted(set(item) - {"id", "prompt", "messages", "schema"})
+        if unknown or ("prompt" in item) == ("messages" in item):
+            raise JobInputError(
+                f'{where}: a row has an id, exactly one of "prompt" / "messages", and '
+                f'optionally a "schema"'
+                + (f" (unknown: {', '.join(unknown)})." if unknown else ".")
+            )
+        rows.append(
+            Row(item["id"], number, item.get("prompt", item.get("messages")), item.get("schema"))
+        )
+    if not rows:
+        raise JobInputError(f"the input {path} has no rows: one JSON object per line.")
+    return rows
+
+
+def done_ids(path: Path) -> set:
+    """The ids already written to ``path``; a last line cut short by a crash is removed."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    if len(whole) < len(data):
+        with open(path, "r+b") as f:  # the partial line of a row in flight: it is rerun
+            f.truncate(len(whole))
+    ids = set()
+    for number, text in enumerate(whole.decode("utf-8").splitlines(), 1):
+        try:
+            ids.add(json.loads(text)["id"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise JobInputError(
+                f"{path}:{number} is not a result line of this tool: pass another --output, "
+                "or remove the file to start over."
+            ) from None
+    return ids
+
+
+def run_job(
+    gen,
+    rows: list[Row],
+    constraint: dict,
+    output: Path,
+    options: dict,
+    batch_size: int,
+    progress=None,
+) -> Counter:
+    """Decode the rows not yet in ``output``; append a result line per row as it finishes.
+    ``constraint``: the job's {"schema": ...} or {"regex": ...}; ``options``: generate()
+    arguments for every row (a ``seed`` is offset by the row's line number). Returns counts."""
+    done = done_ids(output)
+    todo = [row for row in rows if row.id not in done]
+    counts = Counter(skipped=len(rows) - len(todo))
+    requests = [_request(row, constraint, options) for row in todo]
+    start, tokens = time.perf_counter(), 0
+    with open(output, "a", encoding="utf-8") as out:
+        for index, result in gen.batch(requests, batch_size):
+            line, kind = _result_line(todo[index], result)
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.flush()
+            counts[kind] += 1
+            tokens += line.get("stats", {}).get("tokens", 0)
+            if progress is not None:
+                progress(
+                    sum(counts.values()) - counts["skipped"],
+                    len(todo),
+                    tokens,
+                    time.perf_counter() - start,
+                )
+        os.fsync(out.fileno())
+    return counts
+
+
+def run_job_on_ray(
+    make_generator,
+    rows: list[Row],
+    constraint: dict,
+    output: Path,
+    options: dict,
+    batch_size: int,
+    actors: int = 1,
+    progress=None,
+) -> Counter:
+    """run_job on Ray Data, for corpora that outgrow one machine: the pending rows become a
+    dataset mapped in blocks by ``actors`` actors, each with its own Generator
+    (``make_generator()``, called once per actor); result lines are appended by this process
+    as blocks come back, so resuming works as in run_job."""
+    import ray
+
+    done = done_ids(output)
+    todo = [row for row in rows if row.id not in done]
+    counts = Counter(skipped=len(rows) - len(todo))
+    if not todo:
+        return counts
+    items = [
+        {"index": i, "request": json.dumps(_request(row, constraint, options))}
+        for i, row in enumerate(todo)
+    ]
+    dataset = ray.data.from_items(items).map_batches(
+        _RayWorker,
+        fn_constructor_args=(make_generator, batch_size),
+        batch_size=2 * batch_size,  # a block keeps the actor's batch full, with refills
+        concurrency=actors,
+    )
+    start, tokens = time.perf_counter(), 0
+    with open(output, "a", encoding="utf-8") as out:
+        for item in dataset.iter_rows():
+            row = todo[int(item["index"])]
+            line, kind = _line_of(row, json.loads(item["result"]))
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.flush()
+            counts[kind] += 1
+            tokens += line.get("stats", {}).get("tokens", 0)
+            if progress is not None:
+                finished = sum(counts.values()) - counts["skipped"]
+                progress(finished, len(todo), tokens, time.perf_counter() - start)
+        os.fsync(out.fileno())
+    return counts
+
+
+class _RayWorker:
+    """One Ray actor: a Generator, decoding a block of requests as one continuous batch."""
+
+    def __init__(self, make_generator, batch_size: int):
+        self.gen, self.batch_size = make_generator(), batch_size
+
+    def __call__(self, block: dict) -> dict:
+        requests = [json.loads(text) for text in block["request"]]
+        results = [""] * len(requests)
+        for i, result in self.gen.batch(requests, self.batch_size):
+            results[i] = json.dumps(_result_fields(result), ensure_ascii=False)
+        return {"index": block["index"], "result": results}
+
+
+def _request(row: Row, constraint: dict, options: dict) -> dict:
+    """generate() arguments of a row; options["raw_prompt"]: a "prompt" is fed as is, not as a
+    user chat message."""
+    options = dict(options)
+    chat = isinstance(row.prompt, str) and not options.pop("raw_prompt", False)
+    request = {
+        **options,
+        "prompt": [{"role": "user", "content": row.prompt}] if chat else row.prompt,
+    }
+    if row.schema is not None:
+        request["schema"] = row.schema
+    else:
+        request.update(constraint)
+    if options.get("seed") is not None:
+        request["seed"] = options["seed"] + row.line
+    return request
+
+
+def _result_line(row: Row, result) -> tuple[dict, str]:
+    """The output line of a row, and its kind for the summary."""
+    return _line_of(row, _result_fields(result))
+
+
+def _result_fields(result) -> dict:
+    """A Result or a row's error as the JSON fields of its line (the id aside)."""
+    if isinstance(result, Exception):
+        kind = "refused" if isinstance(result, ConstraintError) else "error"
+        return {"error": str(result).splitlines()[0], "kind": kind}
+    stats = result.stats
+    return {
+        "text": result.text,
+        "value": result.value,
+        "finish_reason": result.finish_reason,
+        "stats": {
+            "tokens": len(result.token_ids),
+            "target_calls": stats.target_calls,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "latency_s": round(stats.total_s, 4),
+        },
+    }
+
+
+def _line_of(row: Row, fields: dict) -> tuple[dict, str]:
+    if "error" in fields:
+        return {"id": row.id, "error": fields["error"]}, fields["kind"]
+    kind = "stopped" if fields["finish_reason"] == "stop" else "length"
+    return {"id": row.id, **fields}, kind
