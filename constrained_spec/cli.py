@@ -127,6 +127,12 @@ def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
         ("--max-body-bytes", 1 << 20, "request body size limit; larger get 413"),
         ("--max-schema-bytes", 64 << 10, "schema / regex size limit; larger get 400"),
         (
+            "--batch-size",
+            1,
+            "requests decoded together, one target forward per round for all (1: one at a "
+            "time, any drafter; more: grammar-forced and lookup drafts per request)",
+        ),
+        (
             "--threads",
             None,
             "torch threads for decoding (default: torch's, one per core; "
@@ -567,11 +573,11 @@ def _serve(args, out: Console, err: Console) -> int:
     _check_model_name(args.model, "--model")
     if (
         not 0 < args.port < 65536
-        or min(args.max_queue, args.max_tokens, args.threads or 1) < 1
+        or min(args.max_queue, args.max_tokens, args.batch_size, args.threads or 1) < 1
         or args.threads == 0
     ):
         raise UsageError(
-            "--port must be in 1..65535; --max-queue, --max-tokens and --threads >= 1."
+            "--port must be in 1..65535; --max-queue, --max-tokens, --batch-size and --threads >= 1."
         )
     try:
         from .server import ServerConfig, serve
@@ -590,6 +596,7 @@ def _serve(args, out: Console, err: Console) -> int:
         max_tokens=args.max_tokens,
         max_queue=args.max_queue,
         threads=args.threads,
+        batch_size=args.batch_size,
     )
     err.print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (loading the model)")
     serve(config, args.host, args.port)

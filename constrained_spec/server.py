@@ -15,6 +15,7 @@ stops decoding at the next round (closing Generator.stream stops the decode loop
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import queue
@@ -50,6 +51,7 @@ class ServerConfig:
     default_max_tokens: int = 512  # when a request names none
     max_queue: int = 64  # requests waiting or running; 429 above it
     threads: int | None = None  # torch's intra-op threads (None: torch's default, the cores)
+    batch_size: int = 1  # requests decoded together (batch.py); 1: one at a time via stream()
 
 
 class APIError(Exception):
@@ -333,9 +335,17 @@ class Worker:
         job.cancelled.set()  # the worker stops at its next round (or skips the job)
         self.release(job, "cancelled")
 
-    def take(self) -> list[Job]:
-        """The jobs to run next: one (a batched engine would take several per step here)."""
-        return [self.jobs.get()]
+    def take(self, n: int, wait: bool) -> list[Job]:
+        """Up to ``n`` queued jobs whose clients are still there; waits for one if ``wait``."""
+        jobs: list[Job] = []
+        while len(jobs) < n:
+            try:
+                job = self.jobs.get(block=wait and not jobs)
+            except queue.Empty:
+                break
+            if not job.cancelled.is_set():
+                jobs.append(job)
+        return jobs
 
     def _main(self) -> None:
         try:
@@ -343,10 +353,11 @@ class Worker:
         except Exception as e:  # reported by /health and every request, not a dead thread
             self.load_error = f"{type(e).__name__}: {e}"
         self.loaded.set()
-        while True:
-            for job in self.take():
-                if not job.cancelled.is_set():
-                    self._run(job)
+        if self.gen is not None and self.config.batch_size > 1:
+            self._run_batched()
+        while True:  # one at a time (or every request's error, if the model failed to load)
+            for job in self.take(1, wait=True):
+                self._run(job)
 
     def _run(self, job: Job) -> None:
         outcome, p = "failed", job.plan
@@ -376,6 +387,69 @@ class Worker:
             job.send("error", APIError(500, f"{type(e).__name__}: {e}", "internal_error"))
         finally:
             self.release(job, outcome)
+
+    def _run_batched(self) -> None:
+        """Decode up to batch_size jobs together (batch.batch_round: one target forward per
+        round for all of them, the exact rule per row); a job joins as soon as a slot is free,
+        and a job whose client left is dropped before the next round."""
+        from .batch import batch_round
+
+        active: list[_Live] = []
+        while True:
+            for job in self.take(self.config.batch_size - len(active), wait=not active):
+                if (live := self._admit(job)) is not None:
+                    active.append(live)
+            active = [a for a in active if not a.job.cancelled.is_set()]
+            if not active:
+                continue
+            try:
+                batch_round(self.gen.target, [a.row for a in active])
+            except Exception as e:  # a bug: every job in the round answers 500
+                for a in active:
+                    a.job.send("error", APIError(500, f"{type(e).__name__}: {e}", "internal_error"))
+                    self.release(a.job, "failed")
+                active = []
+            for a in list(active):
+                if piece := a.new_text(self.gen.vocab):
+                    a.job.send("piece", piece)
+                if a.row.finished:
+                    a.row.stats.total_s = time.perf_counter() - a.row.started
+                    a.job.send("done", self.gen._row_result(a.row))
+                    self.release(a.job, "completed")
+                    active.remove(a)
+
+    def _admit(self, job: Job) -> _Live | None:
+        """The job as a batch row, checked, compiled and prefilled; None (and its error sent)
+        if its request is unusable."""
+        from .batch import _admit
+
+        p = job.plan
+        request = {"prompt": p.messages, "regex": p.regex, "max_new_tokens": p.max_tokens}
+        request.update(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
+        try:
+            row = self.gen._row(0, request)
+            _admit(self.gen.target, row)
+        except (ConstraintError, GenerationInputError) as e:
+            job.send("error", APIError(400, str(e), "invalid_request"))
+            self.release(job, "failed")
+            return None
+        job.send("start", len(row.prompt))
+        return _Live(job, row, len(row.prompt))
+
+
+@dataclass
+class _Live:
+    """A job decoding as a batch row, and how much of its text was sent."""
+
+    job: Job
+    row: Any  # batch.Row
+    sent: int  # tokens whose text was sent (the prompt counts as sent)
+    utf8: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+    def new_text(self, vocab) -> str:
+        """The text of the tokens committed since the last call; a split character waits."""
+        new, self.sent = self.row.tokens[self.sent :], len(self.row.tokens)
+        return self.utf8.decode(vocab.output_bytes(new), final=self.row.finished)
 
 
 # ---------------------------------------------------------------- responses

@@ -45,8 +45,9 @@ def json_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "batched"])
+def server(request):
+    """A server per --batch-size: requests one at a time (Generator.stream), or batched."""
     seen = {}
 
     def during_loading(url):  # the first /health answer was 503: ask for a completion now
@@ -55,6 +56,7 @@ def server():
 
     args = ["--api-key", KEY, "--max-queue", str(MAX_QUEUE), "--max-tokens", "400"]
     args += ["--threads", "1"]  # the test process shares the cores (2 on CI)
+    args += ["--batch-size", str(request.param)]
     args += ["--max-body-bytes", "65536", "--max-schema-bytes", "4096"]
     with server_process(*args, on_loading=during_loading) as url:
         yield url, seen
@@ -207,7 +209,7 @@ def test_streamed_tool_call(client):
     ],
 )
 def test_regex_grammar_and_json_object(client, extra, check):
-    fmt = extra.pop("response_format", None)
+    fmt = extra.get("response_format")  # the dict is shared by both servers: not popped
     kwargs = {"response_format": fmt} if fmt else {"extra_body": extra}
     r = client.chat.completions.create(
         model="any", messages=ASK, temperature=0, max_tokens=40, **kwargs
