@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="an OpenAI-compatible HTTP server (needs the [serve] extra)",
         description="Serve POST /v1/chat/completions (response_format, tools, regex/grammar "
-        "extensions, streaming), GET /v1/models and GET /health. Requests run one at a "
-        "time, in arrival order (docs/server.md).",
+        "extensions, streaming), GET /v1/models and GET /health. Up to --batch-size "
+        "requests decode together; the rest wait in arrival order (docs/server.md).",
     )
     _add_serve_arguments(srv)
     srv.set_defaults(run=_serve)
@@ -128,9 +128,9 @@ def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
         ("--max-schema-bytes", 64 << 10, "schema / regex size limit; larger get 400"),
         (
             "--batch-size",
-            1,
+            16,
             "requests decoded together, one target forward per round for all (1: one at a "
-            "time, any drafter; more: grammar-forced and lookup drafts per request)",
+            "time, with any drafter; more: grammar-forced and lookup drafts per request)",
         ),
         (
             "--threads",
