@@ -357,3 +357,16 @@ def test_plan_builds_the_tool_envelope_and_preamble():
         and "get_weather" in p.messages[0]["content"]
     )
     assert p.temperature == 0 and p.max_tokens == ServerConfig().default_max_tokens
+
+
+def test_load_benchmark_level_and_report(server, client):
+    import argparse
+
+    import load  # benchmarks/load.py (benchmarks/ is on pytest's pythonpath)
+
+    lv = load.level(client, clients=2, requests=1, max_tokens=8, temperature=0.0)
+    assert lv["requests"] == 2 and lv["lost"] == 0 and lv["mixed_up"] == 0, lv["rows"]
+    args = argparse.Namespace(max_tokens=8, temperature=0.0, server_args="")
+    meta = {"command": "x", "date": "d", "minutes": 1, "machine": "m", "commit": "c"}
+    text = load.report([{**lv, "clients": 1}, lv], args, {**meta, "load_start": 0, "load_end": 0})
+    assert "| 2 | 2 |" in text and "Goal: 2 clients ≥ 3× one client's throughput" in text
