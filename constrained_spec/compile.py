@@ -31,6 +31,9 @@ try:  # POSIX only: without it the compile runs with a time bound alone (warned 
     import resource
 except ImportError:
     resource = None
+# The memory bound counts the address space a child inherits, read from /proc (Linux).
+_STATM = Path("/proc/self/statm")
+MEMORY_BOUND = resource is not None and _STATM.exists()
 
 _OUTLINES_VERSION = importlib.metadata.version(
     "outlines-core"
@@ -382,8 +385,8 @@ def run_bounded(fn, what: str, timeout_s: float | None = None, memory_gb: float 
             "(CONSTRAINED_SPEC_COMPILE_TIMEOUT / _MEMORY_GB): a huge schema may run long."
         )
         return fn()
-    if resource is None:
-        _warn_once("no `resource` module here: compiling is bounded in time, not in memory.")
+    if not MEMORY_BOUND:
+        _warn_once("no `resource` or /proc here: compiling is bounded in time, not in memory.")
     parent, child = mp.get_context("fork").Pipe(duplex=False)
     proc = mp.get_context("fork").Process(target=_child, args=(fn, child, memory_gb), daemon=True)
     proc.start()
@@ -418,8 +421,8 @@ def run_bounded(fn, what: str, timeout_s: float | None = None, memory_gb: float 
 
 def _child(fn, conn, memory_gb: float) -> None:
     # RLIMIT_AS counts the address space inherited from the parent too: allow that plus the limit.
-    if resource is not None:
-        inherited = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+    if MEMORY_BOUND:
+        inherited = int(_STATM.read_text().split()[0]) * resource.getpagesize()
         limit = inherited + int(memory_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     try:

@@ -447,7 +447,7 @@ def test_the_package_imports_without_resource():
         "import sys, warnings, psutil, transformers.generation\n"
         "sys.modules['resource'] = None\n"  # what `import resource` finds on Windows
         "import constrained_spec, constrained_spec.cli, constrained_spec.compile as c\n"
-        "assert c.resource is None\n"
+        "assert c.resource is None and not c.MEMORY_BOUND\n"
         "with warnings.catch_warnings(record=True) as seen:\n"
         "    warnings.simplefilter('always')\n"
         "    print(c.run_bounded(lambda: 6 * 7, 'answering', timeout_s=10, memory_gb=1))\n"
