@@ -35,9 +35,8 @@ except ImportError:
 _STATM = Path("/proc/self/statm")
 MEMORY_BOUND = resource is not None and _STATM.exists()
 
-_OUTLINES_VERSION = importlib.metadata.version(
-    "outlines-core"
-)  # serialised indexes are per version
+# serialised indexes are per version
+_OUTLINES_VERSION = importlib.metadata.version("outlines-core")
 
 FINISHED = -1  # the state after EOS: nothing is legal any more
 
@@ -294,7 +293,11 @@ def _read_entry(path: Path, key_digest: str) -> Index | None:
 
 def _write_entry(path: Path, key_digest: str, index: Index) -> None:
     """Store ``index`` atomically; a cache that cannot be written is a warning, never an error."""
-    _, (payload,) = index.__reduce__()  # (Index.from_binary, (bytes,)): outlines-core's format
+    rebuild, args = index.__reduce__()  # (Index.from_binary, (bytes,)): outlines-core's format
+    if rebuild != Index.from_binary or not (len(args) == 1 and isinstance(args[0], bytes)):
+        _warn_once(f"outlines-core {_OUTLINES_VERSION} serialises an Index differently: not cached")
+        return
+    payload = args[0]
     checksum = hashlib.sha256(payload).hexdigest().encode()
     tmp = None
     try:
