@@ -89,3 +89,18 @@ def test_the_soundness_check_sees_an_unsound_automaton(tiny_tokenizer):
     schema = {"type": "string", "minLength": 2}
     texts = ['""', '"a"', '"ab"', "not accepted"]
     assert testing.accepted_but_invalid(loose, schema, texts) == ['""', '"a"']
+
+
+def test_the_long_fuzz_script_counts_its_outcomes(tiny_tokenizer):
+    import fuzz  # benchmarks/fuzz.py
+
+    vocab = token_vocabulary(tiny_tokenizer)
+    records = [
+        fuzz.bounded(lambda s=s: fuzz.run_case(s, SAMPLE, vocab, len(tiny_tokenizer), 4), 60)
+        for s in (1, 3)
+    ] + [fuzz.bounded(lambda: 1 / 0, 60), fuzz.bounded(lambda: __import__("time").sleep(9), 0.5)]
+    assert [r["outcome"] for r in records[2:]] == ["undocumented", "hang"]
+    summary = fuzz.summarize([r | {"seed": i} for i, r in enumerate(records)])
+    assert summary["cases"] == 4 and summary["hangs"] == 1
+    assert summary["undocumented_exceptions"] == 1 and summary["failing_seeds"] == [2, 3]
+    assert summary["compiled"] + sum(summary["documented_errors"].values()) == 2
