@@ -497,3 +497,8 @@ def test_an_unknown_hub_id_offline_reads_only_the_local_cache(monkeypatch):
     with pytest.raises(ValueError, match="hub is unreachable"):
         models.load_model("nobody/no-such-model", weights="float")
     assert seen == [True]
+
+
+def test_a_non_string_schema_uri_is_a_constraint_error():  # found by tests/test_fuzz.py
+    with pytest.raises(ConstraintError, match=r"\$schema is \{"):
+        schema_to_regex({"$schema": {"type": "string"}, "type": "integer"})

@@ -171,6 +171,11 @@ class Context:
     def for_schema(cls, schema: dict, ws: str) -> Context:
         if not isinstance(schema, dict):
             raise ConstraintError('a schema is a JSON object like {"type": "object", ...}.')
+        if not isinstance(schema.get("$schema", ""), str):  # jsonschema would crash on it
+            raise ConstraintError(
+                f"$schema is {schema['$schema']!r}: it must be a meta-schema URI string such "
+                'as "https://json-schema.org/draft/2020-12/schema", or left out.'
+            )
         vcls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         try:
             vcls.check_schema(schema)
