@@ -511,6 +511,8 @@ def hub_offline() -> bool:
 
     if constants.HF_HUB_OFFLINE:
         return True
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False  # a direct connection tells nothing about the proxy: let the hub client try
     url = urlparse(constants.ENDPOINT)
     port = url.port or (443 if url.scheme == "https" else 80)
     try:

@@ -480,7 +480,11 @@ def test_the_hub_probe_sees_an_unreachable_endpoint(monkeypatch):
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # discard port: refused
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
     assert models.hub_offline()
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # behind a proxy: no verdict
+    assert not models.hub_offline()
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert models.hub_offline()
 
