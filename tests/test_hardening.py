@@ -506,3 +506,15 @@ def test_an_unknown_hub_id_offline_reads_only_the_local_cache(monkeypatch):
 def test_a_non_string_schema_uri_is_a_constraint_error():  # found by tests/test_fuzz.py
     with pytest.raises(ConstraintError, match=r"\$schema is \{"):
         schema_to_regex({"$schema": {"type": "string"}, "type": "integer"})
+
+
+def test_enum_candidates_are_not_checked_against_their_own_enum(monkeypatch):
+    """Each candidate is checked against the other keywords only: linear, not quadratic."""
+    from constrained_spec.schema.context import Context
+
+    checked = []
+    real = Context.valid
+    monkeypatch.setattr(Context, "valid", lambda self, v, s: checked.append(s) or real(self, v, s))
+    regex = schema_to_regex({"enum": [f"v{i}" for i in range(50)], "maxLength": 2, "const": "v7"})
+    assert regex == '"v7"'  # maxLength and const still apply
+    assert len(checked) == 50 and all("enum" not in s for ss in checked for s in ss)
