@@ -518,3 +518,20 @@ def test_enum_candidates_are_not_checked_against_their_own_enum(monkeypatch):
     regex = schema_to_regex({"enum": [f"v{i}" for i in range(50)], "maxLength": 2, "const": "v7"})
     assert regex == '"v7"'  # maxLength and const still apply
     assert len(checked) == 50 and all("enum" not in s for ss in checked for s in ss)
+
+
+def test_a_not_excluded_by_type_stays_excluded_when_a_double_negation_adds_types(tiny_tokenizer):
+    """Found by benchmarks/fuzz.py (seed 706): `true` fails the schema (the anyOf's enum matches
+    it, so the `not` fails), yet the automaton accepted it: the first branch was dropped as
+    "rejects every type we emit" (arrays, from minItems), then the `$ref` branch's double
+    negation brought the enum, and booleans, in."""
+    import jsonschema
+
+    schema = {"not": {"anyOf": [{"enum": [True]}, {"$ref": "#"}]}, "minItems": 1}
+    assert not jsonschema.Draft202012Validator(schema).is_valid(True)
+    vocab = token_vocabulary(tiny_tokenizer)
+    try:
+        constraint = compile.compile_regex(schema_to_regex(schema), vocab, len(tiny_tokenizer))
+    except ConstraintError:
+        return  # refusing is sound too
+    assert not constraint.accepts("true")

@@ -253,12 +253,15 @@ def _exclude(parts, negated, ctx, ptr, keyword) -> list[Part] | None:
     if flat is None:
         return parts  # not false: no constraint
     neg = _Negation.of(parts, flat)
+    # Both shortcuts below hold for the types emitted *now*; a later double negation may add
+    # parts that widen them (an enum brings its own types), so they pin those types.
+    pinned = parts + [extra_part(anchor, {"type": sorted(neg.emitted)})]
     if neg.outside == neg.emitted:
-        return parts  # it rejects every type we emit
+        return pinned  # it rejects every type we emit
     if _holds_for_all(neg):
         return None
     if _contradicts(neg):
-        return parts
+        return pinned
     inner = next((q for q in flat if "not" in q.schema), None)
     if inner is not None:  # not (X and not Y): require Y
         sub = flatten(inner.schema["not"], inner.ptr + "/not", ctx, inner.refs, anchor.group, False)
