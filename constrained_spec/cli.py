@@ -534,8 +534,8 @@ def stats_table(
         for i, (a, d) in enumerate(zip(s.accepted_by_position, s.drafted_by_position))
         if d
     )
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss if resource is not None else 0
-    peak_mb = peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes vs KiB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss if resource is not None else None
+    peak_mb = peak / 2**20 if sys.platform == "darwin" else (peak or 0) / 2**10  # bytes vs KiB
     table = Table(
         title="generation stats", show_header=False, box=None, pad_edge=False, title_justify="left"
     )
@@ -563,7 +563,7 @@ def stats_table(
             f"{s.draft_s:.2f} s, verify {s.verify_s:.2f} s; with compile {wall_s:.2f} s)",
         ),
         ("model load", f"{load_s:.1f} s"),
-        ("peak memory (RSS)", f"{peak_mb:.0f} MiB"),
+        ("peak memory (RSS)", f"{peak_mb:.0f} MiB" if peak is not None else "-"),
     ]
     for row in rows:
         table.add_row(*row)
