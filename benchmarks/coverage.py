@@ -32,12 +32,11 @@ import sys
 import time
 from pathlib import Path
 
-import jsonschema
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from constrained_spec import compile as compile_mod  # noqa: E402
+from constrained_spec import testing  # noqa: E402
 from constrained_spec.compile import compile_regex, run_bounded  # noqa: E402
 from constrained_spec.errors import SchemaTooComplex, UnsupportedSchemaError  # noqa: E402
 from constrained_spec.models import load_tokenizer  # noqa: E402
@@ -155,7 +154,7 @@ def fuzz(c, oracle, n: int) -> dict:
     """Texts sampled by a random walk over the automaton's byte tokens must all be valid."""
     rng, bad, done = random.Random(0), [], 0
     for _ in range(n):
-        text = random_text(c, rng)
+        text = testing.random_text(c, rng)
         if text is None:
             continue
         done += 1
@@ -168,26 +167,6 @@ def fuzz(c, oracle, n: int) -> dict:
     return {"fuzz_texts": done, "fuzz_invalid": len(bad)} | (
         {"fuzz_examples": bad[:3]} if bad else {}
     )
-
-
-def random_text(c, rng, max_len: int = 300) -> str | None:
-    state, out = c.initial_state, bytearray()
-    closers = set(b'"}],0123456789el')  # favoured late, so that walks tend to finish
-    for step in range(max_len):
-        if c.accepting(state) and rng.random() < 0.2:
-            break
-        options = [
-            (b, s)
-            for b, tid in c._byte_ids.items()
-            if (s := c.index.get_next_state(state, tid)) is not None
-        ]
-        if step > max_len // 3:
-            options = [o for o in options if o[0] in closers] or options
-        if not options:
-            break
-        b, state = rng.choice(options)
-        out.append(b)
-    return out.decode() if c.accepting(state) else None
 
 
 def mask_times(c, tests, tok, max_states: int = 8) -> list[float]:
@@ -211,8 +190,7 @@ def mask_times(c, tests, tok, max_states: int = 8) -> list[float]:
 
 def make_oracle(schema: dict):
     try:
-        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        v = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        v = testing.schema_validator(schema)  # no $ref is fetched
     except Exception:
         return None
 

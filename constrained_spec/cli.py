@@ -2,7 +2,9 @@
 
 Everything the user typed is validated before the model loads (that takes seconds); bad input
 ends with one line on stderr and exit code 2. Output text goes to stdout, everything else
-(live view, stats, errors) to stderr, so ``constrained-spec generate ... > out.json`` works.
+(live view, stats, errors) to stderr, so ``constrained-spec generate ... > out.json`` works:
+output cut at --max-new-tokens is not the constraint's, so it exits 3 with stdout empty
+(``--partial`` prints the incomplete text anyway).
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 import argparse
 import codecs
 import functools
+import math
 import os
 import re
-import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -23,16 +25,35 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .decode import DRAFTS
-from .errors import ConstraintError, DraftHeadError, GenerationInputError, VocabularyMismatch
+from .compile import check_regex, compile_limits, translate_schema
+from .decode import DRAFTS, MIN_TEMPERATURE
+from .errors import (
+    ConstraintError,
+    DraftHeadError,
+    GenerationInputError,
+    SettingError,
+    VocabularyMismatch,
+)
 from .grammars import grammar_names, load_grammar
 from .head import shipped_head
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, WEIGHTS, ModelFetchError
-from .schema import load_schema, schema_to_regex
+from .schema import load_schema
+
+try:  # POSIX only: the --stats peak memory row says "-" without it
+    import resource
+except ImportError:
+    resource = None
 
 EXIT_USAGE = 2
+EXIT_INCOMPLETE = 3  # generation stopped at --max-new-tokens: the output is not the constraint's
 # Errors that mean "the input is unusable", not "the program is wrong": one line, exit 2.
-INPUT_ERRORS = (ConstraintError, GenerationInputError, VocabularyMismatch, DraftHeadError)
+INPUT_ERRORS = (
+    ConstraintError,
+    GenerationInputError,
+    VocabularyMismatch,
+    DraftHeadError,
+    SettingError,
+)
 
 
 class UsageError(Exception):
@@ -239,7 +260,14 @@ def _add_decoding_arguments(gen: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         metavar="N",
-        help="stop after N generated tokens (default: 256)",
+        help="stop after N generated tokens (default: 256); output cut there does not "
+        "satisfy the constraint: exit code 3, stdout empty (see --partial)",
+    )
+    gen.add_argument(
+        "--partial",
+        action="store_true",
+        help="with exit code 3 (stopped at --max-new-tokens), still print the incomplete "
+        "text on stdout",
     )
     gen.add_argument(
         "--num-draft-tokens",
@@ -336,6 +364,7 @@ def _batch(args, out: Console, err: Console) -> int:
     if args.batch_size < 1:
         raise UsageError(f"--batch-size {args.batch_size} must be >= 1.")
     _check_sampling(args.temperature, args.top_k, args.top_p, 0, args.max_new_tokens)
+    compile_limits()  # a bad CONSTRAINED_SPEC_COMPILE_* setting is a SettingError now
     constraint = _constraint(args) if (args.schema or args.regex or args.grammar) else None
     rows = read_rows(Path(args.input))
     if constraint is None and (bare := next((r for r in rows if r.schema is None), None)):
@@ -417,21 +446,27 @@ def _constraint(args) -> dict:
         constraint = {"schema": load_schema(args.schema)}
     else:
         constraint = {"regex": args.regex}
-    if "schema" in constraint:
-        schema_to_regex(constraint["schema"])  # refuses unsupported keywords now, not later
+    if "schema" in constraint:  # refuses unsupported keywords now, not later (and is memoised)
+        translate_schema(constraint["schema"])
     else:
         try:
             re.compile(constraint["regex"])
         except re.error as e:
             raise UsageError(f"invalid regex {constraint['regex'][:80]!r}: {e}.") from None
+        check_regex(constraint["regex"])  # Python's syntax, yet beyond the compiler: say so now
     return constraint
 
 
 def _validate(args) -> Request:
     """Everything that can be checked without the model; raises UsageError / ConstraintError."""
     problems = []
-    if args.temperature < 0:
-        problems.append(f"--temperature {args.temperature} must be >= 0 (0 is greedy)")
+    if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < math.inf):
+        problems.append(
+            f"--temperature {args.temperature} must be 0 (greedy) or a finite number >= "
+            f"{MIN_TEMPERATURE:g}"
+        )
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        problems.append(f"--seed {args.seed} must be in [0, 2**64)")
     if args.top_k is not None and args.top_k < 1:
         problems.append(f"--top-k {args.top_k} must be >= 1")
     if args.top_p is not None and not 0 < args.top_p <= 1:
@@ -446,6 +481,7 @@ def _validate(args) -> Request:
         problems.append("--system needs the chat template: drop --raw-prompt")
     if problems:
         raise UsageError("; ".join(problems) + ".")
+    compile_limits()  # a bad CONSTRAINED_SPEC_COMPILE_* setting is a SettingError now
 
     constraint = _constraint(args)
     _check_model_name(args.model, "--model")
@@ -545,14 +581,19 @@ def _generate(args, out: Console, err: Console) -> int:
         wall_s = time.perf_counter() - t1
         if view is not None:
             view.close()
-    sys.stdout.write(result.text + "\n")  # exactly the text: no markup, emoji or wrapping
-    sys.stdout.flush()
-    if result.finish_reason == "length":
+    incomplete = result.finish_reason == "length"
+    if not incomplete or args.partial:
+        sys.stdout.write(result.text + "\n")  # exactly the text: no markup, emoji or wrapping
+        sys.stdout.flush()
+    if incomplete:  # one line, whatever the terminal width
+        shown = "it is on stdout" if args.partial else "--partial prints it"
         err.print(
-            f"stopped at --max-new-tokens {args.max_new_tokens}: the output is incomplete "
-            "and may not satisfy the constraint.",
+            f"error: stopped at --max-new-tokens {args.max_new_tokens} before the output was "
+            f"complete (exit {EXIT_INCOMPLETE}): raise --max-new-tokens; the text is "
+            f"incomplete ({shown}).",
             style="yellow",
             markup=False,
+            soft_wrap=True,
         )
     if args.stats:
         err.print(
@@ -566,7 +607,7 @@ def _generate(args, out: Console, err: Console) -> int:
                 getattr(gen, "weights_choice", gen.weights),
             )
         )
-    return 0
+    return EXIT_INCOMPLETE if incomplete else 0
 
 
 def _serve(args, out: Console, err: Console) -> int:
@@ -728,8 +769,8 @@ def stats_table(
         for i, (a, d) in enumerate(zip(s.accepted_by_position, s.drafted_by_position))
         if d
     )
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak_mb = peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes vs KiB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss if resource is not None else None
+    peak_mb = peak / 2**20 if sys.platform == "darwin" else (peak or 0) / 2**10  # bytes vs KiB
     table = Table(
         title="generation stats", show_header=False, box=None, pad_edge=False, title_justify="left"
     )
@@ -757,7 +798,7 @@ def stats_table(
             f"{s.draft_s:.2f} s, verify {s.verify_s:.2f} s; with compile {wall_s:.2f} s)",
         ),
         ("model load", f"{load_s:.1f} s"),
-        ("peak memory (RSS)", f"{peak_mb:.0f} MiB"),
+        ("peak memory (RSS)", f"{peak_mb:.0f} MiB" if peak is not None else "-"),
     ]
     for row in rows:
         table.add_row(*row)
@@ -773,7 +814,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (0 ok, 1 failed, 2 bad input, 130 interrupted)."""
+    """Run the CLI; returns the exit code (0 ok, 1 failed, 2 bad input, 3 stopped at
+    --max-new-tokens before the output was complete, 130 interrupted)."""
     out, err = Console(), Console(stderr=True)
     try:
         args = build_parser().parse_args(argv)

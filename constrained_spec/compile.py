@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
+import math
 import multiprocessing as mp
 import os
 import pickle
-import resource
 import tempfile
+import warnings
 from functools import cache
 from pathlib import Path
 
@@ -21,10 +23,20 @@ import numpy as np
 import torch
 from outlines_core import Index, Vocabulary
 
-from .errors import ConstraintError, SchemaTooComplex
+from .errors import ConstraintError, SchemaTooComplex, SettingError
+from .schema import schema_to_regex
 from .vocab import TokenVocabulary
 
-_OUTLINES_VERSION = importlib.metadata.version("outlines-core")  # pickled indexes are per version
+try:  # POSIX only: without it the compile runs with a time bound alone (warned once)
+    import resource
+except ImportError:
+    resource = None
+# The memory bound counts the address space a child inherits, read from /proc (Linux).
+_STATM = Path("/proc/self/statm")
+MEMORY_BOUND = resource is not None and _STATM.exists()
+
+# serialised indexes are per version
+_OUTLINES_VERSION = importlib.metadata.version("outlines-core")
 
 FINISHED = -1  # the state after EOS: nothing is legal any more
 
@@ -186,6 +198,23 @@ def _outlines_vocabulary(vocab: TokenVocabulary) -> Vocabulary:
 
 
 _compiled: dict[tuple[str, str, int], Constraint] = {}
+_translated: dict[tuple[str, str], str] = {}
+
+
+def translate_schema(schema: dict, whitespace: str = "") -> str:
+    """``schema_to_regex`` under the compile bounds, memoised: translation alone can take
+    minutes (a 100k-value enum, an enum candidate checked against a backtracking ``pattern``)."""
+    try:
+        key = (json.dumps(schema, sort_keys=True), whitespace)
+    except (TypeError, ValueError) as e:  # sets, NaN keys, objects: not a JSON document
+        raise ConstraintError(
+            f"the schema is not plain JSON data ({e}): pass JSON values."
+        ) from None
+    if key not in _translated:
+        _translated[key] = run_bounded(
+            lambda: schema_to_regex(schema, whitespace), "translating the schema"
+        )
+    return _translated[key]
 
 
 def compile_regex(
@@ -194,43 +223,116 @@ def compile_regex(
     """Compile ``regex`` for this vocabulary; cached in memory and (if ``cache_dir``) on disk."""
     key = (regex, vocab.fingerprint, vocab_size)
     if key not in _compiled:
-        pattern = f"(?:{regex})\\x00"  # see TERMINATOR
         _compiled[key] = Constraint(
-            _load_or_build_index(pattern, vocab, cache_dir), vocab, vocab_size, regex
+            _load_or_build_index(regex, vocab, cache_dir), vocab, vocab_size, regex
         )
     return _compiled[key]
 
 
-def _load_or_build_index(pattern: str, vocab: TokenVocabulary, cache_dir: Path | None) -> Index:
-    path = None
-    if cache_dir is not None:
-        key = f"{_OUTLINES_VERSION}\0{vocab.fingerprint}\0{pattern}"
-        digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-        path = Path(cache_dir) / "constraints" / f"{digest}.index"
-        if path.is_file():
-            try:
-                return pickle.loads(path.read_bytes())
-            except Exception:
-                path.unlink(missing_ok=True)  # corrupt entry: rebuild below
-    outlines_vocab = _outlines_vocabulary(vocab)  # built here, shared with the child by fork
+def check_regex(regex: str, timeout_s: float = 2.0) -> None:
+    """Raise ConstraintError now (before any model loads) if the compiler cannot handle
+    ``regex`` (look-around, backreferences, ``\\b``...): built over the 256 single bytes, where
+    such errors show in microseconds. A regex whose check runs past ``timeout_s`` is left to the
+    real (bounded) compile."""
+    vocab = Vocabulary(256, {bytes([b]): [b] for b in range(256)})
     try:
-        # a small regex without repetition is a small finite language: not worth a fork (~70 ms)
-        trivial = len(pattern) <= 1000 and not any(c in pattern for c in "*+{")
-        index = run_bounded(
-            lambda: Index(pattern, outlines_vocab),
-            "compiling the constraint",
-            timeout_s=0 if trivial else None,
+        _build_index(regex, lambda pattern: Index(pattern, vocab), timeout_s)
+    except SchemaTooComplex:
+        pass
+
+
+def _build_index(regex: str, build, timeout_s: float | None = None) -> Index:
+    """``build((?:regex)\\x00)`` (see TERMINATOR) under the compile bounds; a compiler error
+    becomes a ConstraintError quoting ``regex`` as given."""
+    pattern = f"(?:{regex})\\x00"
+    # a small regex without repetition is a small finite language: not worth a fork (~70 ms)
+    trivial = len(pattern) <= 1000 and not any(c in pattern for c in "*+{")
+    try:
+        return run_bounded(
+            lambda: build(pattern), "compiling the constraint", 0 if trivial else timeout_s
         )
     except SchemaTooComplex:
         raise
     except Exception as e:
-        raise ConstraintError(f"cannot compile the regex {pattern[4:-5][:200]!r}: {e}") from None
-    if path is not None:
+        shown = (
+            repr(regex) if len(regex) <= 300 else f"{regex[:300]!r}... ({len(regex)} characters)"
+        )
+        raise ConstraintError(
+            f"cannot compile the regex {shown}: {e}. The compiler supports no look-around, "
+            "backreferences or \\b: rewrite the regex without them."
+        ) from None
+
+
+# A compiled Index on disk: this header line, then the sha256 of the payload (hex) on its own line,
+# then outlines-core's own serialisation of the Index (plain bytes: never unpickled). An entry
+# that does not verify (another format or library version, another key, a damaged or planted
+# payload) is ignored, rebuilt and overwritten.
+CACHE_FORMAT = 1
+
+
+def _entry_header(key_digest: str) -> bytes:
+    header = {"format": CACHE_FORMAT, "outlines_core": _OUTLINES_VERSION, "key": key_digest}
+    return b"constrained_spec index " + json.dumps(header, sort_keys=True).encode() + b"\n"
+
+
+def _read_entry(path: Path, key_digest: str) -> Index | None:
+    """The cached Index at ``path`` if the entry verifies, else None."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    header = _entry_header(key_digest)
+    checksum, _, payload = data[len(header) :].partition(b"\n")
+    if not data.startswith(header) or checksum != hashlib.sha256(payload).hexdigest().encode():
+        return None
+    try:
+        return Index.from_binary(payload)
+    except Exception:  # bincode refuses malformed bytes; it never runs code
+        return None
+
+
+def _write_entry(path: Path, key_digest: str, index: Index) -> None:
+    """Store ``index`` atomically; a cache that cannot be written is a warning, never an error."""
+    rebuild, args = index.__reduce__()  # (Index.from_binary, (bytes,)): outlines-core's format
+    if rebuild != Index.from_binary or not (len(args) == 1 and isinstance(args[0], bytes)):
+        _warn_once(f"outlines-core {_OUTLINES_VERSION} serialises an Index differently: not cached")
+        return
+    payload = args[0]
+    checksum = hashlib.sha256(payload).hexdigest().encode()
+    tmp = None
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         with os.fdopen(fd, "wb") as f:
-            f.write(pickle.dumps(index))
+            f.write(_entry_header(key_digest) + checksum + b"\n" + payload)
         os.replace(tmp, path)  # atomic: a crash never leaves a half-written entry
+        tmp = None
+    except OSError as e:  # full disk, read-only folder, a file where the folder should be
+        warnings.warn(
+            f"could not write the compile cache entry {path} ({e}); the constraint was compiled "
+            "and is used, only not cached on disk. Set CONSTRAINED_SPEC_CACHE to a writable "
+            "folder to cache it.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _load_or_build_index(regex: str, vocab: TokenVocabulary, cache_dir: Path | None) -> Index:
+    path = None
+    if cache_dir is not None:
+        key = f"{_OUTLINES_VERSION}\0{vocab.fingerprint}\0{regex}"
+        key_digest = hashlib.sha256(key.encode()).hexdigest()
+        path = Path(cache_dir) / "constraints" / f"{key_digest[:24]}.index"
+        index = _read_entry(path, key_digest)
+        if index is not None:
+            return index
+    outlines_vocab = _outlines_vocabulary(vocab)  # built here, shared with the child by fork
+    index = _build_index(regex, lambda pattern: Index(pattern, outlines_vocab))
+    if path is not None:
+        _write_entry(path, key_digest, index)
     return index
 
 
@@ -242,22 +344,52 @@ DEFAULT_COMPILE_TIMEOUT_S = 60.0
 DEFAULT_COMPILE_MEMORY_GB = 8.0
 
 
+def compile_limits() -> tuple[float, float]:
+    """(timeout in s, memory in GB) from the environment; SettingError names a bad value."""
+    limits = []
+    for name, default in (
+        ("CONSTRAINED_SPEC_COMPILE_TIMEOUT", DEFAULT_COMPILE_TIMEOUT_S),
+        ("CONSTRAINED_SPEC_COMPILE_MEMORY_GB", DEFAULT_COMPILE_MEMORY_GB),
+    ):
+        text = os.environ.get(name, "").strip()
+        try:
+            value = float(text) if text else default
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise SettingError(
+                f"{name}={text!r} is not a limit: set a finite number >= 0 (0 = no limit), "
+                f"or unset it for the default {default:g}."
+            )
+        limits.append(value)
+    return limits[0], limits[1]
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def run_bounded(fn, what: str, timeout_s: float | None = None, memory_gb: float | None = None):
     """``fn()`` in a forked child with a time and memory bound; its (picklable) result.
     Raises SchemaTooComplex naming the exceeded limit; re-raises the child's own errors."""
-    env = os.environ.get
-    timeout_s = (
-        float(env("CONSTRAINED_SPEC_COMPILE_TIMEOUT", DEFAULT_COMPILE_TIMEOUT_S))
-        if timeout_s is None
-        else timeout_s
-    )
-    memory_gb = (
-        float(env("CONSTRAINED_SPEC_COMPILE_MEMORY_GB", DEFAULT_COMPILE_MEMORY_GB))
-        if memory_gb is None
-        else memory_gb
-    )
-    if timeout_s <= 0 or memory_gb <= 0 or "fork" not in mp.get_all_start_methods():
+    env_timeout, env_memory = compile_limits()
+    timeout_s = env_timeout if timeout_s is None else timeout_s
+    memory_gb = env_memory if memory_gb is None else memory_gb
+    if timeout_s <= 0 or memory_gb <= 0:
         return fn()
+    if "fork" not in mp.get_all_start_methods():  # e.g. Windows: no child shares our state
+        _warn_once(
+            "this platform cannot fork, so compiling runs without its time and memory bounds "
+            "(CONSTRAINED_SPEC_COMPILE_TIMEOUT / _MEMORY_GB): a huge schema may run long."
+        )
+        return fn()
+    if not MEMORY_BOUND:
+        _warn_once("no `resource` or /proc here: compiling is bounded in time, not in memory.")
     parent, child = mp.get_context("fork").Pipe(duplex=False)
     proc = mp.get_context("fork").Process(target=_child, args=(fn, child, memory_gb), daemon=True)
     proc.start()
@@ -292,9 +424,10 @@ def run_bounded(fn, what: str, timeout_s: float | None = None, memory_gb: float 
 
 def _child(fn, conn, memory_gb: float) -> None:
     # RLIMIT_AS counts the address space inherited from the parent too: allow that plus the limit.
-    inherited = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
-    limit = inherited + int(memory_gb * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    if MEMORY_BOUND:
+        inherited = int(_STATM.read_text().split()[0]) * resource.getpagesize()
+        limit = inherited + int(memory_gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     try:
         result = ("ok", fn())
     except MemoryError:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import codecs
 import contextlib
 import copy
+import functools
 import json
+import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -15,7 +18,7 @@ from typing import Any
 import torch
 
 from . import cache as kv
-from .compile import FINISHED, Constraint, compile_regex
+from .compile import FINISHED, Constraint, compile_regex, translate_schema
 from .draft import (
     DRAFTER_MEMBERS,
     EMPTY_DRAFT,
@@ -30,7 +33,7 @@ from .head import DraftHead, HeadDraft, has_shipped_head, load_head, shipped_hea
 from .models import DEFAULT_MODEL
 from .models import cache_dir as default_cache_dir
 from .sample import SamplingConfig, one_hot, policy, verify_greedy, verify_sampled
-from .schema import load_schema, schema_to_regex
+from .schema import load_schema
 from .vocab import token_vocabulary
 
 
@@ -280,8 +283,22 @@ class AdaptiveK:
             self.cost = self.decay * self.cost + (1 - self.decay) * step_cost
 
 
+def _one_at_a_time(method):
+    """Run a Generator method holding its lock (see the Generator docstring)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class Generator:
-    """A target model (and optionally a drafter) ready to generate under constraints."""
+    """A target model (and optionally a drafter) ready to generate under constraints.
+
+    Safe to share between threads: requests run one at a time (a lock; the drafters keep
+    per-request state, and concurrent requests on one model would gain nothing on a CPU)."""
 
     def __init__(
         self,
@@ -307,7 +324,8 @@ class Generator:
         self.drafter = _as_drafter(draft, target, len(tokenizer), self.width)
         self.whitespace = whitespace
         self.context = getattr(target.config, "max_position_embeddings", None) or 2**31
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.cache_dir = default_cache_dir(cache_dir)
+        self._lock = threading.RLock()  # one request at a time: see the class docstring
 
     @classmethod
     def from_pretrained(
@@ -358,14 +376,16 @@ class Generator:
         """Which forward runs the target: "int4"/"int8" (the compact forward) or "float"."""
         return getattr(self.target, "weights", "float")
 
+    @_one_at_a_time
     def compile(self, schema=None, regex: str | None = None) -> Constraint:
         """The compiled constraint for this tokenizer: a JSON Schema or a regex, exactly one."""
         if (schema is None) == (regex is None):
             raise ConstraintError("pass exactly one of schema= or regex=.")
         if schema is not None:
-            regex = schema_to_regex(load_schema(schema), self.whitespace)
+            regex = translate_schema(load_schema(schema), self.whitespace)
         return compile_regex(regex, self.vocab, self.width, self.cache_dir)
 
+    @_one_at_a_time
     def generate(
         self,
         prompt,
@@ -421,8 +441,10 @@ class Generator:
         """``generate`` as it happens: the committed text in pieces (``str``), then the
         ``Result``. Only committed tokens are shown, never a draft that may still be rolled back,
         and a character split across tokens comes out whole. The arguments are checked and the
-        constraint compiled now; decoding runs while you iterate and stops when you close it."""
+        constraint compiled now; decoding runs while you iterate and stops when you close it.
+        While it runs it holds the Generator's lock: exhaust or close it."""
         sampling = _check_sampling(temperature, top_k, top_p, num_draft_tokens, max_new_tokens)
+        _check_seed(seed)
         prompt_ids = self.encode_prompt(prompt)
         max_new_tokens = min(max_new_tokens, self.context - len(prompt_ids))  # then "length"
         schema_dict = load_schema(schema) if schema is not None else None
@@ -450,7 +472,9 @@ class Generator:
     def _pieces(self, rounds, constraint, stats, parse_json: bool, on_round) -> Iterator:
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a split character
         ids: list[int] = []
-        with contextlib.closing(rounds):  # closing the pieces stops the decode loop too
+        # the lock is held while decoding runs: released when the iteration ends or is closed;
+        # closing the pieces stops the decode loop too
+        with self._lock, contextlib.closing(rounds):
             for r in rounds:
                 if on_round is not None:
                     on_round(r)
@@ -466,6 +490,7 @@ class Generator:
         value = json.loads(text) if parse_json and finish == "stop" else None
         yield Result(text, value, token_ids, finish, stats)
 
+    @_one_at_a_time
     def generate_batch(self, requests: Iterable[dict], batch_size: int = 8) -> list[Result]:
         """generate() over many requests, ``batch_size`` of them decoded together (one target
         forward per round for all of them), results in order. A request is a dict of
@@ -497,10 +522,11 @@ class Generator:
                 except BAD_REQUEST_ERRORS as err:
                     failed.append((i, err))
 
-        for row in decode_batch(self.target, rows(), _batch_size(batch_size)):
+        with self._lock:  # released when the iteration ends or is closed
+            for row in decode_batch(self.target, rows(), _batch_size(batch_size)):
+                yield from _drain(failed)
+                yield row.index, self._row_result(row)
             yield from _drain(failed)
-            yield row.index, self._row_result(row)
-        yield from _drain(failed)
 
     def _row(self, index: int, request: dict):
         """One request of a batch, checked and compiled: a batch.Row."""
@@ -518,6 +544,7 @@ class Generator:
             )
         r = {**BATCH_DEFAULTS, **request}
         sampling = _check_sampling(r["temperature"], r["top_k"], r["top_p"], 0, r["max_new_tokens"])
+        _check_seed(r["seed"])
         prompt_ids = self.encode_prompt(r["prompt"])
         schema = load_schema(r["schema"]) if r["schema"] is not None else None
         generator = torch.Generator(device=next(self.target.parameters()).device)
@@ -546,6 +573,7 @@ class Generator:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            _check_messages(prompt)
             text = self.tokenizer.apply_chat_template(
                 prompt, add_generation_prompt=True, tokenize=False
             )
@@ -680,10 +708,18 @@ def _checked_drafter(drafter) -> Drafter:
     return drafter
 
 
+# Below this temperature logits / T overflows float32 (the policy would see inf − inf = nan);
+# such a temperature is greedy in all but name.
+MIN_TEMPERATURE = 1e-4
+
+
 def _check_sampling(temperature, top_k, top_p, num_draft_tokens, max_new_tokens) -> SamplingConfig:
     problems = []
-    if not temperature >= 0:
-        problems.append(f"temperature={temperature} must be >= 0 (0 is greedy)")
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):
+        problems.append(
+            f"temperature={temperature} must be 0 (greedy) or a finite number >= "
+            f"{MIN_TEMPERATURE:g} (lower ones are greedy in effect: pass 0)"
+        )
     if top_k is not None and top_k < 1:
         problems.append(f"top_k={top_k} must be >= 1 or None")
     if top_p is not None and not 0 < top_p <= 1:
@@ -695,3 +731,17 @@ def _check_sampling(temperature, top_k, top_p, num_draft_tokens, max_new_tokens)
     if problems:
         raise GenerationInputError("; ".join(problems) + ".")
     return SamplingConfig(temperature, top_k, top_p)
+
+
+def _check_seed(seed) -> None:
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**64):
+        raise GenerationInputError(f"seed={seed} must be an integer in [0, 2**64) or None.")
+
+
+def _check_messages(messages: list[dict]) -> None:
+    for i, m in enumerate(messages):
+        if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise GenerationInputError(
+                f"chat message {i} is {str(m)[:80]}: each message needs a 'role' and a "
+                "'content' string, e.g. {'role': 'user', 'content': 'Hi'}."
+            )

@@ -15,10 +15,18 @@ class UnsupportedSchemaError(ConstraintError):
             f"unsupported JSON Schema keyword {keyword!r} at {where}: the compiler cannot honour it "
             f"exactly and refuses rather than loosen the schema. {hint or 'Remove or rewrite it.'}"
         )
+        self.hint = hint
+
+    def __reduce__(self):  # rebuilt from its own arguments (it crosses the compile child's pipe)
+        return type(self), (self.keyword, self.pointer, self.hint)
 
 
 class SchemaTooComplex(ConstraintError):
     """Compiling the constraint exceeded the time or memory bound."""
+
+
+class SettingError(ValueError):
+    """A ``CONSTRAINED_SPEC_*`` environment setting has an unusable value."""
 
 
 class GenerationInputError(ValueError):

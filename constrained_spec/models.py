@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -85,12 +87,16 @@ class ModelFetchError(RuntimeError):
     """A built-in model could not be downloaded, verified or converted."""
 
 
-def cache_dir() -> Path:
-    """The cache root: `$CONSTRAINED_SPEC_CACHE`, else `~/.cache/constrained_spec`.
+def cache_dir(path: str | os.PathLike | None = None) -> Path:
+    """The cache root: ``path`` if given, else `$CONSTRAINED_SPEC_CACHE`, else
+    `~/.cache/constrained_spec`; `~` expanded, and "" (an empty setting) means the default.
 
     The one place that decides it: converted models live here, and `Generator` keeps compiled
     constraints under it (`constraints/`)."""
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+    for choice in (path, os.environ.get(CACHE_ENV)):
+        if choice is not None and str(choice).strip():
+            return Path(choice).expanduser()
+    return Path(DEFAULT_CACHE).expanduser()
 
 
 WEIGHTS = {
@@ -253,10 +259,13 @@ def _load_float(name_or_path: str, dtype: torch.dtype):
         near = difflib.get_close_matches(name_or_path, BUILTIN_MODELS, n=1)
         if near and "/" not in name_or_path:  # a typo: do not spend a minute of hub retries on it
             raise ValueError(_unknown_model(name_or_path, f"did you mean {near[0]!r}?"))
+        offline = hub_offline()  # then only the local hub cache: seconds, not a minute of retries
         try:
-            model, tokenizer = _from_pretrained(name_or_path, dtype)
+            model, tokenizer = _from_pretrained(name_or_path, dtype, local_only=offline)
         except (OSError, ValueError) as err:  # hub failures: offline, no such repo, invalid id
             detail = f"loading it as a Hugging Face hub id failed ({type(err).__name__}: {err})."
+            if offline:
+                detail = "the Hugging Face hub is unreachable (offline) and the local hub cache does not hold it."
             raise ValueError(_unknown_model(name_or_path, detail)) from err
     return model, tokenizer
 
@@ -481,12 +490,36 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def _from_pretrained(name_or_path: str, dtype: torch.dtype):
+def _from_pretrained(name_or_path: str, dtype: torch.dtype, local_only: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)  # first: fails fast on a bad hub id
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    # the tokenizer first: fails fast on a bad hub id
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_only)
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path, dtype=dtype, local_files_only=local_only
+    )
     return model, tokenizer
+
+
+HUB_PROBE_S = 3.0  # a reachable hub answers a TCP connect in well under this
+
+
+def hub_offline() -> bool:
+    """True when the Hugging Face hub cannot be reached (HF_HUB_OFFLINE set, or no connection
+    to its endpoint within HUB_PROBE_S): hub ids are then read from the local cache only."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return True
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False  # a direct connection tells nothing about the proxy: let the hub client try
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=HUB_PROBE_S).close()
+        return False
+    except OSError:  # no route, no DNS, refused, timed out
+        return True
 
 
 def _from_gguf(gguf: Path, dtype: torch.dtype):

@@ -2,8 +2,8 @@
 
 POST /v1/chat/completions turns ``response_format`` (json_schema / json_object), ``tools`` with a
 forced ``tool_choice``, or the extension fields ``regex`` / ``grammar`` into a constraint, checks
-everything it can before queueing (schema → regex runs here: a bad schema is a 400 at once), and
-hands the request to the one worker thread that owns the Generator.
+everything it can before queueing (schema → regex runs here, bounded: a bad schema is a 400 at
+once), and hands the request to the one worker thread that owns the Generator.
 
 With ``batch_size`` 1 requests run one at a time through ``Generator.stream``; with more, up to
 that many decode together through the batched engine (batch.py: one target forward per round
@@ -31,10 +31,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from .compile import check_regex, translate_schema
 from .errors import ConstraintError, GenerationInputError
 from .grammars import load_grammar
 from .models import DEFAULT_MODEL
-from .schema import load_schema, schema_to_regex
+from .schema import load_schema
 
 FREE_TEXT = r"[\s\S]*"  # no constraint asked for: any text, ended by the model's EOS
 POLL_S = 0.25  # how often a waiting handler checks whether its client has gone
@@ -190,6 +191,10 @@ def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[str, str | None
         return _tool_constraint(tools, req.tool_choice, config)
     if req.regex is not None:
         _check_size(req.regex, config, "regex")
+        try:
+            check_regex(req.regex)  # look-around, backreferences...: refused before queueing
+        except ConstraintError as e:
+            raise APIError(400, str(e), "invalid_regex", "regex") from None
         return req.regex, None, ""
     if req.grammar is not None:
         try:
@@ -265,7 +270,7 @@ def _envelope(name: str, parameters: dict) -> dict:
 def _schema_regex(schema: dict, config: ServerConfig, param: str) -> str:
     _check_size(schema, config, param)
     try:
-        return schema_to_regex(load_schema(schema))
+        return translate_schema(load_schema(schema))  # bounded: in a child, with a timeout
     except ConstraintError as e:  # UnsupportedSchemaError names the keyword and its place
         code = "unsupported_schema" if hasattr(e, "keyword") else "invalid_schema"
         raise APIError(400, str(e), code, param) from None
@@ -532,7 +537,8 @@ def create_app(config: ServerConfig, load: Callable[[], Any] | None = None) -> F
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         _authorize(request, config)
-        p = plan(await _read_request(request, config), config)
+        # translating a schema may take a while (bounded): off the event loop
+        p = await asyncio.to_thread(plan, await _read_request(request, config), config)
         if not worker.loaded.is_set():
             raise APIError(503, "the model is still loading: retry in a few seconds.", "loading")
         job = Job(p, asyncio.get_running_loop())

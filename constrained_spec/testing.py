@@ -9,6 +9,7 @@ dependencies of the package) and no network.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import socket
 import subprocess
@@ -22,6 +23,7 @@ import torch
 from . import cache as kv
 from .compile import FINISHED, Constraint
 from .draft import logits_width
+from .errors import ConstraintError
 from .head import DraftHead
 
 # A greedy output may differ from the masked baseline only where the baseline's top-2 masked
@@ -252,6 +254,160 @@ def assert_greedy_match(
     assert index is None or (gap is not None and gap < NEAR_TIE), (
         f"greedy outputs diverge at token {index}, a clear decision (top-2 gap {gap})"
     )
+
+
+# ---------------------------------------------------------------- schema fuzzing (issue 18)
+
+# What compiling a schema may raise: ConstraintError and its documented subclasses
+# (UnsupportedSchemaError, SchemaTooComplex). Anything else escaping is a bug.
+SCHEMA_ERRORS = (ConstraintError,)
+
+_PATTERNS = ("^[a-z]+$", "^a*b?$", "[0-9]{2}", "^(a|bc)+$", "x", "^$", '^[^"]{0,3}$')
+_FORMATS = ("date", "email", "uuid", "ipv4", "date-time", "uri", "no-such-format")
+_TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
+
+
+def random_value(rng, depth: int = 0):
+    """A small random JSON value (for enum, const and keyword values)."""
+    kind = rng.randrange(8 if depth < 2 else 5)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return rng.random() < 0.5
+    if kind == 2:
+        return rng.randint(-20, 20)
+    if kind == 3:
+        return rng.choice([0.5, -1.25, 1e3, 3.0])
+    if kind == 4:
+        return "".join(rng.choice('ab"\\é0 ') for _ in range(rng.randrange(4)))
+    if kind in (5, 6):
+        return [random_value(rng, depth + 1) for _ in range(rng.randrange(3))]
+    return {rng.choice("abc"): random_value(rng, depth + 1) for _ in range(rng.randrange(3))}
+
+
+def random_schema(rng, depth: int = 0) -> dict:
+    """A random schema over the keywords the compiler handles (and some it refuses), nested
+    at most 3 deep: the fuzz suite's "random schemas"."""
+    if depth >= 3 or rng.random() < 0.25:
+        leaf = {"type": rng.choice(_TYPES)}
+        return leaf if rng.random() < 0.7 else {"enum": [random_value(rng) for _ in range(3)]}
+    sub = lambda: random_schema(rng, depth + 1)
+    makers = {
+        "type": lambda: rng.choice(_TYPES + (list(rng.sample(_TYPES, 2)),)),
+        "enum": lambda: [random_value(rng) for _ in range(rng.randint(1, 4))],
+        "const": lambda: random_value(rng),
+        "minimum": lambda: rng.randint(-5, 5),
+        "maximum": lambda: rng.randint(0, 50),
+        "exclusiveMinimum": lambda: rng.randint(-5, 5),
+        "multipleOf": lambda: rng.choice([1, 2, 5, 0.5]),
+        "minLength": lambda: rng.randint(0, 3),
+        "maxLength": lambda: rng.randint(0, 6),
+        "pattern": lambda: rng.choice(_PATTERNS),
+        "format": lambda: rng.choice(_FORMATS),
+        "properties": lambda: {k: sub() for k in rng.sample("abcd", rng.randint(1, 3))},
+        "required": lambda: rng.sample("abcd", rng.randint(0, 2)),
+        "additionalProperties": lambda: rng.choice([False, True, sub()]),
+        "minProperties": lambda: rng.randint(0, 2),
+        "maxProperties": lambda: rng.randint(1, 3),
+        "items": sub,
+        "prefixItems": lambda: [sub() for _ in range(rng.randint(1, 2))],
+        "minItems": lambda: rng.randint(0, 2),
+        "maxItems": lambda: rng.randint(0, 4),
+        "uniqueItems": lambda: rng.random() < 0.5,
+        "contains": sub,
+        "anyOf": lambda: [sub() for _ in range(rng.randint(1, 3))],
+        "oneOf": lambda: [sub() for _ in range(rng.randint(1, 3))],
+        "allOf": lambda: [sub() for _ in range(rng.randint(1, 2))],
+        "not": sub,
+        "if": sub,
+        "then": sub,
+        "dependentRequired": lambda: {"a": ["b"]},
+        "$ref": lambda: "#",
+    }
+    keys = rng.sample(sorted(makers), rng.randint(1, 4))
+    return {k: makers[k]() for k in keys}
+
+
+def mutate_schema(schema, rng):
+    """A copy of ``schema`` with one random change at a random place: a keyword dropped, a
+    keyword's value replaced, a random keyword added, or the node negated or made a union."""
+    schema = json.loads(json.dumps(schema))
+    nodes, todo = [], [schema]
+    while todo:  # every dict in the document (schemas and data alike: both worth mutating)
+        value = todo.pop()
+        if isinstance(value, dict):
+            nodes.append(value)
+        todo.extend(
+            v
+            for v in (value.values() if isinstance(value, dict) else value or [])
+            if isinstance(v, (dict, list))
+        )
+    if not nodes:
+        return schema
+    node = rng.choice(nodes)
+    action = rng.randrange(5)
+    if action == 0 and node:
+        del node[rng.choice(sorted(node))]
+    elif action == 1 and node:
+        node[rng.choice(sorted(node))] = rng.choice([random_value(rng), random_schema(rng, 2)])
+    elif action == 2:
+        node.update(random_schema(rng, 1))
+    elif action == 3:
+        inner = dict(node)
+        node.clear()
+        node["not"] = inner
+    else:
+        inner = dict(node)
+        node.clear()
+        node["anyOf"] = [inner, random_schema(rng, 2)]
+    return schema
+
+
+def random_text(constraint: Constraint, rng, max_len: int = 300) -> str | None:
+    """A text the automaton accepts, from a random walk over its single-byte tokens (closing
+    bytes favoured late, so that walks tend to finish); None if the walk did not finish."""
+    state, out = constraint.initial_state, bytearray()
+    closers = set(b'"}],0123456789el')
+    for step in range(max_len):
+        if constraint.accepting(state) and rng.random() < 0.2:
+            break
+        options = [
+            (b, s)
+            for b, tid in constraint._byte_ids.items()
+            if (s := constraint.index.get_next_state(state, tid)) is not None
+        ]
+        if step > max_len // 3:
+            options = [o for o in options if o[0] in closers] or options
+        if not options:
+            break
+        b, state = rng.choice(options)
+        out.append(b)
+    return out.decode() if constraint.accepting(state) else None
+
+
+def schema_validator(schema: dict):
+    """jsonschema's own validator for ``schema`` (its draft, the format checker, no network)."""
+    import jsonschema
+
+    from .schema.context import NO_RETRIEVAL
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER, registry=NO_RETRIEVAL)
+
+
+def accepted_but_invalid(constraint: Constraint, schema: dict, texts) -> list[str]:
+    """The texts the automaton accepts that jsonschema rejects (must be none: soundness)."""
+    validator, bad = schema_validator(schema), []
+    for text in texts:
+        if text is None or not constraint.accepts(text):
+            continue
+        try:
+            ok = validator.is_valid(json.loads(text))
+        except ValueError:  # not JSON at all
+            ok = False
+        if not ok:
+            bad.append(text)
+    return bad
 
 
 @contextlib.contextmanager

@@ -28,7 +28,11 @@ ASKS = [
 for question, regex in ASKS:
     messages = [{"role": "user", "content": question}]
     result = gen.generate(messages, regex=regex, max_new_tokens=24)
+    # "length": cut at max_new_tokens, so the text is a prefix, not a match of the regex
+    answer = repr(result.text) if result.finish_reason == "stop" else "no answer within 24 tokens"
     print(
-        f"{question}\n  -> {result.text!r}  ({result.stats.target_calls} target calls for "
+        f"{question}\n  -> {answer}  ({result.stats.target_calls} target calls for "
         f"{len(result.token_ids)} tokens)"
     )
+    if result.finish_reason == "length":
+        print(f"     (incomplete, cut at max_new_tokens: {result.text!r})")

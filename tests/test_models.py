@@ -221,10 +221,11 @@ def test_corrupt_cached_gguf_is_fetched_again(fake):
 
 
 def test_unknown_name_lists_builtin_names(fake, monkeypatch):
-    def offline(name, dtype):
+    def offline(name, dtype, local_only=False):
         raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {name}")
 
     monkeypatch.setattr(models, "_from_pretrained", offline)
+    monkeypatch.setattr(models, "hub_offline", lambda: False)  # the hub's own error, passed on
     with pytest.raises(ValueError) as info:
         load_model("someone/some-model")
     message = str(info.value)

@@ -105,7 +105,7 @@ def wait_for(url: str, check, timeout_s: float = 60.0) -> dict:
 
 
 def test_loading_answers_503(server):
-    _, seen = server
+    _, seen, _ = server
     if not seen:
         pytest.skip("the model loaded before /health was first asked: no loading phase seen")
     assert seen == {"health": 503, "chat": 503}
@@ -242,7 +242,8 @@ def test_unsupported_schema_is_a_400_naming_the_keyword(client):
     "body, status, code",
     [
         ({"messages": ASK, "max_tokens": 10_000}, 400, "max_tokens_too_large"),
-        ({"messages": ASK, "regex": "(a|b"}, 400, "invalid_request"),
+        ({"messages": ASK, "regex": "(a|b"}, 400, "invalid_regex"),
+        ({"messages": ASK, "regex": "(?=a)a"}, 400, "invalid_regex"),
         ({"messages": ASK, "grammar": "nope"}, 400, "unknown_grammar"),
         ({"messages": ASK, "tools": TOOLS, "tool_choice": "auto"}, 400, "unsupported_tool_choice"),
         (

@@ -28,7 +28,7 @@ from __future__ import annotations
 from ..errors import ConstraintError, SchemaTooComplex, UnsupportedSchemaError
 from . import limits
 from .context import Context
-from .load import load_schema
+from .load import check_depth, load_schema
 from .rewrite import node
 
 __all__ = ["load_schema", "check_schema", "schema_to_regex"]
@@ -44,6 +44,17 @@ def schema_to_regex(schema: dict, whitespace: str = "") -> str:
     Recursive ``$ref``s and free-form values are nested as deeply as ``limits.NESTING`` allows
     while the regex stays within ``limits.NESTING_BUDGET`` characters (shallower: fewer
     instances, all still valid; a smaller automaton, built in seconds rather than minutes)."""
+    if isinstance(schema, dict):
+        check_depth(schema, "the schema")
+    try:
+        return _translate(schema, whitespace)
+    except RecursionError:  # $ref chains and combinators can nest deeper than the document
+        raise SchemaTooComplex(
+            "the schema nests too deeply to translate (through $ref or combinators): flatten it."
+        ) from None
+
+
+def _translate(schema: dict, whitespace: str) -> str:
     ctx = Context.for_schema(schema, whitespace)
     best = None
     for ref_depth, any_depth in limits.NESTING:

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 import jsonschema
+from referencing import Registry
 
 from ..errors import ConstraintError, UnsupportedSchemaError
 from . import limits
@@ -170,6 +171,11 @@ class Context:
     def for_schema(cls, schema: dict, ws: str) -> Context:
         if not isinstance(schema, dict):
             raise ConstraintError('a schema is a JSON object like {"type": "object", ...}.')
+        if not isinstance(schema.get("$schema", ""), str):  # jsonschema would crash on it
+            raise ConstraintError(
+                f"$schema is {schema['$schema']!r}: it must be a meta-schema URI string such "
+                'as "https://json-schema.org/draft/2020-12/schema", or left out.'
+            )
         vcls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         try:
             vcls.check_schema(schema)
@@ -187,8 +193,10 @@ class Context:
                 "declare draft-04 or later (required as a list).",
             )
         draft4 = vcls is jsonschema.Draft4Validator
+        refuse_remote_refs(schema, draft4)
         has_refs = '"$ref"' in json.dumps(schema)
-        return cls(schema, ws, vcls(schema, format_checker=vcls.FORMAT_CHECKER), draft4, has_refs)
+        validator = vcls(schema, format_checker=vcls.FORMAT_CHECKER, registry=NO_RETRIEVAL)
+        return cls(schema, ws, validator, draft4, has_refs)
 
     def valid(self, value: Any, schemas: list) -> bool:
         try:
@@ -199,6 +207,42 @@ class Context:
     def new_group(self) -> int:
         self.groups += 1
         return self.groups
+
+
+def _refuse_retrieval(uri: str):
+    raise UnsupportedSchemaError("$ref", "", f"{uri!r} is not in the schema: nothing is fetched.")
+
+
+# jsonschema's default registry fetches unknown URIs over the network (deprecated, still on):
+# every validator here gets this one, which knows the meta-schemas and refuses anything else.
+NO_RETRIEVAL = Registry(retrieve=_refuse_retrieval)
+DATA_KEYWORDS = ("const", "enum", "default", "examples")  # their values are instances, not schemas
+
+
+def refuse_remote_refs(schema: dict, draft4: bool) -> None:
+    """Refuse, by name and before any validation, every reference outside this document."""
+    base = schema.get("$id") or (schema.get("id") if draft4 else "") or ""
+    base = base.rstrip("#") if isinstance(base, str) else ""
+    todo = [(schema, "")]
+    while todo:  # iterative: a deep document must not overflow the stack here
+        value, ptr = todo.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, sub in items:
+            here = f"{ptr}/{escape_pointer(str(key))}"
+            if key in ("$ref", "$dynamicRef", "$recursiveRef") and isinstance(sub, str):
+                local = sub[len(base) :] if base and sub.startswith(base) else sub
+                if local and not local.startswith("#"):
+                    raise UnsupportedSchemaError(
+                        key,
+                        ptr,
+                        f"{sub!r} refers outside the schema, and references are never "
+                        "fetched: inline the referenced schema under $defs and point to it "
+                        "with #/$defs/....",
+                    )
+            elif isinstance(sub, (dict, list)) and not (
+                isinstance(value, dict) and key in DATA_KEYWORDS
+            ):
+                todo.append((sub, here))
 
 
 def resolve(ref: str, ptr: str, ctx: Context) -> tuple[Any, str]:
@@ -250,4 +294,4 @@ def escape_pointer(token: str) -> str:
     return token.replace("~", "~0").replace("/", "~1")
 
 
-ADDED_VALIDATOR = jsonschema.Draft202012Validator({})
+ADDED_VALIDATOR = jsonschema.Draft202012Validator({}, registry=NO_RETRIEVAL)

@@ -10,3 +10,4 @@ NESTING_BUDGET = 50_000  # regex characters; ~1-5 s of index build with a 49k-to
 MAX_BRANCHES = 256  # anyOf combinations distributed over one node
 MAX_REGEX_CHARS = 2_000_000
 MAX_NUMBER_BOUND = 10**9  # |minimum|, |maximum| for non-integer numbers (float rounding)
+MAX_DEPTH = 64  # nested objects/arrays in a schema document (the checker recurses ~3 frames each)

@@ -8,22 +8,20 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConstraintError
+from . import limits
 
 
 def load_schema(schema: Any) -> dict:
     """A schema given as a dict, a JSON string, a path to a ``.json`` file or a Pydantic model."""
     if hasattr(schema, "model_json_schema"):
-        return schema.model_json_schema()
+        schema = schema.model_json_schema()
     if isinstance(schema, dict):
+        check_depth(schema, "the schema")
         return schema
+    if isinstance(schema, str):
+        schema = schema.lstrip("\ufeff")  # a byte-order mark pasted along with the JSON
     if isinstance(schema, Path) or (isinstance(schema, str) and schema.strip()[:1] not in "{["):
-        path = Path(schema)
-        if not path.is_file():
-            raise ConstraintError(
-                f"schema file {str(path)!r} does not exist: pass a path to a "
-                ".json file, a JSON string, a dict or a Pydantic model."
-            )
-        text, origin = path.read_text(), str(path)
+        text, origin = _read_file(Path(schema)), str(schema)
     elif isinstance(schema, str):
         text, origin = schema, "the schema string"
     else:
@@ -35,8 +33,51 @@ def load_schema(schema: Any) -> dict:
         loaded = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConstraintError(f"{origin} is not valid JSON ({e}): fix the syntax.") from None
+    except RecursionError:
+        raise ConstraintError(_too_deep(origin)) from None
     if not isinstance(loaded, dict):
         raise ConstraintError(
             f'{origin} is not a JSON object: a schema is an object like {{"type": "object", ...}}.'
         )
+    check_depth(loaded, origin)
     return loaded
+
+
+def _read_file(path: Path) -> str:
+    try:
+        exists = path.is_file()
+    except (OSError, ValueError):  # a name too long, or with a NUL: no file has it
+        exists = False
+    if not exists:
+        raise ConstraintError(
+            f"schema file {str(path)[:200]!r} does not exist: pass a path to a "
+            ".json file, a JSON string, a dict or a Pydantic model."
+        )
+    try:
+        return path.read_bytes().decode("utf-8-sig")  # JSON is UTF-8; a BOM is tolerated
+    except UnicodeDecodeError as e:
+        raise ConstraintError(
+            f"schema file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}): "
+            "save it as UTF-8."
+        ) from None
+    except OSError as e:
+        raise ConstraintError(f"cannot read schema file {str(path)!r}: {e.strerror}.") from None
+
+
+def check_depth(schema: dict, origin: str) -> None:
+    """Refuse documents nested deeper than ``limits.MAX_DEPTH`` (the checker and the translation
+    recurse per level); measured iteratively so that the check itself cannot overflow."""
+    todo = [(schema, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if depth > limits.MAX_DEPTH:
+            raise ConstraintError(_too_deep(origin))
+        children = value.values() if isinstance(value, dict) else value
+        todo.extend((v, depth + 1) for v in children if isinstance(v, (dict, list)))
+
+
+def _too_deep(origin: str) -> str:
+    return (
+        f"{origin} is nested more than {limits.MAX_DEPTH} objects/arrays deep: flatten it "
+        "(name repeated parts under $defs and point to them with $ref)."
+    )

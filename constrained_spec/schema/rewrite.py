@@ -253,12 +253,15 @@ def _exclude(parts, negated, ctx, ptr, keyword) -> list[Part] | None:
     if flat is None:
         return parts  # not false: no constraint
     neg = _Negation.of(parts, flat)
+    # Both shortcuts below hold for the types emitted *now*; a later double negation may add
+    # parts that widen them (an enum brings its own types), so they pin those types.
+    pinned = parts + [extra_part(anchor, {"type": sorted(neg.emitted)})]
     if neg.outside == neg.emitted:
-        return parts  # it rejects every type we emit
+        return pinned  # it rejects every type we emit
     if _holds_for_all(neg):
         return None
     if _contradicts(neg):
-        return parts
+        return pinned
     inner = next((q for q in flat if "not" in q.schema), None)
     if inner is not None:  # not (X and not Y): require Y
         sub = flatten(inner.schema["not"], inner.ptr + "/not", ctx, inner.refs, anchor.group, False)
@@ -471,11 +474,16 @@ def candidate_values(parts, ctx) -> list:
     """The first const/enum's values that every part accepts."""
     first = next(p.schema for p in parts if "enum" in p.schema or "const" in p.schema)
     values = first["enum"] if "enum" in first else [first["const"]]
+    # each value is in `first`'s enum by construction: checking it there again would scan the
+    # whole enum per value (quadratic: a 100k-value enum took 6 minutes)
+    source = "enum" if "enum" in first else "const"
+    rest = {k: v for k, v in first.items() if k != source}
+    schemas = [(rest if p.schema is first else p.schema, p.added) for p in parts]
     return [
         v
         for v in values
-        if ctx.valid(v, [p.schema for p in parts if not p.added])
-        and all(ADDED_VALIDATOR.evolve(schema=p.schema).is_valid(v) for p in parts if p.added)
+        if ctx.valid(v, [s for s, added in schemas if not added])
+        and all(ADDED_VALIDATOR.evolve(schema=s).is_valid(v) for s, added in schemas if added)
     ]
 
 
