@@ -89,3 +89,18 @@ def test_bad_input_fails_when_stream_is_called(tiny_target, tiny_tokenizer):
     gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
     with pytest.raises(GenerationInputError, match="temperature"):
         gen.stream("hello", regex="yes", temperature=-1.0)  # not iterated: raised at the call
+
+
+def test_an_open_stream_holds_the_generators_lock(tiny_target, tiny_tokenizer):
+    import threading
+
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    stream = gen.stream("hello", regex="[a-z]{40}", max_new_tokens=40)
+    next(stream)  # decoding has begun: the lock is held
+    other = threading.Thread(target=gen.generate, args=("hello",), kwargs={"regex": "yes"})
+    other.start()
+    other.join(timeout=0.5)
+    assert other.is_alive(), "another request ran while the stream was decoding"
+    stream.close()  # releases the lock: the other request runs
+    other.join(timeout=60)
+    assert not other.is_alive()
