@@ -441,6 +441,10 @@ class Worker:
             job.send("error", APIError(400, str(e), "invalid_request"))
             self.release(job, "failed")
             return None
+        except Exception as e:  # a bug: answer 500 with its name, keep serving the others
+            job.send("error", APIError(500, f"{type(e).__name__}: {e}", "internal_error"))
+            self.release(job, "failed")
+            return None
         job.send("start", len(row.prompt))
         return _Live(job, row, len(row.prompt))
 

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# serve-load-batched-final: serve-load-batched again (1 and 16 clients only) on the branch's
+# final code, after main's hardening was merged (git 04cccb7); first written to /tmp/final-load.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python benchmarks/load.py --clients 1,16 \
+  --requests 20 --max-tokens 48 --server-args "--threads 1 --batch-size 16" \
+  --out benchmarks/results/serve-load-batched-final
