@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import cache as kv
-from .compile import FINISHED, Constraint, compile_regex
+from .compile import FINISHED, Constraint
 from .draft import (
     DRAFTER_MEMBERS,
     EMPTY_DRAFT,
@@ -23,12 +23,13 @@ from .draft import (
     logits_width,
     model_drafter,
 )
-from .errors import ConstraintError, GenerationInputError, VocabularyMismatch, WeightsError
+from .errors import GenerationInputError, VocabularyMismatch, WeightsError
+from .guidance import check_engine, compile_constraint
 from .head import DraftHead, HeadDraft, has_shipped_head, load_head, shipped_head
 from .models import DEFAULT_MODEL
 from .models import cache_dir as default_cache_dir
 from .sample import SamplingConfig, one_hot, policy, verify_greedy, verify_sampled
-from .schema import load_schema, schema_to_regex
+from .schema import load_schema
 from .vocab import token_vocabulary
 
 
@@ -237,11 +238,13 @@ class Generator:
         *,
         whitespace: str = "",
         cache_dir: str | Path | None = None,
+        engine: str = "auto",
     ):
         """``draft``: a transformers causal LM sharing the target's vocabulary, a trained
         DraftHead, a Drafter (``begin``, ``propose``, ``observe``, ``uses_features``), or None
         (masked baseline).
-        ``whitespace``: regex allowed between JSON tokens; the default "" emits compact JSON."""
+        ``whitespace``: regex allowed between JSON tokens; the default "" emits compact JSON.
+        ``engine``: what compiles constraints, one of guidance.ENGINES."""
         self.target, self.tokenizer = target.eval(), tokenizer
         self.vocab = token_vocabulary(tokenizer)
         self.width = logits_width(target)  # may be padded above len(tokenizer)
@@ -252,6 +255,7 @@ class Generator:
             )
         self.drafter = _as_drafter(draft, target, len(tokenizer), self.width)
         self.whitespace = whitespace
+        self.engine = check_engine(engine)  # an unknown one fails here, not at the first request
         self.context = getattr(target.config, "max_position_embeddings", None) or 2**31
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
 
@@ -304,19 +308,27 @@ class Generator:
         """Which forward runs the target: "int4"/"int8" (the compact forward) or "float"."""
         return getattr(self.target, "weights", "float")
 
-    def compile(self, schema=None, regex: str | None = None) -> Constraint:
-        """The compiled constraint for this tokenizer: a JSON Schema or a regex, exactly one."""
-        if (schema is None) == (regex is None):
-            raise ConstraintError("pass exactly one of schema= or regex=.")
-        if schema is not None:
-            regex = schema_to_regex(load_schema(schema), self.whitespace)
-        return compile_regex(regex, self.vocab, self.width, self.cache_dir)
+    def compile(self, schema=None, regex: str | None = None, grammar: str | None = None):
+        """The compiled constraint for this tokenizer: a JSON Schema, a regex or a Lark/GBNF
+        grammar (its text), exactly one."""
+        schema = load_schema(schema) if schema is not None else None
+        return compile_constraint(
+            self.engine,
+            self.vocab,
+            self.width,
+            self.cache_dir,
+            self.whitespace,
+            schema=schema,
+            regex=regex,
+            grammar=grammar,
+        )
 
     def generate(
         self,
         prompt,
         schema=None,
         regex: str | None = None,
+        grammar: str | None = None,
         max_new_tokens: int = 256,
         temperature: float = 0.0,
         top_k: int | None = None,
@@ -335,7 +347,7 @@ class Generator:
         prompt_ids = self.encode_prompt(prompt)
         max_new_tokens = min(max_new_tokens, self.context - len(prompt_ids))  # then "length"
         schema_dict = load_schema(schema) if schema is not None else None
-        constraint = self.compile(schema=schema_dict, regex=regex)
+        constraint = self.compile(schema=schema_dict, regex=regex, grammar=grammar)
         generator = torch.Generator(device=next(self.target.parameters()).device)
         generator.manual_seed(seed if seed is not None else torch.seed())
         drafter = self.drafter if drafter is None else _checked_drafter(drafter)
