@@ -235,6 +235,7 @@ NO_FORCING = '\n%llguidance {"no_forcing": true}\n'
 def schema_grammar(schema: dict, whitespace: str = "") -> str:
     """llguidance's grammar for a JSON Schema: compact JSON (``whitespace`` = "") or ``whitespace``
     (a regex) between tokens. A keyword it cannot honour is refused by name, never ignored."""
+    schema = _sound_for_llguidance(schema)
     options = {"whitespace_flexible": False, "lenient": False}
     if whitespace:
         options |= {"whitespace_flexible": True, "whitespace_pattern": whitespace}
@@ -245,6 +246,44 @@ def schema_grammar(schema: dict, whitespace: str = "") -> str:
     grammar = "start: %json " + text + NO_FORCING
     _check(grammar, "the schema")
     return grammar
+
+
+# Where llguidance accepts texts that jsonschema (with its format checker) rejects, found by
+# benchmarks/coverage_engines.py and a fuzz of every format (docs/schemas.md): a leap second
+# "23:59:60" and some offsets in date-time / time; multipleOf with a fraction, which llguidance
+# checks in exact decimals and jsonschema in floats ("9356.55" is no multiple of 0.01 there).
+# Formats llguidance checks soundly stay its own; the other formats the regex engine writes as a
+# regex become that regex as a pattern; format names jsonschema does not check are annotations
+# (dropped, as the regex engine does); the rest llguidance implements or refuses by name.
+NATIVE_FORMATS = {"date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"}
+VALUES = {"enum", "const", "default", "examples"}  # JSON values, not schemas: never rewritten
+
+
+def _sound_for_llguidance(node, pointer: str = ""):
+    """A copy of the schema in which llguidance accepts nothing jsonschema rejects."""
+    from .schema.regex import FORMATS, KNOWN_FORMATS
+
+    if isinstance(node, list):
+        return [_sound_for_llguidance(v, f"{pointer}/{i}") for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    out = {
+        k: v if k in VALUES else _sound_for_llguidance(v, f"{pointer}/{k}") for k, v in node.items()
+    }
+    step = node.get("multipleOf")
+    if isinstance(step, (int, float)) and not float(step).is_integer():
+        raise UnsupportedSchemaError("multipleOf", pointer, _LOOSER)
+    fmt = node.get("format")
+    if isinstance(fmt, str) and fmt not in NATIVE_FORMATS:
+        if fmt not in KNOWN_FORMATS:
+            del out["format"]  # an annotation: jsonschema checks nothing
+        elif fmt in FORMATS and "pattern" not in node:
+            del out["format"]
+            out["pattern"] = f"^{FORMATS[fmt]}$"
+    return out
+
+
+_LOOSER = "llguidance would accept texts jsonschema rejects here."
 
 
 def regex_grammar(regex: str) -> str:
@@ -272,6 +311,7 @@ def lark_grammar(text: str) -> str:
 
 # llguidance names what it cannot do: "Unimplemented keys: [\"not\"]", "Unknown format: ...".
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[\"?([^\]\"]+)")
+_NOT_SUPPORTED = re.compile(r"(\w+) constraints are not supported")  # oneOf
 _UNKNOWN_FORMAT = re.compile(r"[Uu]nknown format: ?\"?([\w-]+)")
 _LOCATION = re.compile(r"(?:^|at )(\d+)\((\d+)\): ", re.M)  # "at 3(4): ": line 3, column 4
 
@@ -282,13 +322,15 @@ def _check(grammar: str, what: str) -> None:
         return
     if m := _UNIMPLEMENTED.search(error):
         raise UnsupportedSchemaError(m.group(1), "", "llguidance does not implement it.")
+    if m := _NOT_SUPPORTED.search(error):
+        raise UnsupportedSchemaError(m.group(1), "", "llguidance does not implement it.")
     if m := _UNKNOWN_FORMAT.search(error):
         raise UnsupportedSchemaError(f"format: {m.group(1)}", "", "No engine checks this format.")
     if m := _LOCATION.search(error):
         line, col = m.groups()
         error = f"{error[: m.start()]}line {line}, column {col}: {error[m.end() :]}"
     error = "\n".join(x for x in error.splitlines() if '"no_forcing"' not in x)  # ours, not theirs
-    if what == "the schema":  # locations and the echo are in the generated grammar line
+    if what != "the grammar":  # locations and the echo are in the generated grammar line
         error = re.sub(r"^at \d+\(\d+\): ", "", error.split("\n", 1)[0])
     raise ConstraintError(f"cannot compile {what}: {error.strip()[:2000]}")
 
