@@ -7,7 +7,7 @@ import random
 import llguidance as llg
 import pytest
 
-from constrained_spec import ConstraintError, Generator, guidance
+from constrained_spec import ConstraintError, Generator, UnsupportedSchemaError, guidance
 from constrained_spec.compile import FINISHED
 from constrained_spec.testing import PERSON
 from constrained_spec.vocab import token_vocabulary
@@ -173,3 +173,37 @@ def test_the_regex_engine_refuses_grammars(tiny_target, tiny_tokenizer):
         gen.compile(grammar=ARITHMETIC)
     with pytest.raises(ConstraintError, match="unknown engine"):
         Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine="fast")
+
+
+@pytest.mark.parametrize(
+    "schema, accepted, rejected",
+    [  # llguidance alone accepts the rejected texts (jsonschema does not): no longer
+        (
+            {"type": "string", "format": "date-time"},
+            ['"2024-02-29T23:59:59Z"', '"1999-12-31T00:00:00.5+01:00"'],
+            ['"2024-02-29T23:59:60Z"', '"2024-02-30T00:00:00Z"'],
+        ),
+        ({"type": "string", "format": "time"}, ['"23:59:59Z"'], ['"23:59:60Z"']),
+        ({"type": "string", "format": "topic"}, ['"anything"'], ["1"]),  # an annotation
+        ({"enum": [{"format": "date-time"}]}, ['{"format":"date-time"}'], ['{"format":"x"}']),
+    ],
+)
+def test_llguidance_is_never_looser_than_jsonschema(
+    schema, accepted, rejected, tiny_target, tiny_tokenizer
+):
+    c = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine="llguidance").compile(
+        schema=schema
+    )
+    assert isinstance(c, guidance.GuidanceConstraint)
+    assert [t for t in accepted if not c.accepts(t)] == []
+    assert [t for t in rejected if c.accepts(t)] == []
+
+
+def test_fractional_multiple_of_is_refused_by_name(tiny_target, tiny_tokenizer):
+    """llguidance checks multipleOf in exact decimals, jsonschema in floats: "8.62" is no
+    multiple of 0.01 for jsonschema. Refused; auto hands it to the regex engine, which refuses
+    multipleOf too."""
+    for engine in ("llguidance", "auto"):
+        gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine)
+        with pytest.raises(UnsupportedSchemaError, match="multipleOf"):
+            gen.compile(schema={"type": "number", "multipleOf": 0.01})
