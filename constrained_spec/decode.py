@@ -308,7 +308,9 @@ class Generator:
         """Which forward runs the target: "int4"/"int8" (the compact forward) or "float"."""
         return getattr(self.target, "weights", "float")
 
-    def compile(self, schema=None, regex: str | None = None, grammar: str | None = None):
+    def compile(
+        self, schema=None, regex: str | None = None, grammar: str | None = None
+    ) -> Constraint:
         """The compiled constraint for this tokenizer: a JSON Schema, a regex or a Lark/GBNF
         grammar (its text), exactly one."""
         schema = load_schema(schema) if schema is not None else None

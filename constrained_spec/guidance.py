@@ -28,6 +28,10 @@ from .vocab import TokenVocabulary
 
 MASK_CACHE = 256  # masks kept per constraint (LRU): a 49k vocabulary's bool mask is 49 kB
 COMPILED_CACHE = 32  # constraints kept in memory (LRU), by grammar × vocabulary
+# The trie of states grows with every token path asked about (~100 bytes a state); past this many
+# states, compile_grammar hands later requests a fresh constraint (3 ms) instead of the cached one,
+# whose states stay valid for the requests still holding it.
+MAX_STATES = 1_000_000
 
 
 class GuidanceConstraint(Constraint):
@@ -37,7 +41,7 @@ class GuidanceConstraint(Constraint):
 
     def __init__(self, grammar: str, vocab: TokenVocabulary, vocab_size: int, source: str):
         self.vocab, self.vocab_size, self.eos_id = vocab, vocab_size, vocab.eos_id
-        self.regex, self.source = None, source  # no regex behind it; source: what was compiled
+        self.source = source  # what was compiled: "schema", "regex" or "grammar"
         self._matcher = llg.LLMatcher(_ll_tokenizer(vocab), grammar, log_level=0)
         if self._matcher.is_error():
             raise ConstraintError(f"cannot compile {source}: {self._matcher.get_error()}")
@@ -215,7 +219,7 @@ def compile_grammar(
     """Compile an llguidance grammar (from ``schema_grammar``, ``regex_grammar`` or
     ``lark_grammar``) for this vocabulary; cached in memory (LRU)."""
     key = (grammar, vocab.fingerprint, vocab_size)
-    if key in _compiled:
+    if key in _compiled and len(_compiled[key]._parent) < MAX_STATES:
         _compiled.move_to_end(key)
     else:
         _compiled[key] = GuidanceConstraint(grammar, vocab, vocab_size, source)
