@@ -240,6 +240,8 @@ def schema_grammar(schema: dict, whitespace: str = "") -> str:
     """llguidance's grammar for a JSON Schema: compact JSON (``whitespace`` = "") or ``whitespace``
     (a regex) between tokens. A keyword it cannot honour is refused by name, never ignored."""
     schema = _sound_for_llguidance(schema)
+    if _closable(schema):
+        schema = _close_objects(schema)
     options = {"whitespace_flexible": False, "lenient": False}
     if whitespace:
         options |= {"whitespace_flexible": True, "whitespace_pattern": whitespace}
@@ -288,6 +290,35 @@ def _sound_for_llguidance(node, pointer: str = ""):
 
 
 _LOOSER = "llguidance would accept texts jsonschema rejects here."
+
+# Objects with declared properties get no undeclared ones where the schema says nothing about
+# them (additionalProperties: false), the regex engine's subset too: allowed, the small default
+# model filled objects with invented keys or echoed the schema itself (docs/measurements.md).
+# Not where closing one schema could reject what another admits (allOf, $ref beside properties),
+# nor under `not` (closing a `not` branch would loosen it).
+OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def _close_objects(node):
+    if isinstance(node, list):
+        return [_close_objects(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in VALUES or k == "not" else _close_objects(v) for k, v in node.items()}
+    if isinstance(node.get("properties"), dict) and not any(k in node for k in OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
+
+
+def _closable(node) -> bool:
+    """No allOf and no $ref beside properties anywhere (JSON values aside)."""
+    if isinstance(node, list):
+        return all(_closable(v) for v in node)
+    if not isinstance(node, dict):
+        return True
+    if "allOf" in node or ("$ref" in node and "properties" in node):
+        return False
+    return all(_closable(v) for k, v in node.items() if k not in VALUES)
 
 
 def regex_grammar(regex: str) -> str:

@@ -207,3 +207,15 @@ def test_fractional_multiple_of_is_refused_by_name(tiny_target, tiny_tokenizer):
         gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine)
         with pytest.raises(UnsupportedSchemaError, match="multipleOf"):
             gen.compile(schema={"type": "number", "multipleOf": 0.01})
+
+
+def test_objects_with_declared_properties_get_no_undeclared_ones(tiny_tokenizer):
+    """As in the regex engine's subset; not under allOf, where closing one branch would reject
+    what another admits."""
+    vocab = token_vocabulary(tiny_tokenizer)
+    compiled = lambda s: guidance.GuidanceConstraint(guidance.schema_grammar(s), vocab, 400, "")  # noqa: E731
+    person, extra = '{"name":"a","age":1,"ok":true}', '{"name":"a","age":1,"ok":true,"x":1}'
+    assert compiled(PERSON).accepts(person) and not compiled(PERSON).accepts(extra)
+    assert compiled({"allOf": [PERSON]}).accepts(extra)
+    assert compiled(PERSON | {"additionalProperties": True}).accepts(extra)
+    assert compiled({"type": "object"}).accepts('{"x":1}')  # none declared: free-form
