@@ -65,10 +65,12 @@ class GuidanceConstraint(Constraint):
             state = self._parent[state]
         back = len(self._path) - 1 - self._depth[state]
         if back:
-            assert self._matcher.rollback(back), self._matcher.get_error()
+            ok = self._matcher.rollback(back)
+            assert ok, self._matcher.get_error()
             del self._path[len(self._path) - back :]
         for s in reversed(chain):  # legal by construction: step() checked each parent's mask
-            assert self._matcher.consume_token(self._token[s]), self._matcher.get_error()
+            ok = self._matcher.consume_token(self._token[s])
+            assert ok, self._matcher.get_error()
             self._path.append(s)
 
     def _legal_mask(self, state: int) -> np.ndarray:
@@ -83,8 +85,8 @@ class GuidanceConstraint(Constraint):
             with self._lock:
                 self._goto(state)
                 bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-                if self._matcher.is_error():
-                    raise ConstraintError(f"llguidance: {self._matcher.get_error()}")
+                if self._matcher.is_error():  # a limit hit (compile_grammar then builds anew)
+                    raise ConstraintError(f"llguidance: {self._matcher.get_error()[:500]}")
                 self._accepting[state] = self._matcher.is_accepting()
             n = len(self.vocab.token_bytes)
             m[:n] = np.unpackbits(bits, bitorder="little")[:n].astype(bool) & self._plain
@@ -165,7 +167,8 @@ class GuidanceConstraint(Constraint):
             done = self._matcher.try_consume_tokens(body)
             ok = done == len(body) and self._matcher.is_accepting()
             if done:
-                assert self._matcher.rollback(done), self._matcher.get_error()
+                rolled_back = self._matcher.rollback(done)
+                assert rolled_back, self._matcher.get_error()
         return ok
 
     def clear_caches(self) -> None:
@@ -219,7 +222,8 @@ def compile_grammar(
     """Compile an llguidance grammar (from ``schema_grammar``, ``regex_grammar`` or
     ``lark_grammar``) for this vocabulary; cached in memory (LRU)."""
     key = (grammar, vocab.fingerprint, vocab_size)
-    if key in _compiled and len(_compiled[key]._parent) < MAX_STATES:
+    cached = _compiled.get(key)
+    if cached is not None and len(cached._parent) < MAX_STATES and not cached._matcher.is_error():
         _compiled.move_to_end(key)
     else:
         _compiled[key] = GuidanceConstraint(grammar, vocab, vocab_size, source)
@@ -305,7 +309,12 @@ def _close_objects(node):
     if not isinstance(node, dict):
         return node
     out = {k: v if k in VALUES or k == "not" else _close_objects(v) for k, v in node.items()}
-    if isinstance(node.get("properties"), dict) and not any(k in node for k in OPEN_KEYS):
+    declared, required = node.get("properties"), node.get("required")
+    if (
+        isinstance(declared, dict)
+        and not any(k in node for k in OPEN_KEYS)
+        and (not isinstance(required, list) or {str(r) for r in required} <= set(declared))
+    ):  # a required name not declared stays possible
         out["additionalProperties"] = False
     return out
 
