@@ -298,9 +298,13 @@ _LOOSER = "llguidance would accept texts jsonschema rejects here."
 # Objects with declared properties get no undeclared ones where the schema says nothing about
 # them (additionalProperties: false), the regex engine's subset too: allowed, the small default
 # model filled objects with invented keys or echoed the schema itself (docs/measurements.md).
-# Not where closing one schema could reject what another admits (allOf, $ref beside properties),
-# nor under `not` (closing a `not` branch would loosen it).
+# Sound because it only happens in schemas without negation (`not`, `oneOf`'s "exactly one",
+# `if`): there every subschema counts positively, so narrowing one narrows the whole (under
+# oneOf, closing a branch lets instances valid under two branches through: the coverage run
+# caught it). Nor with allOf or a $ref beside properties, where closing one schema would reject
+# the properties another declares.
 OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+NOT_CLOSABLE = ("not", "oneOf", "if", "allOf")
 
 
 def _close_objects(node):
@@ -308,7 +312,7 @@ def _close_objects(node):
         return [_close_objects(v) for v in node]
     if not isinstance(node, dict):
         return node
-    out = {k: v if k in VALUES or k == "not" else _close_objects(v) for k, v in node.items()}
+    out = {k: v if k in VALUES else _close_objects(v) for k, v in node.items()}
     declared, required = node.get("properties"), node.get("required")
     if (
         isinstance(declared, dict)
@@ -320,12 +324,12 @@ def _close_objects(node):
 
 
 def _closable(node) -> bool:
-    """No allOf and no $ref beside properties anywhere (JSON values aside)."""
+    """No negation, no allOf and no $ref beside properties anywhere (JSON values aside)."""
     if isinstance(node, list):
         return all(_closable(v) for v in node)
     if not isinstance(node, dict):
         return True
-    if "allOf" in node or ("$ref" in node and "properties" in node):
+    if any(k in node for k in NOT_CLOSABLE) or ("$ref" in node and "properties" in node):
         return False
     return all(_closable(v) for k, v in node.items() if k not in VALUES)
 

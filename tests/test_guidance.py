@@ -217,5 +217,15 @@ def test_objects_with_declared_properties_get_no_undeclared_ones(tiny_tokenizer)
     person, extra = '{"name":"a","age":1,"ok":true}', '{"name":"a","age":1,"ok":true,"x":1}'
     assert compiled(PERSON).accepts(person) and not compiled(PERSON).accepts(extra)
     assert compiled({"allOf": [PERSON]}).accepts(extra)
+    # under oneOf, closing a branch would let through what two branches accept (and oneOf not)
+    either = {  # from the dev set (Github_trivial---o19070)
+        "type": "object",
+        "oneOf": [
+            {"required": ["id", "win"], "properties": {"id": {"type": "string"}, "h": {}}},
+            {"required": ["id", "lose"], "properties": {"id": {"type": "string"}, "lose": {}}},
+        ],
+    }
+    with pytest.raises(UnsupportedSchemaError, match="oneOf"):  # overlapping branches: refused
+        compiled(either)  # closed, the branches looked disjoint: {"id","win","lose"} got through
     assert compiled(PERSON | {"additionalProperties": True}).accepts(extra)
     assert compiled({"type": "object"}).accepts('{"x":1}')  # none declared: free-form
