@@ -66,6 +66,9 @@ from workloads import Request, Selection  # noqa: E402
 
 from constrained_spec import Generator  # noqa: E402
 from constrained_spec.compile import Constraint, run_bounded  # noqa: E402
+from constrained_spec.guidance import ENGINES, GuidanceConstraint  # noqa: E402
+
+ENGINE_CLASSES = (Constraint, GuidanceConstraint)  # each defines its own mask: meter both
 from constrained_spec.draft import CompositeDrafter, DraftModel, logits_width, model_drafter  # noqa: E402
 from constrained_spec.head import DraftHead, HeadDraft, load_head, shipped_head  # noqa: E402
 from constrained_spec.llama import CompactLlama, from_transformers  # noqa: E402
@@ -221,16 +224,18 @@ class Meter:
         self.forwards, self.mask_s, self.mask_calls = 0, 0.0, 0
         self.hook = target.register_forward_pre_hook(self._count)
         Meter.current = self
-        if not hasattr(Constraint, "_unmetered_mask"):  # a wrapper here, not a library change
-            Constraint._unmetered_mask = Constraint.mask
-            Constraint.mask = _metered_mask
+        for cls in ENGINE_CLASSES:  # a wrapper here, not a library change
+            if "_unmetered_mask" not in cls.__dict__:
+                cls._unmetered_mask = cls.mask
+                cls.mask = _metered_mask
 
     def close(self) -> None:
         self.hook.remove()
         Meter.current = None
-        if hasattr(Constraint, "_unmetered_mask"):
-            Constraint.mask = Constraint._unmetered_mask
-            del Constraint._unmetered_mask
+        for cls in ENGINE_CLASSES:
+            if "_unmetered_mask" in cls.__dict__:
+                cls.mask = cls._unmetered_mask
+                del cls._unmetered_mask
 
     def _count(self, module, args):
         self.forwards += 1
@@ -243,7 +248,7 @@ class Meter:
 def _metered_mask(constraint, state, device="cpu"):
     t = time.perf_counter()
     try:
-        return constraint._unmetered_mask(state, device)
+        return type(constraint)._unmetered_mask(constraint, state, device)
     finally:
         if Meter.current is not None:
             Meter.current.mask_s += time.perf_counter() - t
@@ -296,7 +301,7 @@ class TimedProcessor:
 class Bench:
     def __init__(self, args, model, tokenizer, configs):
         self.args, self.model, self.tokenizer = args, model, tokenizer
-        self.gen = Generator(model, tokenizer, draft=None)
+        self.gen = Generator(model, tokenizer, draft=None, engine=args.engine)
         self.float_gen = self._float_gen(args) if any(c.float_target for c in configs) else None
         self.eos = self.gen.vocab.eos_id
         self._outlines = None  # outlines Transformers model, or the exception it raised
@@ -334,7 +339,7 @@ class Bench:
             if args.quick
             else load_model(args.model, weights="float")[0]
         )
-        return Generator(model, self.tokenizer, draft=None)
+        return Generator(model, self.tokenizer, draft=None, engine=args.engine)
 
     def _head(self, args, model):
         if args.quick:  # the tiny model has no trained head: a random one exercises the path
@@ -952,6 +957,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--configs", default="default", help="comma-separated names/patterns/groups")
     p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--engine", choices=list(ENGINES), default="auto", help="constraint engine")
     p.add_argument(
         "--weights",
         default="auto",

@@ -25,7 +25,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .compile import check_regex, compile_limits, translate_schema
+from .compile import check_regex, compile_limits
 from .decode import DRAFTS, MIN_TEMPERATURE
 from .errors import (
     ConstraintError,
@@ -34,7 +34,8 @@ from .errors import (
     SettingError,
     VocabularyMismatch,
 )
-from .grammars import grammar_names, load_grammar
+from .grammars import grammar_kind, grammar_names, load_grammar
+from .guidance import ENGINES, translate
 from .head import shipped_head
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, WEIGHTS, ModelFetchError
 from .schema import load_schema
@@ -64,7 +65,7 @@ class UsageError(Exception):
 class Request:
     """A validated ``generate`` invocation."""
 
-    constraint: dict  # {"schema": dict} or {"regex": str}
+    constraint: dict  # {"schema": dict}, {"regex": str} or {"grammar": str} (Lark/GBNF)
     prompt: str | list[dict]  # raw text, or chat messages (the chat template is applied)
     draft: str | None  # "int8", another model name/path, or None (baseline only)
 
@@ -183,8 +184,17 @@ def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     )
     which.add_argument(
         "--grammar",
-        metavar="NAME",
-        help="a ready-made constraint shipped with the package (list: `constrained-spec grammars`)",
+        metavar="NAME|FILE",
+        help="a ready-made constraint shipped with the package (list: `constrained-spec "
+        "grammars`), or a grammar file: .lark, .gbnf, .regex or .json (a schema)",
+    )
+    gen.add_argument(
+        "--engine",
+        default="auto",
+        choices=list(ENGINES),
+        help="what compiles the constraint: "
+        + "; ".join(f"'{k}' = {v}" for k, v in ENGINES.items())
+        + " (default: auto)",
     )
     gen.add_argument(
         "--raw-prompt",
@@ -439,16 +449,16 @@ def _on_ray(args, make_generator):
 
 
 def _constraint(args) -> dict:
-    """The constraint of --schema / --regex / --grammar, checked (refusals raise now)."""
+    """The constraint of --schema / --regex / --grammar, checked: refusals and syntax errors
+    now, before the model loads."""
     if args.grammar is not None:
         constraint = load_grammar(args.grammar)
     elif args.schema is not None:
         constraint = {"schema": load_schema(args.schema)}
     else:
         constraint = {"regex": args.regex}
-    if "schema" in constraint:  # refuses unsupported keywords now, not later (and is memoised)
-        translate_schema(constraint["schema"])
-    else:
+    engine, _ = translate(getattr(args, "engine", "auto"), **constraint)
+    if engine == "regex" and "regex" in constraint:
         try:
             re.compile(constraint["regex"])
         except re.error as e:
@@ -534,7 +544,7 @@ def _list_grammars(args, out: Console, err: Console) -> int:
     names = grammar_names()
     table = Table("name", "kind", "description", box=None, pad_edge=False)
     for name, description in names.items():
-        kind = "schema" if "schema" in load_grammar(name) else "regex"
+        kind = {"json": "schema"}.get(grammar_kind(name), grammar_kind(name))
         table.add_row(name, kind, description)
     out.print(table)
     return 0
@@ -549,7 +559,11 @@ def _generate(args, out: Console, err: Console) -> int:
     t0 = time.perf_counter()
     try:  # no spinner here: the first load shows its own download / conversion progress
         gen = Generator.from_pretrained(
-            args.model, draft=request.draft, weights=args.weights, dtype=getattr(torch, args.dtype)
+            args.model,
+            draft=request.draft,
+            weights=args.weights,
+            dtype=getattr(torch, args.dtype),
+            engine=args.engine,
         )
     except ModelFetchError as e:  # not the user's input: no network, corrupt download
         err.print(Text.assemble(("error: ", "bold red"), str(e)))

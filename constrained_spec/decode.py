@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from . import cache as kv
-from .compile import FINISHED, Constraint, compile_regex, translate_schema
+from .compile import FINISHED, Constraint
 from .draft import (
     DRAFTER_MEMBERS,
     EMPTY_DRAFT,
@@ -29,6 +29,7 @@ from .draft import (
     model_drafter,
 )
 from .errors import ConstraintError, GenerationInputError, VocabularyMismatch, WeightsError
+from .guidance import check_engine, compile_constraint
 from .head import DraftHead, HeadDraft, has_shipped_head, load_head, shipped_head
 from .models import DEFAULT_MODEL
 from .models import cache_dir as default_cache_dir
@@ -308,11 +309,13 @@ class Generator:
         *,
         whitespace: str = "",
         cache_dir: str | Path | None = None,
+        engine: str = "auto",
     ):
         """``draft``: a transformers causal LM sharing the target's vocabulary, a trained
         DraftHead, a Drafter (``begin``, ``propose``, ``observe``, ``uses_features``), or None
         (masked baseline).
-        ``whitespace``: regex allowed between JSON tokens; the default "" emits compact JSON."""
+        ``whitespace``: regex allowed between JSON tokens; the default "" emits compact JSON.
+        ``engine``: what compiles constraints, one of guidance.ENGINES."""
         self.target, self.tokenizer = target.eval(), tokenizer
         self.vocab = token_vocabulary(tokenizer)
         self.width = logits_width(target)  # may be padded above len(tokenizer)
@@ -323,6 +326,7 @@ class Generator:
             )
         self.drafter = _as_drafter(draft, target, len(tokenizer), self.width)
         self.whitespace = whitespace
+        self.engine = check_engine(engine)  # an unknown one fails here, not at the first request
         self.context = getattr(target.config, "max_position_embeddings", None) or 2**31
         self.cache_dir = default_cache_dir(cache_dir)
         self._lock = threading.RLock()  # one request at a time: see the class docstring
@@ -377,13 +381,22 @@ class Generator:
         return getattr(self.target, "weights", "float")
 
     @_one_at_a_time
-    def compile(self, schema=None, regex: str | None = None) -> Constraint:
-        """The compiled constraint for this tokenizer: a JSON Schema or a regex, exactly one."""
-        if (schema is None) == (regex is None):
-            raise ConstraintError("pass exactly one of schema= or regex=.")
-        if schema is not None:
-            regex = translate_schema(load_schema(schema), self.whitespace)
-        return compile_regex(regex, self.vocab, self.width, self.cache_dir)
+    def compile(
+        self, schema=None, regex: str | None = None, grammar: str | None = None
+    ) -> Constraint:
+        """The compiled constraint for this tokenizer: a JSON Schema, a regex or a Lark/GBNF
+        grammar (its text), exactly one."""
+        schema = load_schema(schema) if schema is not None else None
+        return compile_constraint(
+            self.engine,
+            self.vocab,
+            self.width,
+            self.cache_dir,
+            self.whitespace,
+            schema=schema,
+            regex=regex,
+            grammar=grammar,
+        )
 
     @_one_at_a_time
     def generate(
@@ -391,6 +404,7 @@ class Generator:
         prompt,
         schema=None,
         regex: str | None = None,
+        grammar: str | None = None,
         max_new_tokens: int = 256,
         temperature: float = 0.0,
         top_k: int | None = None,
@@ -448,7 +462,7 @@ class Generator:
         prompt_ids = self.encode_prompt(prompt)
         max_new_tokens = min(max_new_tokens, self.context - len(prompt_ids))  # then "length"
         schema_dict = load_schema(schema) if schema is not None else None
-        constraint = self.compile(schema=schema_dict, regex=regex)
+        constraint = self.compile(schema=schema_dict, regex=regex, grammar=grammar)
         generator = torch.Generator(device=next(self.target.parameters()).device)
         generator.manual_seed(seed if seed is not None else torch.seed())
         drafter = self.drafter if drafter is None else _checked_drafter(drafter)
@@ -552,7 +566,7 @@ class Generator:
         return Row(
             index,
             prompt_ids,
-            self.compile(schema=schema, regex=r["regex"]),
+            self.compile(schema=schema, regex=r["regex"], grammar=r["grammar"]),
             sampling,
             generator,
             row_drafter(self.drafter) if r["speculative"] else None,
@@ -605,6 +619,7 @@ class Generator:
 BATCH_DEFAULTS = {
     "schema": None,
     "regex": None,
+    "grammar": None,
     "max_new_tokens": 256,
     "temperature": 0.0,
     "top_k": None,

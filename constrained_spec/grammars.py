@@ -1,15 +1,19 @@
 """Ready-made constraints shipped inside the package (``constrained_spec/grammar_files/``), by name.
 
-Two file kinds, the name is the file name without its suffix:
+Four file kinds, the name is the file name without its suffix:
 - ``NAME.regex``: first line ``# one-line description``, then the regex (line breaks removed, so a
   long regex may be wrapped; no other character is stripped).
 - ``NAME.json``: a JSON Schema whose top-level ``"description"`` is the one-line description.
+- ``NAME.lark`` / ``NAME.gbnf``: a context-free grammar (llguidance's Lark dialect, or llama.cpp's
+  GBNF), first line a comment (``// ...`` / ``# ...``) with the one-line description.
+``load_grammar`` also reads a user's file of these kinds by its path.
 """
 
 from __future__ import annotations
 
 import json
 from importlib.resources import files
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import ConstraintError
@@ -18,7 +22,7 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 GRAMMAR_DIR = files(__package__) / "grammar_files"  # package data (pyproject.toml), not a repo path
-SUFFIXES = (".regex", ".json")
+SUFFIXES = (".regex", ".json", ".lark", ".gbnf")
 
 
 def _files() -> dict[str, Traversable]:
@@ -42,14 +46,26 @@ def grammar_names() -> dict[str, str]:
     return {name: _description(path) for name, path in _files().items()}
 
 
+def grammar_kind(name: str) -> str:
+    """A shipped grammar's file kind: "regex", "json" (a schema), "lark" or "gbnf"."""
+    return _files()[name].name.rpartition(".")[2]
+
+
 def load_grammar(name: str) -> dict:
-    """``{"regex": str}`` or ``{"schema": dict}`` for a grammar name (see ``grammar_names``)."""
+    """``{"regex": str}``, ``{"schema": dict}`` or ``{"grammar": str}`` (Lark/GBNF text) for a
+    grammar name (see ``grammar_names``) or the path of a grammar file."""
     files = _files()
-    if name not in files:
+    if name in files:
+        path = files[name]
+    elif Path(name).is_file():
+        path = Path(name)
+    else:
         raise ConstraintError(
-            f"unknown grammar {name!r}: available grammars are {', '.join(files)}."
+            f"unknown grammar {name!r}: available grammars are {', '.join(files)}; "
+            "or pass the path of a .lark, .gbnf, .regex or .json file."
         )
-    path = files[name]
+    if path.name.endswith((".lark", ".gbnf")) or not path.name.endswith((".regex", ".json")):
+        return {"grammar": path.read_text()}
     if path.name.endswith(".regex"):
         return {"regex": _regex_text(path)}
     try:
@@ -71,9 +87,9 @@ def _regex_text(path: Traversable) -> str:
 
 def _description(path: Traversable) -> str:
     try:
-        if path.name.endswith(".regex"):
+        if not path.name.endswith(".json"):  # the first line's comment
             first = path.read_text().split("\n", 1)[0]
-            return first.lstrip("#").strip() if first.startswith("#") else ""
+            return first.lstrip("#/").strip() if first.startswith(("#", "//")) else ""
         return str(json.loads(path.read_text()).get("description", ""))
     except (OSError, ValueError, AttributeError):
         return "(unreadable grammar file)"

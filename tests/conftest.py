@@ -30,3 +30,9 @@ def tiny_int4_target(tiny_tokenizer):
     from constrained_spec import llama
 
     return llama.from_transformers(testing.tiny_model(tiny_tokenizer, seed=0), "int4")
+
+
+@pytest.fixture(params=["llguidance", "regex"])
+def engine(request):
+    """Both constraint engines: every test taking this fixture runs on each."""
+    return request.param

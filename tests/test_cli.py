@@ -19,6 +19,7 @@ FLAGS = [
     "--schema",
     "--regex",
     "--grammar",
+    "--engine",
     "--raw-prompt",
     "--system",
     "--model",
@@ -89,7 +90,11 @@ BAD = [
     (["--schema", '{"type": "array", "uniqueItems": true}'], "unsupported JSON Schema keyword"),
     (["--schema", '{"type": "objekt"}'], "objekt"),
     (["--grammar", "nope"], "available grammars are"),
-    (["--regex", "(ab"], "invalid regex"),
+    (["--regex", "(ab"], "cannot compile the regex '(ab'"),
+    (["--regex", "(ab", "--engine", "regex"], "invalid regex"),
+    (["--grammar", "BAD_LARK"], "cannot compile the grammar: line 2, column 9"),
+    (["--grammar", "sql-select", "--engine", "regex"], "need engine='llguidance'"),
+    (["--regex", "a", "--engine", "fast"], "invalid choice"),
     (["--regex", "a", "--model", "no-such-model"], "built-in models are smollm2-135m-instruct"),
     (["--regex", "a", "--draft", "no-such-draft"], "--draft 'no-such-draft'"),
     (
@@ -111,7 +116,9 @@ BAD = [
 
 @pytest.mark.parametrize("args, message", BAD, ids=[m for _, m in BAD])
 def test_bad_input_exits_2_with_one_line(args, message, no_model_load, not_json, capsys):
-    args = [str(not_json) if a == "NOT_JSON" else a for a in args]
+    bad_lark = not_json.with_name("bad.lark")
+    bad_lark.write_text('start: x\nx: "a" (\n')
+    args = [{"NOT_JSON": str(not_json), "BAD_LARK": str(bad_lark)}.get(a, a) for a in args]
     code = cli.main(["generate", *args, "Extract: Alice, 30"])
     err = capsys.readouterr().err
     assert code == 2

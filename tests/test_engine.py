@@ -30,10 +30,10 @@ BOUNDED = {
 PROMPTS = ["hello", '{"name": "Alice", "age": 30}', "yes no yes"]
 
 
-def greedy_runs(target, draft, tokenizer, prompt: str, k: int):
+def greedy_runs(target, draft, tokenizer, prompt: str, k: int, engine: str = "auto"):
     """The masked baseline and greedy speculation on one prompt, checked to agree (up to a
     near-tie); returns the speculative run's stats."""
-    gen = Generator(target, tokenizer, draft=draft, cache_dir=None)
+    gen = Generator(target, tokenizer, draft=draft, cache_dir=None, engine=engine)
     base = gen.generate(prompt, schema=PERSON, speculative=False, max_new_tokens=80)
     spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=k, max_new_tokens=80)
     assert base.stats.target_calls == len(base.token_ids) + (base.finish_reason == "stop")
@@ -47,9 +47,9 @@ def greedy_runs(target, draft, tokenizer, prompt: str, k: int):
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_speculative_equals_the_masked_baseline(
-    prompt, k, tiny_target, tiny_draft, tiny_tokenizer
+    prompt, k, tiny_target, tiny_draft, tiny_tokenizer, engine
 ):
-    assert greedy_runs(tiny_target, tiny_draft, tiny_tokenizer, prompt, k).drafted > 0
+    assert greedy_runs(tiny_target, tiny_draft, tiny_tokenizer, prompt, k, engine).drafted > 0
 
 
 @pytest.mark.parametrize("drafter", ["model", "head"])
@@ -84,9 +84,9 @@ class IllegalDrafter:
         return Draft(([legal[0]] + [self.bad] * k)[:k])
 
 
-def test_forbidden_draft_tokens_are_never_committed(tiny_target, tiny_tokenizer):
+def test_forbidden_draft_tokens_are_never_committed(tiny_target, tiny_tokenizer, engine):
     drafter = IllegalDrafter(tiny_tokenizer)
-    gen = Generator(tiny_target, tiny_tokenizer, draft=drafter, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=drafter, cache_dir=None, engine=engine)
     constraint = gen.compile(schema=BOUNDED)
     for temperature in (0.0, 1.0):
         rounds = []
@@ -111,11 +111,11 @@ def test_forbidden_draft_tokens_are_never_committed(tiny_target, tiny_tokenizer)
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_kv_caches_after_rollback_equal_a_fresh_forward(
-    temperature, tiny_target, tiny_draft, tiny_tokenizer, monkeypatch
+    temperature, tiny_target, tiny_draft, tiny_tokenizer, monkeypatch, engine
 ):
     """After every round (rejections included), the target's cache + the last committed token
     gives the same logits as a fresh forward over all committed tokens; the draft's likewise."""
-    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None, engine=engine)
     caches, committed, checked = [], tiny_tokenizer.encode("hello"), []
     real_new_cache = decode_module.kv.new_cache
     monkeypatch.setattr(
@@ -176,8 +176,8 @@ def test_compact_cache_after_rollback_equals_a_fresh_forward(
     assert any(checked), "no round rejected a draft: the rollback was not exercised"
 
 
-def test_every_stopped_output_validates(tiny_target, tiny_draft, tiny_tokenizer):
-    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
+def test_every_stopped_output_validates(tiny_target, tiny_draft, tiny_tokenizer, engine):
+    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None, engine=engine)
     stopped = 0
     for seed in range(8):
         res = gen.generate("hello", schema=PERSON, temperature=1.0, seed=seed, max_new_tokens=120)
@@ -202,8 +202,8 @@ def test_prompt_forms(tiny_target, tiny_tokenizer):
     assert a.token_ids == b.token_ids and a.text in ("yes", "no")
 
 
-def test_constraint_queries(tiny_target, tiny_tokenizer):
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+def test_constraint_queries(tiny_target, tiny_tokenizer, engine):
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine)
     c = gen.compile(regex='\\{"a":(1|22)\\}')
     assert c.accepts('{"a":22}') and not c.accepts('{"a":2}') and not c.accepts('{"a":1')
     brace, brace_quote, quote = tiny_tokenizer.convert_tokens_to_ids(["{", '{"', '"'])
@@ -221,8 +221,8 @@ def test_constraint_queries(tiny_target, tiny_tokenizer):
     assert c.mask(state)[c.eos_id] and c.mask(state).sum() == 1
 
 
-def test_non_ascii_values_are_generatable(tiny_target, tiny_tokenizer):
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+def test_non_ascii_values_are_generatable(tiny_target, tiny_tokenizer, engine):
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine)
     res = gen.generate("hello", regex="(Zoë|東京)", max_new_tokens=12)
     assert res.text in ("Zoë", "東京") and res.finish_reason == "stop"
 
@@ -247,7 +247,11 @@ def guarded_gen(tiny_target, tiny_tokenizer, monkeypatch):
     [
         (dict(schema='{"type": "object",'), ConstraintError, "not valid JSON"),
         (dict(schema={"type": "objekt"}), ConstraintError, "/type"),
-        (dict(schema={"type": "integer", "multipleOf": 3}), UnsupportedSchemaError, "multipleOf"),
+        (
+            dict(schema={"type": "array", "uniqueItems": True}),
+            UnsupportedSchemaError,
+            "uniqueItems",
+        ),
         (dict(schema="/no/such/schema.json"), ConstraintError, "does not exist"),
         (dict(schema={"type": "integer"}, regex="[0-9]"), ConstraintError, "exactly one"),
         (dict(regex="(yes|no"), ConstraintError, "regex"),
@@ -259,6 +263,24 @@ def guarded_gen(tiny_target, tiny_tokenizer, monkeypatch):
 def test_bad_constraint_or_settings_fail_before_model_work(guarded_gen, kwargs, error, words):
     with pytest.raises(error, match=words):
         guarded_gen.generate("hello", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "engine, schema, keyword",
+    [
+        ("regex", {"type": "integer", "multipleOf": 3}, "multipleOf"),
+        ("llguidance", {"not": {"type": "string"}}, "not"),
+        ("llguidance", {"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ],
+)
+def test_each_engine_refuses_what_it_cannot_honour_by_name(
+    tiny_target, tiny_tokenizer, engine, schema, keyword
+):
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine)
+    with pytest.raises(UnsupportedSchemaError, match=keyword):
+        gen.compile(schema=schema)
+    auto = Generator(tiny_target, tiny_tokenizer, cache_dir=None)  # the other engine honours it
+    assert auto.compile(schema=schema).accepts("3" if "multipleOf" in schema else "{}")
 
 
 @pytest.mark.parametrize(
@@ -286,14 +308,14 @@ def test_draft_with_another_vocabulary_is_refused(tiny_target, tiny_tokenizer):
     ],
 )
 def test_matches_continue_past_an_accepting_prefix(
-    regex, accepted, rejected, tiny_target, tiny_tokenizer
+    regex, accepted, rejected, tiny_target, tiny_tokenizer, engine
 ):
     """outlines-core alone drops transitions out of accepting states ("1" could never become
     "1,2"); the compiler's end-of-match terminator restores them."""
-    c = Generator(tiny_target, tiny_tokenizer, cache_dir=None).compile(regex=regex)
+    c = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine).compile(regex=regex)
     assert [t for t in accepted if not c.accepts(t)] == []
     assert [t for t in rejected if c.accepts(t)] == []
-    assert c.terminator not in c.allowed(c.initial_state)
+    assert c.vocab.token_bytes.index(b"\x00") not in c.allowed(c.initial_state)
 
 
 def test_greedy_identity_with_skinny_matmul(tiny_target, tiny_draft, tiny_tokenizer):

@@ -107,11 +107,11 @@ def drafter_for(kind, target, draft):
         "model-min-confidence",
     ],
 )
-def test_speculative_sampling_is_exact(case, tiny_target, tiny_draft, tiny_tokenizer):
+def test_speculative_sampling_is_exact(case, tiny_target, tiny_draft, tiny_tokenizer, engine):
     case = dict(case)
     draft = drafter_for(case.pop("drafter", None), tiny_target, tiny_draft)
     case["prompt"] = tiny_tokenizer.encode(case.get("prompt", "hello"))
-    gen = Generator(tiny_target, tiny_tokenizer, draft=draft, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=draft, cache_dir=None, engine=engine)
     cfg = SamplingConfig(case["temperature"], case.get("top_k"), case.get("top_p"))
     constraint = gen.compile(regex=case.get("regex", REGEX))
     exact = masked_sequence_distribution(tiny_target, constraint, case["prompt"], cfg)

@@ -13,6 +13,7 @@ from constrained_spec import grammars
 from constrained_spec.compile import compile_regex
 from constrained_spec.errors import ConstraintError
 from constrained_spec.grammars import grammar_names, load_grammar
+from constrained_spec.guidance import compile_constraint
 from constrained_spec.schema import schema_to_regex
 from constrained_spec.vocab import token_vocabulary
 
@@ -127,6 +128,31 @@ EXAMPLES = {
     ),
 }
 
+EXAMPLES |= {
+    "arithmetic": (["1+2*(3-4)", "-(7)/2", "0", "((1))"], ["01", "1+", "()", "1 + 2"]),
+    "json-depth3": (
+        ['{"a":[1,{"b":null}]}', "[[[1]]]", '"x"', "{}", '{"k":"\\u00e9"}'],
+        ["[[[[1]]]]", '{"a":1,}', "{a:1}", '{"a": 1}'],
+    ),
+    "sql-select": (
+        [
+            "SELECT * FROM users",
+            "SELECT name, COUNT(*) FROM users AS u JOIN orders ON u.id = orders.user_id "
+            "WHERE u.age >= 18 AND name LIKE 'A%' GROUP BY name ORDER BY name DESC LIMIT 10;",
+            "SELECT a FROM t WHERE b IS NOT NULL",
+        ],
+        ["SELECT FROM t", "select * from t", "SELECT * FROM t LIMIT", "DROP TABLE t"],
+    ),
+    "tool-call": (
+        ['<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>'],
+        [
+            '<tool_call>{"name":"1x","arguments":{}}</tool_call>',
+            '{"name":"f","arguments":{}}',
+            '<tool_call>{"name":"f"}</tool_call>',
+        ],
+    ),
+}
+
 # Texts that continue past an accepting prefix ("1.0.0" → "1.0.0-alpha"). outlines-core (0.2.x)
 # drops every transition out of an accepting state into a non-accepting one; compile.py works
 # around it with an end-of-match terminator. These guard that workaround.
@@ -143,6 +169,11 @@ def compiled(tiny_tokenizer):
     def compile_grammar(name):
         if name not in cache:
             grammar = load_grammar(name)
+            if "grammar" in grammar:  # context-free: the llguidance engine only
+                cache[name] = compile_constraint(
+                    "llguidance", vocab, len(tiny_tokenizer), grammar=grammar["grammar"]
+                )
+                return cache[name]
             regex = grammar["regex"] if "regex" in grammar else schema_to_regex(grammar["schema"])
             cache[name] = compile_regex(regex, vocab, len(tiny_tokenizer), None)
         return cache[name]

@@ -1,0 +1,231 @@
+"""The llguidance engine: its masks hold exactly the tokens whose bytes keep the text a prefix of an
+accepted string (checked against llguidance's parser byte by byte, and against the regex engine on
+regexes), int states survive any order of queries, grammars compile and report their errors."""
+
+import random
+
+import llguidance as llg
+import pytest
+
+from constrained_spec import ConstraintError, Generator, UnsupportedSchemaError, guidance
+from constrained_spec.compile import FINISHED
+from constrained_spec.testing import PERSON
+from constrained_spec.vocab import token_vocabulary
+
+REGEXES = ["(ab|ba|yes|no){1,2}", "(yes|no)\\{\\}(ab|ba)", "[0-9]+(,[0-9]+)*", "Zoë|東京|(ab)*"]
+ARITHMETIC = """
+start: expr
+expr: term (("+" | "-") term)*
+term: NUMBER | "(" expr ")"
+NUMBER: /0|[1-9][0-9]{0,2}/
+"""
+
+
+def walks(constraint, n_walks: int, length: int, seed: int = 0):
+    """States along random walks over legal tokens (EOS excluded), the initial state first."""
+    rng = random.Random(seed)
+    for _ in range(n_walks):
+        state, path = constraint.initial_state, []
+        for _ in range(length):
+            yield state, path
+            legal = [t for t in constraint.allowed(state) if t != constraint.eos_id]
+            if not legal:
+                break
+            path = path + [rng.choice(legal)]
+            state = constraint.step(state, path[-1])
+
+
+def byte_oracle(grammar: str, vocab, path: list[int]) -> set[int]:
+    """Legal ids after ``path``, from a fresh llguidance parser fed each token's bytes one
+    single-byte token at a time (its validate path: no token trie, no mask code)."""
+    byte_ids = {b[0]: i for i, b in enumerate(vocab.token_bytes) if b and len(b) == 1}
+    m = llg.LLMatcher(guidance._ll_tokenizer(vocab), grammar, log_level=0)
+    assert m.consume_tokens(path), m.get_error()
+    legal = set()
+    for t, b in enumerate(vocab.token_bytes):
+        if b and m.validate_tokens([byte_ids[x] for x in b]) == len(b):
+            legal.add(t)
+    return legal | ({vocab.eos_id} if m.is_accepting() else set())
+
+
+@pytest.mark.parametrize(
+    "kind, source", [("regex", r) for r in REGEXES[:2]] + [("schema", PERSON), ("lark", ARITHMETIC)]
+)
+def test_masks_are_exactly_the_byte_prefix_extensions(kind, source, tiny_tokenizer):
+    vocab = token_vocabulary(tiny_tokenizer)
+    grammar = {
+        "regex": guidance.regex_grammar,
+        "schema": guidance.schema_grammar,
+        "lark": guidance.lark_grammar,
+    }[kind](source)
+    c = guidance.GuidanceConstraint(grammar, vocab, len(tiny_tokenizer) + 6, kind)
+    checked = 0
+    for state, path in walks(c, n_walks=10, length=12):
+        assert set(c.allowed(state)) == byte_oracle(grammar, vocab, path), bytes(
+            vocab.text_bytes(path)
+        )
+        assert c.accepts_tokens(path) == c.accepting(state)
+        checked += 1
+    assert checked >= 20
+
+
+@pytest.mark.parametrize("regex", REGEXES)
+def test_masks_equal_the_regex_engines_on_regexes(regex, tiny_target, tiny_tokenizer):
+    ours, llguidance = (
+        Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=e).compile(regex=regex)
+        for e in ("regex", "llguidance")
+    )
+    checked = 0
+    for state, path in walks(ours, n_walks=30, length=10):
+        other = llguidance.initial_state
+        for t in path:
+            other = llguidance.step(other, t)
+        assert (ours.mask(state) == llguidance.mask(other)).all(), vocab_text(tiny_tokenizer, path)
+        assert ours.forced(state) == llguidance.forced(other)
+        checked += 1
+    assert checked >= 100
+
+
+def vocab_text(tokenizer, ids):
+    return token_vocabulary(tokenizer).decode(ids)
+
+
+def test_forced_bytes_leave_every_spelling_legal(tiny_tokenizer):
+    """llguidance alone narrows a forced stretch to its tokenizer's spelling ("yes", not "y");
+    the engine turns that off: masked sampling may spell forced text any way."""
+    vocab = token_vocabulary(tiny_tokenizer)
+    c = guidance.GuidanceConstraint(
+        guidance.regex_grammar("yes"), vocab, len(vocab.token_bytes), ""
+    )
+    legal = {vocab.token_bytes[t] for t in c.allowed(c.initial_state)}
+    assert {b"y", b"yes"} <= legal
+    assert c.forced_text(c.initial_state) == b"yes"
+    assert c.forced(c.initial_state) is None  # two spellings: nothing is forced token-wise
+
+
+def test_states_survive_any_order_of_queries(tiny_tokenizer):
+    """Rollback lives in one place: a state's mask is the same whatever was asked before."""
+    vocab = token_vocabulary(tiny_tokenizer)
+    grammar = guidance.schema_grammar(PERSON)
+    fresh = lambda: guidance.GuidanceConstraint(grammar, vocab, len(vocab.token_bytes), "")  # noqa: E731
+    shuffled, rng = fresh(), random.Random(1)
+    visits = [(s, p) for s, p in walks(shuffled, n_walks=4, length=25, seed=2)]
+    shuffled.clear_caches()  # masks recomputed below, in a shuffled order: the matcher jumps
+    rng.shuffle(visits)
+    for state, path in visits:
+        reference, ref_state = fresh(), None
+        ref_state = reference.initial_state
+        for t in path:
+            ref_state = reference.step(ref_state, t)
+        assert (shuffled.mask(state) == reference.mask(ref_state)).all()
+        assert shuffled.accepting(state) == reference.accepting(ref_state)
+    assert len(visits) >= 60
+    state, token = visits[0][0], shuffled.allowed(visits[0][0])[0]
+    if token != shuffled.eos_id:
+        assert shuffled.step(state, token) == shuffled.step(state, token)  # one id per path
+
+
+def test_eos_only_where_complete(tiny_tokenizer):
+    vocab = token_vocabulary(tiny_tokenizer)
+    c = guidance.GuidanceConstraint(guidance.regex_grammar("ab|abab"), vocab, 400, "")
+    a, b = (vocab.ids_by_bytes[x] for x in (b"a", b"b"))
+    s = c.step(c.step(c.initial_state, a), b)
+    assert c.eos_id not in c.allowed(c.step(c.initial_state, a))
+    assert c.accepting(s) and c.eos_id in c.allowed(s) and c.step(s, c.eos_id) == FINISHED
+    assert c.mask(s).shape == (400,) and not c.mask(s)[len(vocab.token_bytes) :].any()
+
+
+def test_lark_grammar_generates_parsable_text(tiny_target, tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    stopped = 0
+    for seed in range(4):
+        res = gen.generate("hello", grammar=ARITHMETIC, temperature=1.0, seed=seed)
+        if res.finish_reason == "stop":
+            stopped += 1
+            assert gen.compile(grammar=ARITHMETIC).accepts(res.text)
+            eval(res.text, {"__builtins__": {}})  # an arithmetic expression Python parses too
+    assert stopped >= 2
+
+
+def test_gbnf_grammar_is_converted(tiny_target, tiny_tokenizer):
+    gbnf = 'root ::= "yes" | "no" ws\nws ::= [ ]?\n'
+    c = Generator(tiny_target, tiny_tokenizer, cache_dir=None).compile(grammar=gbnf)
+    assert c.accepts("yes") and c.accepts("no ") and not c.accepts("maybe")
+
+
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ('start: x\nx: "a" x | "b" (\n', "line 2, column"),
+        ("start: x\n\nx: /[a-/\n", "line 3, column"),
+        ('root ::= "a" |\nws ::= [ \n', "line 2"),
+    ],
+)
+def test_grammar_syntax_errors_name_line_and_column(text, where, tiny_target, tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    with pytest.raises(ConstraintError, match=where):
+        gen.compile(grammar=text)
+
+
+def test_the_regex_engine_refuses_grammars(tiny_target, tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine="regex")
+    with pytest.raises(ConstraintError, match="llguidance"):
+        gen.compile(grammar=ARITHMETIC)
+    with pytest.raises(ConstraintError, match="unknown engine"):
+        Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine="fast")
+
+
+@pytest.mark.parametrize(
+    "schema, accepted, rejected",
+    [  # llguidance alone accepts the rejected texts (jsonschema does not): no longer
+        (
+            {"type": "string", "format": "date-time"},
+            ['"2024-02-29T23:59:59Z"', '"1999-12-31T00:00:00.5+01:00"'],
+            ['"2024-02-29T23:59:60Z"', '"2024-02-30T00:00:00Z"'],
+        ),
+        ({"type": "string", "format": "time"}, ['"23:59:59Z"'], ['"23:59:60Z"']),
+        ({"type": "string", "format": "topic"}, ['"anything"'], ["1"]),  # an annotation
+        ({"enum": [{"format": "date-time"}]}, ['{"format":"date-time"}'], ['{"format":"x"}']),
+    ],
+)
+def test_llguidance_is_never_looser_than_jsonschema(
+    schema, accepted, rejected, tiny_target, tiny_tokenizer
+):
+    c = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine="llguidance").compile(
+        schema=schema
+    )
+    assert isinstance(c, guidance.GuidanceConstraint)
+    assert [t for t in accepted if not c.accepts(t)] == []
+    assert [t for t in rejected if c.accepts(t)] == []
+
+
+def test_fractional_multiple_of_is_refused_by_name(tiny_target, tiny_tokenizer):
+    """llguidance checks multipleOf in exact decimals, jsonschema in floats: "8.62" is no
+    multiple of 0.01 for jsonschema. Refused; auto hands it to the regex engine, which refuses
+    multipleOf too."""
+    for engine in ("llguidance", "auto"):
+        gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine)
+        with pytest.raises(UnsupportedSchemaError, match="multipleOf"):
+            gen.compile(schema={"type": "number", "multipleOf": 0.01})
+
+
+def test_objects_with_declared_properties_get_no_undeclared_ones(tiny_tokenizer):
+    """As in the regex engine's subset; not under allOf, where closing one branch would reject
+    what another admits."""
+    vocab = token_vocabulary(tiny_tokenizer)
+    compiled = lambda s: guidance.GuidanceConstraint(guidance.schema_grammar(s), vocab, 400, "")  # noqa: E731
+    person, extra = '{"name":"a","age":1,"ok":true}', '{"name":"a","age":1,"ok":true,"x":1}'
+    assert compiled(PERSON).accepts(person) and not compiled(PERSON).accepts(extra)
+    assert compiled({"allOf": [PERSON]}).accepts(extra)
+    # under oneOf, closing a branch would let through what two branches accept (and oneOf not)
+    either = {  # from the dev set (Github_trivial---o19070)
+        "type": "object",
+        "oneOf": [
+            {"required": ["id", "win"], "properties": {"id": {"type": "string"}, "h": {}}},
+            {"required": ["id", "lose"], "properties": {"id": {"type": "string"}, "lose": {}}},
+        ],
+    }
+    with pytest.raises(UnsupportedSchemaError, match="oneOf"):  # overlapping branches: refused
+        compiled(either)  # closed, the branches looked disjoint: {"id","win","lose"} got through
+    assert compiled(PERSON | {"additionalProperties": True}).accepts(extra)
+    assert compiled({"type": "object"}).accepts('{"x":1}')  # none declared: free-form
