@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .compile import check_regex, translate_schema
 from .errors import ConstraintError, GenerationInputError
-from .grammars import load_grammar
+from .grammars import grammar_names, load_grammar
 from .models import DEFAULT_MODEL
 from .schema import load_schema
 
@@ -93,7 +93,7 @@ class ChatRequest(BaseModel):
     stop: str | list[str] | None = None
     logprobs: bool | None = None
     regex: str | None = None  # extension: the whole reply matches this regex
-    grammar: str | None = None  # extension: a grammar shipped in constrained_spec/grammar_files
+    grammar: str | None = None  # extension: the name of a grammar in constrained_spec/grammar_files
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class Plan:
     """What the worker runs for one request: everything checked, nothing needing the model."""
 
     messages: list[dict]
-    regex: str
+    constraint: dict  # {"regex": str} or {"grammar": str} (a shipped Lark/GBNF grammar's text)
     tool: str | None  # "" when the reply names one of several tools; None: a plain reply
     temperature: float
     top_p: float | None
@@ -131,11 +131,11 @@ def plan(req: ChatRequest, config: ServerConfig) -> Plan:
     if req.top_p is not None and not 0 < req.top_p <= 1:
         raise APIError(400, f"top_p={req.top_p} must be in (0, 1].", "invalid_value", "top_p")
     messages = _messages(req.messages)
-    regex, tool, preamble = _constraint(req, config)
+    constraint, tool, preamble = _constraint(req, config)
     if preamble:  # tools: the model reads their descriptions in a system message first
         messages = [{"role": "system", "content": preamble}] + messages
     top_p = None if req.top_p in (None, 1) else req.top_p
-    return Plan(messages, regex, tool, temperature, top_p, max_tokens, req.seed, req.stream)
+    return Plan(messages, constraint, tool, temperature, top_p, max_tokens, req.seed, req.stream)
 
 
 def _refuse_unsupported(req: ChatRequest) -> None:
@@ -172,8 +172,9 @@ def _messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[str, str | None, str]:
-    """(regex, tool, preamble) from whichever of response_format / tools / regex / grammar."""
+def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[dict, str | None, str]:
+    """(constraint, tool, preamble) from whichever of response_format / tools / regex /
+    grammar; the constraint is {"regex": ...} or {"grammar": ...} (Generator.compile's)."""
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     given = [
         name
@@ -195,16 +196,22 @@ def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[str, str | None
             check_regex(req.regex)  # look-around, backreferences...: refused before queueing
         except ConstraintError as e:
             raise APIError(400, str(e), "invalid_regex", "regex") from None
-        return req.regex, None, ""
+        return {"regex": req.regex}, None, ""
     if req.grammar is not None:
-        try:
-            loaded = load_grammar(req.grammar)
-        except ConstraintError as e:
-            raise APIError(400, str(e), "unknown_grammar", "grammar") from None
-        return loaded.get("regex") or _schema_regex(loaded["schema"], config, "grammar"), None, ""
+        if req.grammar not in grammar_names():  # names only: never a path on this machine
+            raise APIError(
+                400,
+                f"unknown grammar {req.grammar!r}: this server has {', '.join(grammar_names())}.",
+                "unknown_grammar",
+                "grammar",
+            )
+        loaded = load_grammar(req.grammar)
+        if "schema" in loaded:
+            return {"regex": _schema_regex(loaded["schema"], config, "grammar")}, None, ""
+        return loaded, None, ""
     fmt = req.response_format or {"type": "text"}
     if fmt.get("type") == "json_object":
-        return _schema_regex({"type": "object"}, config, "response_format"), None, ""
+        return {"regex": _schema_regex({"type": "object"}, config, "response_format")}, None, ""
     if fmt.get("type") == "json_schema":
         schema = (fmt.get("json_schema") or {}).get("schema")
         if not isinstance(schema, dict):
@@ -215,7 +222,7 @@ def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[str, str | None
                 "invalid_schema",
                 "response_format",
             )
-        return _schema_regex(schema, config, "response_format"), None, ""
+        return {"regex": _schema_regex(schema, config, "response_format")}, None, ""
     if fmt.get("type") != "text":
         raise APIError(
             400,
@@ -224,10 +231,10 @@ def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[str, str | None
             "invalid",
             "response_format",
         )
-    return FREE_TEXT, None, ""
+    return {"regex": FREE_TEXT}, None, ""
 
 
-def _tool_constraint(tools: list[dict], choice, config: ServerConfig) -> tuple[str, str, str]:
+def _tool_constraint(tools: list[dict], choice, config: ServerConfig) -> tuple[dict, str, str]:
     functions = {t.get("function", {}).get("name"): t.get("function", {}) for t in tools}
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
@@ -255,7 +262,8 @@ def _tool_constraint(tools: list[dict], choice, config: ServerConfig) -> tuple[s
         name, schema = "", {"anyOf": [_envelope(n, s) for n, s in params.items()]}
         preamble = 'Call one function; reply as {"name": ..., "arguments": {...}}.'
     listing = json.dumps(list(functions.values()))
-    return _schema_regex(schema, config, "tools"), name, f"Functions: {listing}\n{preamble}"
+    regex = _schema_regex(schema, config, "tools")
+    return {"regex": regex}, name, f"Functions: {listing}\n{preamble}"
 
 
 def _envelope(name: str, parameters: dict) -> dict:
@@ -374,7 +382,7 @@ class Worker:
                 raise APIError(500, f"the model failed to load: {self.load_error}", "load_failed")
             stream = self.gen.stream(  # checks and compiles here, before any model work
                 p.messages,
-                regex=p.regex,
+                **p.constraint,
                 max_new_tokens=p.max_tokens,
                 temperature=p.temperature,
                 top_p=p.top_p,
@@ -432,7 +440,7 @@ class Worker:
         from .batch import _admit
 
         p = job.plan
-        request = {"prompt": p.messages, "regex": p.regex, "max_new_tokens": p.max_tokens}
+        request = {"prompt": p.messages, **p.constraint, "max_new_tokens": p.max_tokens}
         request.update(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
         try:
             row = self.gen._row(0, request)
