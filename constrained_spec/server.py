@@ -139,10 +139,14 @@ def plan(req: ChatRequest, config: ServerConfig) -> Plan:
 
 
 def _refuse_unsupported(req: ChatRequest) -> None:
+    extra = req.model_extra or {}  # fields not modelled above; these would change the reply
     for name, ok, why in (
         ("n", req.n in (None, 1), "only n=1 is served"),
         ("stop", not req.stop, "the constraint decides where a reply ends"),
         ("logprobs", not req.logprobs, "log-probabilities are not returned"),
+        ("frequency_penalty", not extra.get("frequency_penalty"), "penalties are not applied"),
+        ("presence_penalty", not extra.get("presence_penalty"), "penalties are not applied"),
+        ("logit_bias", not extra.get("logit_bias"), "logits are not biased"),
     ):
         if not ok:
             raise APIError(400, f"{name} is not supported: {why}; remove it.", "unsupported", name)
