@@ -5,9 +5,12 @@ Same contract as compile.Constraint (int states, ``step``, ``mask``, ``forced``,
 decode loop and the drafters do not know which engine they run. llguidance's cursor (an
 ``LLMatcher``) is stateful; the int states are not: state s names a token path from the start
 (a trie of (parent state, token)), and ``_goto`` is the one place that moves the matcher onto a
-path: it rolls back to the deepest state both paths share and consumes the rest. Stepping never
-moves the matcher (a step is legal iff the parent's mask allows the token), so exploring a draft
-costs one mask per new state, and rolling back to the committed prefix is keeping the old int.
+path: it copies the matcher of the nearest state on that path it has a snapshot of (a copy costs
+~2 µs) and consumes the rest, never calling llguidance's rollback: after rollbacks with masks
+computed along the way, llguidance 1.9.1 returned a mask allowing a token that a fresh matcher on
+the same path refuses (tests/test_guidance.py replays such a sequence). Stepping never moves the
+matcher (a step is legal iff the parent's mask allows the token), so exploring a draft costs one
+mask per new state, and rolling back to the committed prefix is keeping the old int.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .errors import ConstraintError, UnsupportedSchemaError
 from .vocab import TokenVocabulary
 
 MASK_CACHE = 256  # masks kept per constraint (LRU): a 49k vocabulary's bool mask is 49 kB
+SNAPSHOTS = 256  # matcher copies kept per constraint (LRU), one per state whose mask was computed
 COMPILED_CACHE = 32  # constraints kept in memory (LRU), by grammar × vocabulary
 # The trie of states grows with every token path asked about (~100 bytes a state); past this many
 # states, compile_grammar hands later requests a fresh constraint (3 ms) instead of the cached one,
@@ -42,13 +46,14 @@ class GuidanceConstraint(Constraint):
     def __init__(self, grammar: str, vocab: TokenVocabulary, vocab_size: int, source: str):
         self.vocab, self.vocab_size, self.eos_id = vocab, vocab_size, vocab.eos_id
         self.source = source  # what was compiled: "schema", "regex" or "grammar"
-        self._matcher = llg.LLMatcher(_ll_tokenizer(vocab), grammar, log_level=0)
-        if self._matcher.is_error():
-            raise ConstraintError(f"cannot compile {source}: {self._matcher.get_error()}")
+        root = llg.LLMatcher(_ll_tokenizer(vocab), grammar, log_level=0)
+        if root.is_error():
+            raise ConstraintError(f"cannot compile {source}: {root.get_error()}")
+        self._root, self._matcher, self._at = root, root.deep_copy(), 0  # _at: _matcher's state
+        self._snapshots: OrderedDict[int, llg.LLMatcher] = OrderedDict()
         self.initial_state = 0
         self._parent, self._token, self._depth = [-1], [-1], [0]  # the trie, by state
         self._children: dict[tuple[int, int], int] = {}
-        self._path = [0]  # the states along the tokens the matcher has consumed
         self._lock = threading.Lock()  # one matcher, shared by the requests using this constraint
         self._legal_masks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._masks: OrderedDict[tuple[int, torch.device], torch.Tensor] = OrderedDict()
@@ -56,22 +61,27 @@ class GuidanceConstraint(Constraint):
         self._byte_ids, self._plain = _vocab_tables(vocab)
 
     def _goto(self, state: int) -> None:
-        """Put the matcher on ``state``'s path (callers hold the lock)."""
-        chain = []  # the states below the shared ancestor, deepest first
-        while not (
-            self._depth[state] < len(self._path) and self._path[self._depth[state]] == state
-        ):
-            chain.append(state)
-            state = self._parent[state]
-        back = len(self._path) - 1 - self._depth[state]
-        if back:
-            ok = self._matcher.rollback(back)
-            assert ok, self._matcher.get_error()
-            del self._path[len(self._path) - back :]
+        """Put the matcher on ``state``'s path (callers hold the lock): from the matcher where it
+        is, if ``state`` lies ahead of it, else from a copy of the nearest snapshot (or the root)
+        on that path; then consume the tokens in between."""
+        chain = []  # the states between the starting point and ``state``, deepest first
+        s = state
+        while s != self._at and s != 0 and s not in self._snapshots:
+            chain.append(s)
+            s = self._parent[s]
+        if s != self._at:
+            self._matcher = (self._snapshots[s] if s else self._root).deep_copy()
         for s in reversed(chain):  # legal by construction: step() checked each parent's mask
             ok = self._matcher.consume_token(self._token[s])
             assert ok, self._matcher.get_error()
-            self._path.append(s)
+        self._at = state
+
+    def _snapshot(self) -> None:
+        """Keep a copy of the matcher at its state: later paths through it start there."""
+        self._snapshots[self._at] = self._matcher.deep_copy()
+        self._snapshots.move_to_end(self._at)
+        if len(self._snapshots) > SNAPSHOTS:
+            self._snapshots.popitem(last=False)
 
     def _legal_mask(self, state: int) -> np.ndarray:
         """Legal ids as a bool array (V,), EOS included iff accepting; cached (LRU)."""
@@ -88,6 +98,7 @@ class GuidanceConstraint(Constraint):
                 if self._matcher.is_error():  # a limit hit (compile_grammar then builds anew)
                     raise ConstraintError(f"llguidance: {self._matcher.get_error()[:500]}")
                 self._accepting[state] = self._matcher.is_accepting()
+                self._snapshot()
             n = len(self.vocab.token_bytes)
             m[:n] = np.unpackbits(bits, bitorder="little")[:n].astype(bool) & self._plain
             m[self.eos_id] = self._accepting[state]  # EOS exactly where the text is complete
@@ -162,14 +173,9 @@ class GuidanceConstraint(Constraint):
         body = tokens[:-1] if tokens and tokens[-1] == self.eos_id else tokens
         if any(not 0 <= t < len(self.vocab.token_bytes) or not self._plain[t] for t in body):
             return False  # EOS inside, special tokens, ids beyond the tokenizer
-        with self._lock:
-            self._goto(self.initial_state)
-            done = self._matcher.try_consume_tokens(body)
-            ok = done == len(body) and self._matcher.is_accepting()
-            if done:
-                rolled_back = self._matcher.rollback(done)
-                assert rolled_back, self._matcher.get_error()
-        return ok
+        matcher = self._root.deep_copy()  # no rollback (see the module docstring)
+        done = matcher.try_consume_tokens(body)
+        return done == len(body) and matcher.is_accepting()
 
     def clear_caches(self) -> None:
         """Drop the cached masks (states stay valid; masks rebuild on use)."""

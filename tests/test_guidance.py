@@ -229,3 +229,39 @@ def test_objects_with_declared_properties_get_no_undeclared_ones(tiny_tokenizer)
         compiled(either)  # closed, the branches looked disjoint: {"id","win","lose"} got through
     assert compiled(PERSON | {"additionalProperties": True}).accepts(extra)
     assert compiled({"type": "object"}).accepts('{"x":1}')  # none declared: free-form
+
+
+@pytest.mark.real_model
+def test_masks_after_rollbacks_equal_a_fresh_matchers():
+    """The masks a request sequence asked for (a baseline request, then a speculative one over
+    the same schema, with lookup drafts rejected), replayed on the default model's vocabulary:
+    each equals a fresh llguidance matcher's on the same path. With llguidance's own rollback
+    (before the snapshots in guidance._goto), the mask after `..."string"}` allowed `}}`, which
+    closes an object whose required property is missing, and the next round crashed."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from constrained_spec.models import load_tokenizer
+
+    case = json.loads((Path(__file__).parent / "data" / "llg_rollback_case.json").read_text())
+    tokenizer = load_tokenizer()
+    vocab = token_vocabulary(tokenizer)
+    c = guidance.GuidanceConstraint(case["grammar"], vocab, len(tokenizer), "schema")
+    n, path = len(vocab.token_bytes), []
+    for drop, add in case["masks_at"]:
+        del path[len(path) - drop :]
+        path += add
+        state = c.initial_state
+        for token in path:
+            state = c.step(state, token)
+            assert state is not None, "the recorded path left the grammar"
+        fresh = llg.LLMatcher(guidance._ll_tokenizer(vocab), case["grammar"], log_level=0)
+        assert fresh.consume_tokens(path)
+        bits = np.frombuffer(fresh.compute_bitmask(), dtype=np.uint8)
+        expected = np.unpackbits(bits, bitorder="little")[:n].astype(bool) & c._plain
+        got = c._legal_mask(state)[:n].copy()
+        expected[vocab.eos_id] = got[vocab.eos_id] = False  # EOS: accepting(), checked elsewhere
+        wrong = np.flatnonzero(got != expected)
+        assert not len(wrong), f"at {vocab.decode(path)!r}: {[vocab.decode([t]) for t in wrong]}"
