@@ -62,7 +62,7 @@ def measure(gen: Generator, requests: list[dict], sizes: list[int], say) -> list
 
 
 def write_report(runs: list[dict], meta: dict, out: Path) -> None:
-    single = next(r for r in runs if r["config"] == "speculative" and r["batch_size"] == 1)
+    single = next((r for r in runs if r["config"] == "speculative" and r["batch_size"] == 1), None)
     lines = [
         f"# Batched decoding: {meta['workload']}, {meta['n']} requests",
         "",
@@ -78,12 +78,17 @@ def write_report(runs: list[dict], meta: dict, out: Path) -> None:
     for r in runs:
         lines.append(
             f"| {r['config']} | {r['batch_size']} | {r['tok_s']:.1f} | "
-            f"{r['tok_s'] / single['tok_s']:.2f}× | {r['latency_p50_s']:.2f} / "
+            f"{_ratio(r, single)} | "
+            f"{r['latency_p50_s']:.2f} / "
             f"{r['latency_max_s']:.2f} | {r['target_calls']} | {r['acceptance']:.2f} | "
             f"{r['same_as_b1']}/{meta['n']} | {r['same_as_baseline']}/{meta['n']} |"
         )
     (out / "report.md").write_text("\n".join(lines) + "\n")
     _plot(runs, meta, out / "throughput.png")
+
+
+def _ratio(run: dict, single: dict | None) -> str:
+    return f"{run['tok_s'] / single['tok_s']:.2f}×" if single else "–"
 
 
 def _plot(runs: list[dict], meta: dict, path: Path) -> None:
