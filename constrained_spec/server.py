@@ -31,9 +31,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .compile import check_regex, translate_schema
+from .compile import check_regex
 from .errors import ConstraintError, GenerationInputError
 from .grammars import grammar_names, load_grammar
+from .guidance import translate
 from .models import DEFAULT_MODEL
 from .schema import load_schema
 
@@ -46,6 +47,7 @@ class ServerConfig:
     model: str = DEFAULT_MODEL
     draft: str = "auto"  # decode.DRAFTS
     weights: str = "auto"  # models.WEIGHTS
+    engine: str = "auto"  # guidance.ENGINES: the constraint engine (schemas checked by it too)
     api_key: str | None = None  # None: no key needed
     max_body_bytes: int = 1 << 20  # 413 above this
     max_schema_bytes: int = 64 << 10  # a schema (or regex) longer than this as JSON text: 400
@@ -101,7 +103,7 @@ class Plan:
     """What the worker runs for one request: everything checked, nothing needing the model."""
 
     messages: list[dict]
-    constraint: dict  # {"regex": str} or {"grammar": str} (a shipped Lark/GBNF grammar's text)
+    constraint: dict  # {"schema": dict}, {"regex": str} or {"grammar": str} (Generator.compile's)
     tool: str | None  # "" when the reply names one of several tools; None: a plain reply
     temperature: float
     top_p: float | None
@@ -211,11 +213,11 @@ def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[dict, str | Non
             )
         loaded = load_grammar(req.grammar)
         if "schema" in loaded:
-            return {"regex": _schema_regex(loaded["schema"], config, "grammar")}, None, ""
+            return _schema_constraint(loaded["schema"], config, "grammar"), None, ""
         return loaded, None, ""
     fmt = req.response_format or {"type": "text"}
     if fmt.get("type") == "json_object":
-        return {"regex": _schema_regex({"type": "object"}, config, "response_format")}, None, ""
+        return _schema_constraint({"type": "object"}, config, "response_format"), None, ""
     if fmt.get("type") == "json_schema":
         schema = (fmt.get("json_schema") or {}).get("schema")
         if not isinstance(schema, dict):
@@ -226,7 +228,7 @@ def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[dict, str | Non
                 "invalid_schema",
                 "response_format",
             )
-        return {"regex": _schema_regex(schema, config, "response_format")}, None, ""
+        return _schema_constraint(schema, config, "response_format"), None, ""
     if fmt.get("type") != "text":
         raise APIError(
             400,
@@ -266,8 +268,8 @@ def _tool_constraint(tools: list[dict], choice, config: ServerConfig) -> tuple[d
         name, schema = "", {"anyOf": [_envelope(n, s) for n, s in params.items()]}
         preamble = 'Call one function; reply as {"name": ..., "arguments": {...}}.'
     listing = json.dumps(list(functions.values()))
-    regex = _schema_regex(schema, config, "tools")
-    return {"regex": regex}, name, f"Functions: {listing}\n{preamble}"
+    constraint = _schema_constraint(schema, config, "tools")
+    return constraint, name, f"Functions: {listing}\n{preamble}"
 
 
 def _envelope(name: str, parameters: dict) -> dict:
@@ -279,13 +281,17 @@ def _envelope(name: str, parameters: dict) -> dict:
     }
 
 
-def _schema_regex(schema: dict, config: ServerConfig, param: str) -> str:
+def _schema_constraint(schema: dict, config: ServerConfig, param: str) -> dict:
+    """{"schema": ...} once the engine would compile it (llguidance in milliseconds; what it
+    cannot honour goes to the regex front end, bounded, as Generator.compile does)."""
     _check_size(schema, config, param)
     try:
-        return translate_schema(load_schema(schema))  # bounded: in a child, with a timeout
+        schema = load_schema(schema)
+        translate(config.engine, schema=schema)
     except ConstraintError as e:  # UnsupportedSchemaError names the keyword and its place
         code = "unsupported_schema" if hasattr(e, "keyword") else "invalid_schema"
         raise APIError(400, str(e), code, param) from None
+    return {"schema": schema}
 
 
 def _check_size(value, config: ServerConfig, param: str) -> None:
@@ -578,7 +584,9 @@ def _load(config: ServerConfig):
 
     if config.threads is not None:  # on a shared CPU one thread can be many times faster
         torch.set_num_threads(config.threads)
-    return Generator.from_pretrained(config.model, draft=config.draft, weights=config.weights)
+    return Generator.from_pretrained(
+        config.model, draft=config.draft, weights=config.weights, engine=config.engine
+    )
 
 
 def _authorize(request: Request, config: ServerConfig) -> None:
