@@ -73,7 +73,7 @@ def decode_batch(target, rows: Iterable[Row], batch_size: int) -> Iterator[Row]:
     pending, active = iter(rows), []
     while True:
         while len(active) < batch_size and (row := next(pending, None)) is not None:
-            _admit(target, row)
+            admit(target, row)
             active.append(row)
         if not active:
             return
@@ -84,8 +84,8 @@ def decode_batch(target, rows: Iterable[Row], batch_size: int) -> Iterator[Row]:
             yield row
 
 
-def _admit(target, row: Row) -> None:
-    """Prefill the row's prompt (all but its last token, which opens its first round)."""
+def admit(target, row: Row) -> None:
+    """Start a row: prefill its prompt (all but its last token, which opens its first round)."""
     row.started = time.perf_counter()
     row.cache = kv.new_cache(target)
     if len(row.prompt) > 1:

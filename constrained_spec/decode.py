@@ -515,10 +515,10 @@ class Generator:
         prompt lookup per row (a draft head or model drafts one request at a time)."""
         from .batch import decode_batch
 
-        rows = [self._row(i, request) for i, request in enumerate(requests)]
+        rows = [self.prepare_row(i, request) for i, request in enumerate(requests)]
         results: list[Result] = [None] * len(rows)  # type: ignore[list-item]
         for row in decode_batch(self.target, rows, _batch_size(batch_size)):
-            results[row.index] = self._row_result(row)
+            results[row.index] = self.row_result(row)
         return results
 
     def batch(
@@ -534,18 +534,20 @@ class Generator:
         def rows():
             for i, request in enumerate(requests):
                 try:
-                    yield self._row(i, request)
+                    yield self.prepare_row(i, request)
                 except BAD_REQUEST_ERRORS as err:
                     failed.append((i, err))
 
         with self._lock:  # released when the iteration ends or is closed
             for row in decode_batch(self.target, rows(), _batch_size(batch_size)):
                 yield from _drain(failed)
-                yield row.index, self._row_result(row)
+                yield row.index, self.row_result(row)
             yield from _drain(failed)
 
-    def _row(self, index: int, request: dict):
-        """One request of a batch, checked and compiled: a batch.Row."""
+    def prepare_row(self, index: int, request: dict):
+        """One request of a batch, checked and compiled: a batch.Row, for callers that run rounds
+        themselves (batch.admit, then batch.batch_round until it is finished, then row_result;
+        the server joins requests into a running batch this way)."""
         from .batch import Row, row_drafter
 
         if not isinstance(request, dict) or "prompt" not in request:
@@ -576,7 +578,8 @@ class Generator:
             parse_json=schema is not None,
         )
 
-    def _row_result(self, row) -> Result:
+    def row_result(self, row) -> Result:
+        """The Result of a finished batch.Row."""
         ids = row.tokens[len(row.prompt) :]
         token_ids = [t for t in ids if t != self.vocab.eos_id]
         text = self.vocab.decode(token_ids)

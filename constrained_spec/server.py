@@ -440,21 +440,21 @@ class Worker:
                     a.job.send("piece", piece)
                 if a.row.finished:
                     a.row.stats.total_s = time.perf_counter() - a.row.started
-                    a.job.send("done", self.gen._row_result(a.row))
+                    a.job.send("done", self.gen.row_result(a.row))
                     self.release(a.job, "completed")
                     active.remove(a)
 
     def _admit(self, job: Job) -> _Live | None:
         """The job as a batch row, checked, compiled and prefilled; None (and its error sent)
         if its request is unusable."""
-        from .batch import _admit
+        from .batch import admit
 
         p = job.plan
         request = {"prompt": p.messages, **p.constraint, "max_new_tokens": p.max_tokens}
         request.update(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
         try:
-            row = self.gen._row(0, request)
-            _admit(self.gen.target, row)
+            row = self.gen.prepare_row(0, request)
+            admit(self.gen.target, row)
         except (ConstraintError, GenerationInputError) as e:
             job.send("error", APIError(400, str(e), "invalid_request"))
             self.release(job, "failed")

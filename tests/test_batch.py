@@ -81,7 +81,9 @@ def test_each_rows_cache_after_ragged_rollbacks_equals_a_fresh_forward(
     tiny_int4_target, tiny_tokenizer
 ):
     gen = lookup_generator(tiny_int4_target, tiny_tokenizer)
-    rows = [gen._row(i, {**r, "temperature": 1.0, "seed": i}) for i, r in enumerate(REQUESTS)]
+    rows = [
+        gen.prepare_row(i, {**r, "temperature": 1.0, "seed": i}) for i, r in enumerate(REQUESTS)
+    ]
     finished = list(decode_batch(tiny_int4_target, rows, batch_size=4))
     assert sorted(row.index for row in finished) == list(range(len(REQUESTS)))
     assert sum(row.stats.drafted - row.stats.accepted for row in rows) > 0, "nothing rolled back"
