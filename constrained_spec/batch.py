@@ -23,7 +23,7 @@ import torch
 
 from . import cache as kv
 from .compile import FINISHED, Constraint
-from .decode import Stats, legal_states, verify
+from .decode import Stats, commit, legal_states, verify
 from .draft import EMPTY_DRAFT, CompositeDrafter, Draft, Drafter
 from .sample import SamplingConfig
 
@@ -131,14 +131,8 @@ def _propose(row: Row) -> Draft:
 
 def _commit(row: Row, draft: Draft, n: int, token: int, state: int) -> None:
     """Commit the accepted drafts and the target's token; crop the row's cache to them."""
-    committed = draft.tokens[:n] + [token]
-    if row.constraint.eos_id in committed:  # a draft may end in EOS: nothing after it counts
-        committed = committed[: committed.index(row.constraint.eos_id) + 1]
-        state = FINISHED
-    row.tokens += committed
-    row.state = state
-    kv.crop(row.cache, len(row.tokens) - 1)
-    assert kv.cached_length(row.cache) == len(row.tokens) - 1, "a row's cache out of step"
+    committed = commit(row.tokens, row.cache, draft.tokens[:n] + [token], row.constraint.eos_id)
+    row.state = FINISHED if committed[-1] == row.constraint.eos_id else state
     row.stats.record(draft, n)
     if row.drafter is not None:
         row.drafter.observe(committed, None)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -128,6 +128,18 @@ def speculative_step(
     return n, token, constraint.step(states[n], token), hidden  # .tolist(): the one host sync
 
 
+def commit(tokens: list[int], cache, committed: list[int], eos_id: int) -> list[int]:
+    """Append a round's accepted drafts + the target's token to ``tokens``, cut after an EOS (a
+    draft may end in one: nothing after it counts), and crop ``cache`` to them (the rejected
+    drafts' entries go). Returns what was committed."""
+    if eos_id in committed:
+        committed = committed[: committed.index(eos_id) + 1]
+    tokens += committed
+    kv.crop(cache, len(tokens) - 1)
+    assert kv.cached_length(cache) == len(tokens) - 1, "target cache out of step"
+    return committed
+
+
 def legal_states(constraint: Constraint, state: int, draft: Draft) -> tuple[Draft, list[int]]:
     """The draft cut at its first illegal token, and the automaton states before each of its
     tokens and after the last (state_i = the state after draft[:i])."""
@@ -237,13 +249,8 @@ def decode_rounds(
         n, token, state, hidden = speculative_step(
             target, cache, constraint, tokens, state, draft, sampling, generator, features
         )
-        committed = draft.tokens[:n] + [token]
-        if constraint.eos_id in committed:  # a draft may end in EOS: nothing after it counts
-            committed = committed[: committed.index(constraint.eos_id) + 1]
-            state = FINISHED
-        tokens += committed
-        kv.crop(cache, len(tokens) - 1)
-        assert kv.cached_length(cache) == len(tokens) - 1, "target cache out of step"
+        committed = commit(tokens, cache, draft.tokens[:n] + [token], constraint.eos_id)
+        state = FINISHED if committed[-1] == constraint.eos_id else state
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
@@ -293,6 +300,15 @@ def _one_at_a_time(method):
             return method(self, *args, **kwargs)
 
     return locked
+
+
+class _Prepared(NamedTuple):
+    sampling: SamplingConfig
+    prompt_ids: list[int]
+    constraint: Constraint
+    generator: torch.Generator
+    max_new_tokens: int  # clamped to the context left after the prompt
+    parse_json: bool  # a schema: the Result carries the parsed value
 
 
 class Generator:
@@ -459,31 +475,59 @@ class Generator:
         and a character split across tokens comes out whole. The arguments are checked and the
         constraint compiled now; decoding runs while you iterate and stops when you close it.
         While it runs it holds the Generator's lock: exhaust or close it."""
-        sampling = _check_sampling(temperature, top_k, top_p, num_draft_tokens, max_new_tokens)
-        _check_seed(seed)
-        prompt_ids = self.encode_prompt(prompt)
-        max_new_tokens = min(max_new_tokens, self.context - len(prompt_ids))  # then "length"
-        schema_dict = load_schema(schema) if schema is not None else None
-        constraint = self.compile(schema=schema_dict, regex=regex, grammar=grammar)
-        generator = torch.Generator(device=next(self.target.parameters()).device)
-        generator.manual_seed(seed if seed is not None else torch.seed())
+        p = self._prepare(
+            prompt,
+            schema,
+            regex,
+            grammar,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            num_draft_tokens,
+        )
         drafter = self.drafter if drafter is None else _checked_drafter(drafter)
         drafter = drafter if speculative else None
         adaptive = AdaptiveK(max(num_draft_tokens, 1)) if adaptive_k else None
         stats = Stats()
         rounds = decode_rounds(
             self.target,
-            constraint,
-            prompt_ids,
+            p.constraint,
+            p.prompt_ids,
             drafter,
-            sampling,
+            p.sampling,
             num_draft_tokens,
-            max_new_tokens,
-            generator,
+            p.max_new_tokens,
+            p.generator,
             stats,
             adaptive,
         )
-        return self._pieces(rounds, constraint, stats, schema_dict is not None, on_round)
+        return self._pieces(rounds, p.constraint, stats, p.parse_json, on_round)
+
+    def _prepare(
+        self,
+        prompt,
+        schema,
+        regex,
+        grammar,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        num_draft_tokens=0,
+    ) -> _Prepared:
+        """A request's arguments checked (before any model work) and its constraint compiled."""
+        sampling = _check_sampling(temperature, top_k, top_p, num_draft_tokens, max_new_tokens)
+        _check_seed(seed)
+        prompt_ids = self.encode_prompt(prompt)
+        schema = load_schema(schema) if schema is not None else None
+        constraint = self.compile(schema=schema, regex=regex, grammar=grammar)
+        generator = torch.Generator(device=next(self.target.parameters()).device)
+        generator.manual_seed(seed if seed is not None else torch.seed())
+        room = min(max_new_tokens, self.context - len(prompt_ids))  # then "length"
+        return _Prepared(sampling, prompt_ids, constraint, generator, room, schema is not None)
 
     def _pieces(self, rounds, constraint, stats, parse_json: bool, on_round) -> Iterator:
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a split character
@@ -561,21 +605,18 @@ class Generator:
                 f"takes {', '.join(BATCH_ARGUMENTS)}."
             )
         r = {**BATCH_DEFAULTS, **request}
-        sampling = _check_sampling(r["temperature"], r["top_k"], r["top_p"], 0, r["max_new_tokens"])
-        _check_seed(r["seed"])
-        prompt_ids = self.encode_prompt(r["prompt"])
-        schema = load_schema(r["schema"]) if r["schema"] is not None else None
-        generator = torch.Generator(device=next(self.target.parameters()).device)
-        generator.manual_seed(r["seed"] if r["seed"] is not None else torch.seed())
+        speculative = r.pop("speculative")
+        p = self._prepare(**r)
+        drafter = row_drafter(self.drafter) if speculative else None
         return Row(
             index,
-            prompt_ids,
-            self.compile(schema=schema, regex=r["regex"], grammar=r["grammar"]),
-            sampling,
-            generator,
-            row_drafter(self.drafter) if r["speculative"] else None,
-            min(r["max_new_tokens"], self.context - len(prompt_ids)),
-            parse_json=schema is not None,
+            p.prompt_ids,
+            p.constraint,
+            p.sampling,
+            p.generator,
+            drafter,
+            p.max_new_tokens,
+            parse_json=p.parse_json,
         )
 
     def row_result(self, row) -> Result:

@@ -101,27 +101,10 @@ def run_job(
     """Decode the rows not yet in ``output``; append a result line per row as it finishes.
     ``constraint``: the job's {"schema": ...} or {"regex": ...}; ``options``: generate()
     arguments for every row (a ``seed`` is offset by the row's line number). Returns counts."""
-    done = done_ids(output)
-    todo = [row for row in rows if row.id not in done]
-    counts = Counter(skipped=len(rows) - len(todo))
+    todo, counts = _pending(rows, output)
     requests = [_request(row, constraint, options) for row in todo]
-    start, tokens = time.perf_counter(), 0
-    with open(output, "a", encoding="utf-8") as out:
-        for index, result in gen.batch(requests, batch_size):
-            line, kind = _result_line(todo[index], result)
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
-            out.flush()
-            counts[kind] += 1
-            tokens += line.get("stats", {}).get("tokens", 0)
-            if progress is not None:
-                progress(
-                    sum(counts.values()) - counts["skipped"],
-                    len(todo),
-                    tokens,
-                    time.perf_counter() - start,
-                )
-        os.fsync(out.fileno())
-    return counts
+    finished = ((i, _result_fields(result)) for i, result in gen.batch(requests, batch_size))
+    return _append(output, todo, finished, counts, progress)
 
 
 def run_job_on_ray(
@@ -140,9 +123,7 @@ def run_job_on_ray(
     as blocks come back, so resuming works as in run_job."""
     import ray
 
-    done = done_ids(output)
-    todo = [row for row in rows if row.id not in done]
-    counts = Counter(skipped=len(rows) - len(todo))
+    todo, counts = _pending(rows, output)
     if not todo:
         return counts
     items = [
@@ -155,18 +136,30 @@ def run_job_on_ray(
         batch_size=2 * batch_size,  # a block keeps the actor's batch full, with refills
         concurrency=actors,
     )
+    finished = ((int(item["index"]), json.loads(item["result"])) for item in dataset.iter_rows())
+    return _append(output, todo, finished, counts, progress)
+
+
+def _pending(rows: list[Row], output: Path) -> tuple[list[Row], Counter]:
+    """The rows whose ids ``output`` does not hold yet, and the counts with those skipped."""
+    done = done_ids(output)
+    todo = [row for row in rows if row.id not in done]
+    return todo, Counter(skipped=len(rows) - len(todo))
+
+
+def _append(output: Path, todo: list[Row], finished, counts: Counter, progress) -> Counter:
+    """Append one whole, flushed line per finished (index into ``todo``, result fields)."""
     start, tokens = time.perf_counter(), 0
     with open(output, "a", encoding="utf-8") as out:
-        for item in dataset.iter_rows():
-            row = todo[int(item["index"])]
-            line, kind = _line_of(row, json.loads(item["result"]))
+        for index, fields in finished:
+            line, kind = _line_of(todo[index], fields)
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
             out.flush()
             counts[kind] += 1
             tokens += line.get("stats", {}).get("tokens", 0)
             if progress is not None:
-                finished = sum(counts.values()) - counts["skipped"]
-                progress(finished, len(todo), tokens, time.perf_counter() - start)
+                done = sum(counts.values()) - counts["skipped"]
+                progress(done, len(todo), tokens, time.perf_counter() - start)
         os.fsync(out.fileno())
     return counts
 
@@ -201,11 +194,6 @@ def _request(row: Row, constraint: dict, options: dict) -> dict:
     if options.get("seed") is not None:
         request["seed"] = options["seed"] + row.line
     return request
-
-
-def _result_line(row: Row, result) -> tuple[dict, str]:
-    """The output line of a row, and its kind for the summary."""
-    return _line_of(row, _result_fields(result))
 
 
 def _result_fields(result) -> dict:
