@@ -83,7 +83,7 @@ from constrained_spec.testing import NEAR_TIE, first_divergence  # noqa: E402
 KS = (2, 3, 4, 7, 8)
 CONFIDENCES = (0.1, 0.2, 0.3, 0.5, 0.7)  # early stops tried with the head at k = max(KS)
 ADAPTIVE_K_MAX = 8
-DRAFT_CAPS = (3, 7, 11, 15)  # max_draft values tried (verify widths 4, 8, 12, 16)
+DRAFT_CAPS = (2, 3, 4, 5, 7, 11, 15)  # max_draft values tried (verify widths 3 to 16)
 HOT_T = 0.7
 
 

@@ -23,7 +23,7 @@ import torch
 
 from . import cache as kv
 from .compile import FINISHED, Constraint
-from .decode import Stats, commit, legal_states, verify
+from .decode import Stats, commit, legal_masks, legal_states, verify
 from .draft import EMPTY_DRAFT, CompositeDrafter, Draft, Drafter
 from .sample import SamplingConfig
 
@@ -104,11 +104,12 @@ def batch_round(target, rows: list[Row]) -> None:
     drafted = time.perf_counter()
     device = next(target.parameters()).device
     fed = [[row.tokens[-1]] + draft.tokens for row, draft in zip(rows, drafts)]
-    logits = kv.forward_rows(target, [row.cache for row in rows], fed, device)
+    masks = [legal_masks(row.constraint, at, device) for row, at in zip(rows, states)]
+    logits = kv.forward_rows(target, [row.cache for row in rows], fed, device, masks)
     outcomes = torch.stack(
         [
-            torch.stack(verify(out, row.constraint, at, draft, row.sampling, row.generator))
-            for out, at, draft, row in zip(logits, states, drafts, rows)
+            torch.stack(verify(out, legal, draft, row.sampling, row.generator))
+            for out, legal, draft, row in zip(logits, masks, drafts, rows)
         ]
     ).tolist()  # (B, 2): the round's one host sync
     verified = time.perf_counter()

@@ -51,11 +51,16 @@ def prefill(model, cache, input_ids: list[int], device, features: bool = False):
 
 
 @torch.inference_mode()
-def forward(model, cache: DynamicCache, input_ids: list[int], device, features: bool = False):
+def forward(
+    model, cache: DynamicCache, input_ids: list[int], device, features: bool = False, masks=None
+):
     """Feed ``input_ids`` after what the cache holds; returns their logits, (n, V) float32, and
-    with ``features`` also the LM head's inputs, (n, d): what a trained draft head reads."""
+    with ``features`` also the LM head's inputs, (n, d): what a trained draft head reads.
+    ``masks`` (n, V) bool, the legal tokens at each position, lets the compact forward skip the
+    logits of illegal ones (they come back as −inf or as computed: callers mask them)."""
     if isinstance(model, CompactLlama):
-        logits, hidden = model(torch.tensor(input_ids, dtype=torch.long, device=device), cache)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+        logits, hidden = model(ids, cache, masks=masks)
         return (logits, hidden) if features else logits
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # (1, n)
     kwargs = {_cache_argument(type(model)): cache}
@@ -75,13 +80,17 @@ def forward(model, cache: DynamicCache, input_ids: list[int], device, features: 
     return (logits[0].float(), seen[-1][0]) if features else logits[0].float()
 
 
-def forward_rows(model, caches: list, rows: list[list[int]], device) -> list[torch.Tensor]:
-    """Each row's ids fed after its own cache; each row's logits, (n_i, V). The compact forward
-    takes every row in one pass (the weights read once); transformers' forward takes them one
-    after another (its caches would need padding and position bookkeeping to share a pass)."""
+def forward_rows(
+    model, caches: list, rows: list[list[int]], device, masks: list | None = None
+) -> list[torch.Tensor]:
+    """Each row's ids fed after its own cache; each row's logits, (n_i, V) (``masks``: each
+    row's legal tokens, as in ``forward``). The compact forward takes every row in one pass (the
+    weights read once); transformers' forward takes them one after another (its caches would
+    need padding and position bookkeeping to share a pass)."""
     if isinstance(model, CompactLlama):
         ids = [torch.tensor(row, dtype=torch.long, device=device) for row in rows]
-        logits, _ = model.forward_rows(ids, caches)
+        legal = torch.cat(masks) if masks is not None else None
+        logits, _ = model.forward_rows(ids, caches, masks=legal)
         return list(logits.split([len(row) for row in rows]))
     return [forward(model, cache, row, device) for cache, row in zip(caches, rows)]
 

@@ -122,9 +122,10 @@ def speculative_step(
     must come from a masked q, since cutting an unmasked sampled draft would bias the output)."""
     draft, states = legal_states(constraint, state, draft)
     device = next(target.parameters()).device
-    out = kv.forward(target, cache, [tokens[-1]] + draft.tokens, device, features)
+    masks = legal_masks(constraint, states, device)  # (k+1, V)
+    out = kv.forward(target, cache, [tokens[-1]] + draft.tokens, device, features, masks)
     logits, hidden = out if features else (out, None)  # (k+1, V), (k+1, d)
-    n, token = torch.stack(verify(logits, constraint, states, draft, sampling, generator)).tolist()
+    n, token = torch.stack(verify(logits, masks, draft, sampling, generator)).tolist()
     return n, token, constraint.step(states[n], token), hidden  # .tolist(): the one host sync
 
 
@@ -152,18 +153,23 @@ def legal_states(constraint: Constraint, state: int, draft: Draft) -> tuple[Draf
     return draft, states
 
 
+def legal_masks(constraint: Constraint, states: list[int], device) -> torch.Tensor:
+    """The legal tokens at each position of a pass, (k+1, V) bool: the states before each
+    draft token and after the last."""
+    return torch.stack([constraint.mask(s, device) for s in states])
+
+
 def verify(
     logits: torch.Tensor,
-    constraint: Constraint,
-    states: list[int],
+    masks: torch.Tensor,
     draft: Draft,
     sampling: SamplingConfig,
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact acceptance rule on the target's logits (k+1, V) over [last committed] + draft:
-    (accepted length, the target's own token) as 0-d device tensors, no host sync."""
+    """The exact acceptance rule on the target's logits (k+1, V) over [last committed] + draft,
+    under the legal ``masks`` (k+1, V): (accepted length, the target's own token) as 0-d device
+    tensors, no host sync."""
     device = logits.device
-    masks = torch.stack([constraint.mask(s, device) for s in states])  # (k+1, V)
     draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # (k,)
     if sampling.greedy:
         return verify_greedy(logits, masks, draft_ids)
@@ -707,11 +713,13 @@ HEAD_MIN_CONFIDENCE = 0.3
 
 
 # The longest draft a CompositeDrafter proposes to a 4-bit (or 8-bit) target: its kernel runs
-# inputs in blocks of 4 rows and each new token attends by itself, so a verify pass costs 1.6
-# one-token steps at 4 tokens, 2.5 at 8 and 3.9 at 17. Tuned on 10 extract requests (--seed 1):
-# drafts of at most 3 / 7 / 11 / 24 tokens ran lookup at 1.31 / 1.32 / 1.26 / 1.16× the
-# baseline (docs/measurements.md). The float target keeps CompositeDrafter's default (24).
-QUANTIZED_MAX_DRAFT = 7
+# inputs in blocks of 4 rows and each new token attends by itself, so wide verify passes cost
+# several one-token steps. Tuned on 20 extract requests (--seed 1 and --seed 2; the reports use
+# --seed 0), with the mask-aware LM head and the kept bf16 prefill copy: caps of 2 / 3 / 4 / 5 / 7
+# ran lookup at 1.52 / 1.58 / 1.50 / 1.52 / 1.48× the baseline greedy (seed 1), 3 / 5 / 7 at
+# 1.49 / 1.46 / 1.46× (seed 2); at T = 0.7 3 / 7 ran 1.34 / 1.45× and 1.34 / 1.27×
+# (docs/measurements.md). The float target keeps CompositeDrafter's default (24).
+QUANTIZED_MAX_DRAFT = 3
 
 
 def _draft_limits(target) -> dict:

@@ -16,9 +16,10 @@ from torch import nn
 GROUP = 32
 SKINNY_MAX = 32  # up to this many rows, W·xᵀ streams the weight once where x·Wᵀ packs it
 # A prompt's prefill (one request's input of this many tokens or more: verify passes feed at most
-# 25, and a batch of rows never counts) may run the 4-bit linears' "bf16" prefill kernel: the
-# weight dequantized to bf16 once per call, then one dense matmul, where the 4-bit kernel re-reads
-# it for every 4 rows. Chosen per machine (models.calibration): 2× faster for 300 rows with
+# 25, and a batch of rows never counts) may run the 4-bit linears' "bf16" prefill kernel: one
+# dense matmul over a bf16 copy of the weight (dequantized once, when the kernel is chosen: 100 of
+# a 300-token prefill's 300 ms went to dequantizing per call), where the 4-bit kernel re-reads its
+# blocks for every 4 rows. Chosen per machine (models.calibration): 2× faster for 300 rows with
 # avx512_bf16, slower without it.
 PREFILL_ROWS = 33
 PREFILL_KERNELS = ("int4", "bf16")
@@ -117,7 +118,7 @@ class Int4Linear(nn.Module):
         scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1)  # (K/32, N, 2)
         self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
         # for the bf16 prefill kernel: q in plain nibble order, and W = q·scale + (zero − 8·scale)
-        self.prefill = "int4"
+        self.prefill, self.dense = "int4", None  # dense: the bf16 copy that kernel multiplies
         self.register_buffer("nibbles", (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8))
         self.register_buffer("scale_rows", scale.to(torch.bfloat16))  # (N, K/32)
         self.register_buffer("offset_rows", (zero - 8 * scale).to(torch.bfloat16))
@@ -148,11 +149,18 @@ class Int4Linear(nn.Module):
         x = x.to(torch.bfloat16)
         if self.copies > 1:
             x = x.repeat(1, self.copies)  # (n, copies·K)
-        if prefill and self.prefill == "bf16":
-            return F.linear(x, self.dequantized_bf16()).float()
+        if prefill and self.dense is not None:
+            return F.linear(x, self.dense).float()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, GROUP, self.scale_zero
         ).float()
+
+    def use_prefill(self, kernel: str) -> None:
+        """The kernel of a prompt's prefill: "bf16" keeps a bf16 copy of the weight (2 bytes
+        per weight on top of the blocks' half byte), "int4" drops it."""
+        assert kernel in PREFILL_KERNELS, kernel
+        self.prefill = kernel
+        self.dense = self.dequantized_bf16() if kernel == "bf16" else None
 
     def dequantized_bf16(self) -> torch.Tensor:
         """The weight (N, K) in bf16: the 4-bit kernel's values up to bf16 rounding."""
@@ -184,11 +192,12 @@ def measure_prefill(shapes: list[tuple[int, int]], rows: int = 128, repeats: int
     xs = {k: torch.randn(rows, k) for _, k in shapes}
     result = {}
     for kernel in PREFILL_KERNELS:
+        for layer in layers:
+            layer.use_prefill(kernel)  # the bf16 copy is made once per load, not timed
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
             for layer, (_, k) in zip(layers, shapes):
-                layer.prefill = kernel
                 layer(xs[k], prefill=True)
             best = min(best, time.perf_counter() - start)
         result[kernel] = 1e3 * best

@@ -176,13 +176,20 @@ def describe_weights(name: str, requested: str, used: str) -> str:
     )
 
 
+# Part of the calibration's cache key: a new measurement method invalidates the cached choices.
+CALIBRATION = "v2: prefill timed on the bf16 copy kept once"
+
+
 def calibration(name: str) -> dict:
     """The linear-kernel timings behind ``choose_weights`` for a built-in model, cached."""
     from transformers import AutoConfig
 
     from . import kernels
 
-    key = f"{name} | {_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    key = (
+        f"{name} | {_cpu_name()} | torch {torch.__version__} | "
+        f"{torch.get_num_threads()} threads | {CALIBRATION}"
+    )
     path = cache_dir() / "calibration.json"
     try:
         known = json.loads(path.read_text())

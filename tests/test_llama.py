@@ -441,7 +441,7 @@ def test_the_prefill_kernel_runs_only_on_prompt_prefills():
     linear = kernels.Int4Linear.from_q4_1(*kernels.quantize_q4_1(torch.randn(96, 64) * 0.1))
     short, long = torch.randn(25, 64), torch.randn(kernels.PREFILL_ROWS, 64)
     four_bit = linear(short), linear(long)
-    linear.prefill = "bf16"
+    linear.use_prefill("bf16")
     assert torch.equal(linear(short), four_bit[0])
     assert torch.equal(linear(long), four_bit[1]), "a batch of rows took the prefill kernel"
     bf16 = linear(long, prefill=True)
@@ -475,3 +475,54 @@ def test_a_missing_int4_kernel_is_named_and_auto_falls_back(monkeypatch):
     timings = kernels.measure_linears([(64, 64)], repeats=1)
     assert timings["int4"] == float("inf") and timings["float"] < float("inf")
     assert kernels.measure_prefill([(64, 64)])["bf16"] == float("inf")
+
+
+# --- the mask-aware LM head -----------------------------------------------------------------------
+
+
+def test_the_head_computes_only_the_legal_logits_of_narrow_positions(tiny_int4_target):
+    """A position with at most V·NARROW legal tokens gets exactly those logits (its rows of the
+    head, −inf elsewhere); a wider one gets the whole head; every legal logit equals the whole
+    head's, and a narrow position's logits do not depend on the other positions fed with it."""
+    model = tiny_int4_target
+    vocab = model.lm_head.weight.shape[0]
+    limit = int(llama.NARROW * vocab)
+    torch.manual_seed(0)
+    features = torch.randn(6, model.shape.hidden)
+    masks = torch.zeros(6, vocab, dtype=torch.bool)
+    for i, legal in enumerate([1, limit, limit + 1, vocab, 3, vocab // 2]):
+        masks[i, torch.randperm(vocab)[:legal]] = True
+    whole = model.lm_head(features)
+    logits = model.head(features, masks)
+    torch.testing.assert_close(logits[masks], whole[masks], rtol=1e-5, atol=1e-5)
+    narrow, wide = [0, 1, 4], [2, 3, 5]
+    assert torch.isinf(logits[narrow][~masks[narrow]]).all(), "a narrow position got the head"
+    assert torch.isfinite(logits[wide]).all(), "a wide position was cut to its legal tokens"
+    for i in narrow:
+        alone = model.head(features[i : i + 1], masks[i : i + 1])[0]
+        assert torch.equal(alone, logits[i]), f"position {i} depends on the others"
+
+
+def test_speculation_takes_the_narrow_head_and_still_equals_the_baseline(
+    tiny_int4_target, tiny_tokenizer, monkeypatch
+):
+    """A schema run on the int4 target passes narrow and wide positions to the head (so the
+    greedy identity tests exercise both), and greedy speculation commits the baseline's tokens."""
+    seen = {"narrow": 0, "wide": 0}
+    head = llama.CompactLlama.head
+
+    def counting(self, features, masks=None):
+        if masks is not None:
+            for c in masks.sum(1).tolist():
+                seen["narrow" if c <= llama.NARROW * masks.shape[1] else "wide"] += 1
+        return head(self, features, masks)
+
+    monkeypatch.setattr(llama.CompactLlama, "head", counting)
+    from constrained_spec.draft import CompositeDrafter
+
+    gen = Generator(tiny_int4_target, tiny_tokenizer, draft=CompositeDrafter(), cache_dir=None)
+    prompt = tiny_tokenizer.encode('{"name": "Alice", "age": 30} yes no yes')
+    base = gen.generate(prompt, schema=testing.PERSON, speculative=False, max_new_tokens=40)
+    spec = gen.generate(prompt, schema=testing.PERSON, num_draft_tokens=4, max_new_tokens=40)
+    assert seen["narrow"] > 0 and seen["wide"] > 0, seen
+    assert spec.stats.drafted > 0 and spec.token_ids == base.token_ids
