@@ -64,7 +64,7 @@ import report  # noqa: E402
 import workloads  # noqa: E402
 from workloads import Request, Selection  # noqa: E402
 
-from constrained_spec import Generator  # noqa: E402
+from constrained_spec import Generator, kernels  # noqa: E402
 from constrained_spec.compile import Constraint, run_bounded  # noqa: E402
 from constrained_spec.guidance import ENGINES, GuidanceConstraint  # noqa: E402
 
@@ -706,8 +706,11 @@ def bandwidth_limit(target) -> dict:
     embed = target.get_input_embeddings().weight
     named = [*target.named_parameters(), *target.named_buffers()]
     tensors = {t.data_ptr(): t for name, t in named if not name.endswith(PREFILL_ONLY)}
-    if embed.data_ptr() != target.get_output_embeddings().weight.data_ptr():
+    head = target.get_output_embeddings()
+    if embed.data_ptr() != head.weight.data_ptr():
         tensors.pop(embed.data_ptr(), None)  # untied: its rows are gathered, not streamed
+    if isinstance(head, kernels.Q8Head):
+        tensors.pop(head.weight.data_ptr(), None)  # read through its blocks; a few rows gathered
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     big = torch.ones(2**28)  # 1 GiB of float32
     best = float("inf")

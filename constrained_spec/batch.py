@@ -9,7 +9,8 @@ refilled from the queue at once (continuous batching).
 
 A row computes what it would alone (the compact forward's rows are independent of each other), so
 each row's output is distributed exactly as plain masked sampling, and greedy rows commit what
-their single runs commit (up to the float LM head's last bits: a near-tie).
+their single runs commit (on the 4-bit target bit for bit; a float target's dense LM head only up to
+its last bits: a near-tie).
 """
 
 from __future__ import annotations

@@ -164,10 +164,72 @@ class Int4Linear(nn.Module):
 
     def dequantized_bf16(self) -> torch.Tensor:
         """The weight (N, K) in bf16: the 4-bit kernel's values up to bf16 rounding."""
+        return self.dequantized(torch.bfloat16)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight (N, copies·K) in ``dtype``; in float32, exactly the values the 4-bit
+        kernel multiplies (a 4-bit q times a bf16 scale plus a bf16 offset is exact there)."""
         n = self.nibbles.shape[0]
         q = torch.stack((self.nibbles & 0x0F, self.nibbles >> 4), dim=-1).view(n, -1, GROUP)
-        w = q.to(torch.bfloat16) * self.scale_rows[..., None] + self.offset_rows[..., None]
+        w = q.to(dtype) * self.scale_rows[..., None].to(dtype) + self.offset_rows[..., None].to(
+            dtype
+        )
         return w.view(n, -1)
+
+
+BF16_ROUNDOFF = 2.0**-8  # unit roundoff of bf16 (8 significant bits)
+
+
+class Q8Head(nn.Module):
+    """The LM head over Q8_0 blocks (w = d·q per block of 32 weights, q int8): every logit from
+    the blocks through the 4-bit kernel (two 4-bit halves, bf16 scales and inputs: 35 MB read
+    where float32 streams 113 MB), each with a bound on its distance from the float32 logit;
+    the logits that could be the largest legal one are then recomputed in float32 from their
+    rows. So the largest legal logit and its token are the float32 head's (greedy picks what a
+    float32 head picks) and every other logit is within its bound. A position's logits depend
+    on its own input and mask only (the kernel's rows are independent), so a step, a verify
+    pass and a batch row compute the same.
+
+    The kernel returns bf16(x̃·w̃) (checked against float64: the products of its inputs, float32
+    accumulation, one bf16 rounding), x̃ = bf16(x), w̃ = d̃·q with d̃ the bf16 scale. So per
+    position x and token t, |approx − x·w_t| ≤ ‖x‖·slack_t + ‖x − x̃‖·‖w̃_t‖ + u/(1−u)·|approx|,
+    with slack_t = ‖w̃_t − w_t‖ + 2γ·‖|hi_t| + |lo_t|‖ (the halves' accumulation, γ = 2K·2⁻²⁴)
+    and u the bf16 roundoff. Tests check the bound on random and real features."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float().contiguous(), requires_grad=False)  # (V, d)
+        vocab, k = weight.shape
+        padded = F.pad(self.weight, (0, 0, 0, -vocab % 16))  # the kernel packs 16 rows at once
+        self.blocks = Int4Linear.from_q8_0(*quantize_q8_0(padded))
+        hi, lo = self.blocks.dequantized()[:vocab].chunk(2, dim=1)  # what the kernel multiplies
+        gamma = 2 * k * 2.0**-24
+        slack = (hi + lo - self.weight).norm(dim=1) + 2 * gamma * (hi.abs() + lo.abs()).norm(dim=1)
+        self.register_buffer("slack", slack)  # (V,), times ‖x‖
+        self.register_buffer("norms", (hi + lo).norm(dim=1))  # (V,), times ‖x − x̃‖
+
+    def bound(self, x: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
+        """(n, V): how far each of ``approx`` = the kernel's logits of x may be from float32's."""
+        rounded = (x - x.to(torch.bfloat16).float()).norm(dim=1, keepdim=True)
+        bound = approx.abs().mul_(BF16_ROUNDOFF / (1 - BF16_ROUNDOFF))
+        bound.addcmul_(x.norm(dim=1, keepdim=True), self.slack)
+        return bound.addcmul_(rounded, self.norms)
+
+    def forward(self, x: torch.Tensor, legal: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (n, V) of x (n, d); ``legal`` (n, V) bool limits the float32 recomputation to
+        the tokens that could be the largest legal logit (all tokens when None)."""
+        approx = self.blocks(x)[:, : self.weight.shape[0]]  # (n, V) float32 holding bf16 values
+        bound = self.bound(x, approx)
+        low = approx - bound
+        if legal is not None:
+            low.masked_fill_(~legal, float("-inf"))
+        maybe = bound.add_(approx) >= low.amax(dim=1, keepdim=True)  # (n, V)
+        if legal is not None:
+            maybe &= legal
+        for i, row in enumerate(maybe):
+            ids = row.nonzero().squeeze(1)
+            approx[i, ids] = self.weight[ids] @ x[i]
+        return approx
 
 
 @functools.cache

@@ -2,9 +2,11 @@
 
 The built-in model ships as a GGUF of 210 Q4_1 tensors (w = d·q + m per block of 32 weights, d and
 m in fp16) and one Q8_0 token embedding (w = d·q, q int8) tied to the LM head. Here every Q4_1
-tensor stays 4-bit and runs through a weight-only kernel (`kernels.py`), the Q8_0 tensor is
-dequantized exactly to float32 (d·q is exact in float32), norms, rotary, attention and the KV cache
-stay float32. The forward is its own rather than transformers' so that it can fuse q/k/v and
+tensor stays 4-bit and runs through a weight-only kernel (`kernels.py`); the Q8_0 tensor is
+dequantized exactly to float32 (d·q is exact in float32) for the embedding, and as the LM head
+runs through its 8-bit blocks with the top logits recomputed in float32 (``kernels.Q8Head``;
+positions with few legal tokens get only theirs: ``CompactLlama.head``); norms, rotary, attention
+and the KV cache stay float32. The forward is its own rather than transformers' so that it can fuse q/k/v and
 gate/up into one 4-bit matmul each, keep the KV cache in one tensor cropped by a length, and make
 every token of a verify pass compute exactly what a one-token step would (``_attend``).
 
@@ -85,7 +87,10 @@ class CompactLlama(nn.Module):
         self.config, self.weights = config, weights
         self.shape = _shape(config)
         self.embed = nn.Embedding.from_pretrained(embed, freeze=True)  # (V, d)
-        self.lm_head = kernels.DenseLinear(lm_head)  # (V, d)
+        # (V, d): Q8_0 values (the 4-bit paths) through their blocks, float ones in float32
+        self.lm_head = (
+            kernels.Q8Head(lm_head) if weights != "float" else kernels.DenseLinear(lm_head)
+        )
         self.norms = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in norms)
         self.linears = nn.ModuleList(linears)  # per layer: qkv, o, gate_up, down
         self.rope = _rope_inverse_frequencies(self.shape)
@@ -123,8 +128,8 @@ class CompactLlama(nn.Module):
         every matmul (the weights are read once for all rows), attention per row. Returns logits
         (None unless ``logits``; ``masks``: see ``head``) and features, (Σn, ·), the rows in
         order. A row's values do not depend on the other rows: 4-bit kernel rows are independent
-        of how many are fed, so a row of a batch computes what it would alone (the float LM head
-        up to its last bits)."""
+        of how many are fed, and so are the LM head's (``head``), so a row of a batch computes
+        what it would alone."""
         s, sizes = self.shape, [ids.shape[0] for ids in rows]
         starts = [cache.length for cache in caches]
         long = len(rows) == 1 and sizes[0] >= kernels.PREFILL_ROWS  # a prompt's prefill
@@ -167,26 +172,32 @@ class CompactLlama(nn.Module):
 
     def head(self, features: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (N, V) of ``features`` (N, d). With ``masks`` (N, V) bool, the legal tokens at
-        each position, a position with few legal tokens (at most V·NARROW) gets only theirs, from
-        their rows of the LM head, and −inf elsewhere; the others get the whole head. Exact where
-        it matters: the acceptance rule masks every illegal logit anyway, and a legal one is the
-        same dot product (a position's values depend on its own features and mask only, so a
-        step, a verify pass and a batch row compute the same)."""
+        each position, a position with few legal tokens (at most V·NARROW) gets only theirs, in
+        float32 from their rows of the LM head, and −inf elsewhere; the others get the whole
+        head (a Q8Head recomputes their top legal logits in float32). The acceptance rule masks
+        every illegal logit anyway. A position's values depend on its own features and mask
+        only (4-bit kernel rows are independent), so a step, a verify pass and a batch row
+        compute the same; the float target's dense head only up to its last bits."""
         if masks is None or features.device.type != "cpu":  # counting rows would sync a GPU
-            return self.lm_head(features)
+            return self._whole_head(features, masks)
         weight = self.lm_head.weight  # (V, d)
         assert masks.shape == (features.shape[0], weight.shape[0]), "one mask per position"
         counts, limit = masks.sum(1).tolist(), NARROW * weight.shape[0]
         narrow = [i for i, c in enumerate(counts) if c <= limit]
         if not narrow:
-            return self.lm_head(features)
+            return self._whole_head(features, masks)
         logits = features.new_full(masks.shape, float("-inf"))
         if wide := [i for i, c in enumerate(counts) if c > limit]:
-            logits[wide] = self.lm_head(features[wide])
+            logits[wide] = self._whole_head(features[wide], masks[wide])
         for i in narrow:
             legal = masks[i].nonzero().squeeze(1)
             logits[i, legal] = weight[legal] @ features[i]
         return logits
+
+    def _whole_head(self, features: torch.Tensor, masks: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(self.lm_head, kernels.Q8Head):
+            return self.lm_head(features, masks)
+        return self.lm_head(features)
 
 
 # JSON's positions are mostly either narrow (keys, numbers, punctuation: at most ~100 of 49,152

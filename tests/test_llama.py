@@ -420,12 +420,19 @@ def test_real_default_model_int4_is_its_gguf_blocks():
         )
         bound = scales + BF16 * (w.abs() + scales)  # bf16 scale and zero, then a bf16 output
         assert ((loaded - w).abs() <= bound).all(), f"{name}: the kernel holds other weights"
-    agree = []
+    agree, head = [], model.lm_head
     for chat in CHATS:
         ids = tokenizer.apply_chat_template(chat, tokenize=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         ours, theirs = logits_of(model, ids), transformers_logits(float_model, ids)
         agree += (ours.argmax(-1) == theirs.argmax(-1)).tolist()
+        # the Q8_0 head on real features: within its bound, float32's top token
+        _, features = kv.forward(model, model.new_cache(), ids, "cpu", features=True)
+        exact = features @ head.weight.T
+        approx = head.blocks(features)
+        bound = head.bound(features, approx.clone())
+        assert ((approx - exact).abs() <= bound).all(), "the Q8_0 head left its bound"
+        assert torch.equal(head(features).argmax(-1), exact.argmax(-1))
     rate = sum(agree) / len(agree)
     print(f"int4 vs float top-1 agreement: {rate:.3f} over {len(agree)} positions")
     assert len(agree) >= 90 and rate >= 0.9, f"top-1 agreement {rate:.3f} over {len(agree)}"
@@ -481,26 +488,54 @@ def test_a_missing_int4_kernel_is_named_and_auto_falls_back(monkeypatch):
 
 
 def test_the_head_computes_only_the_legal_logits_of_narrow_positions(tiny_int4_target):
-    """A position with at most V·NARROW legal tokens gets exactly those logits (its rows of the
-    head, −inf elsewhere); a wider one gets the whole head; every legal logit equals the whole
-    head's, and a narrow position's logits do not depend on the other positions fed with it."""
+    """A position with at most V·NARROW legal tokens gets exactly those logits in float32 (its
+    rows of the head, −inf elsewhere); a wider one gets the whole head; the largest legal logit
+    is float32's everywhere; no position's logits depend on the other positions fed with it."""
     model = tiny_int4_target
-    vocab = model.lm_head.weight.shape[0]
+    weight = model.lm_head.weight
+    vocab = weight.shape[0]
     limit = int(llama.NARROW * vocab)
     torch.manual_seed(0)
     features = torch.randn(6, model.shape.hidden)
     masks = torch.zeros(6, vocab, dtype=torch.bool)
     for i, legal in enumerate([1, limit, limit + 1, vocab, 3, vocab // 2]):
         masks[i, torch.randperm(vocab)[:legal]] = True
-    whole = model.lm_head(features)
+    exact = features @ weight.T
     logits = model.head(features, masks)
-    torch.testing.assert_close(logits[masks], whole[masks], rtol=1e-5, atol=1e-5)
     narrow, wide = [0, 1, 4], [2, 3, 5]
+    torch.testing.assert_close(logits[narrow][masks[narrow]], exact[narrow][masks[narrow]])
     assert torch.isinf(logits[narrow][~masks[narrow]]).all(), "a narrow position got the head"
     assert torch.isfinite(logits[wide]).all(), "a wide position was cut to its legal tokens"
-    for i in narrow:
+    best = exact.masked_fill(~masks, float("-inf")).argmax(1)
+    assert torch.equal(logits.masked_fill(~masks, float("-inf")).argmax(1), best)
+    for i in range(6):
         alone = model.head(features[i : i + 1], masks[i : i + 1])[0]
         assert torch.equal(alone, logits[i]), f"position {i} depends on the others"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_q8_head_is_float32_at_the_top_and_within_its_bound_elsewhere(seed):
+    """The Q8_0 head: every logit within its stated bound of the float32 product, the largest
+    legal logit recomputed in float32 (greedy picks float32's token), whatever the mask."""
+    torch.manual_seed(seed)
+    vocab, d = 1000, 128
+    weight = kernels.dequantize_q8_0(*kernels.quantize_q8_0(torch.randn(vocab, d) * 0.05))
+    head = kernels.Q8Head(weight)
+    x = torch.randn(64, d) * torch.logspace(-1, 1.5, 64)[:, None]  # flat to peaked logits
+    legal = torch.rand(64, vocab) < torch.linspace(0.01, 1, 64)[:, None]
+    legal[:, 0] = True
+    exact = x.double() @ weight.double().T  # (n, V): the float32 head up to its rounding
+    logits = head(x, legal).double()
+    approx = head.blocks(x)[:, :vocab]
+    bound = head.bound(x, approx.clone()).double()
+    approx = approx.double()
+    assert ((approx - exact).abs() <= bound).all(), "the kernel's logits left their bound"
+    assert ((logits - exact).abs() <= bound).all()
+    top = exact.masked_fill(~legal, float("-inf")).argmax(1)
+    assert torch.equal(logits.masked_fill(~legal, float("-inf")).argmax(1), top)
+    at_top = logits.gather(1, top[:, None]), exact.gather(1, top[:, None])
+    torch.testing.assert_close(*at_top, rtol=1e-6, atol=1e-5)  # float32 rounding only
+    assert (logits != approx).any(1).all(), "no logit was recomputed in float32"
 
 
 def test_speculation_takes_the_narrow_head_and_still_equals_the_baseline(
