@@ -8,8 +8,10 @@ torch.compile (inductor, dynamic shapes) — the "cheaper target steps" probe of
 Modes: "eager" or "compile", with "-skinny" for models.skinny_matmul (the library default):
 prints, for n = 1, 2, 5, 1, the median of 10 timed steps and the first (compiling) step.
 "phases": the built-in model with weights="int4" and "float", n = 1, 4, 8, 9, 17 and prefills of
-100, 300 and 1000 tokens: wall ms (median of 10), and for int4 the profiler's split into the
-4-bit matmuls, the LM head, attention and everything else (op dispatch, norms, rotary, cache).
+100, 300 and 1000 tokens: wall ms (median of 10); for int4 also the forward without logits, with
+the LM head at wide or narrow positions, the head alone against a float32 one, and the
+profiler's split of the forward without the head into the 4-bit matmuls, attention and
+everything else (op dispatch, norms, rotary, cache).
 """
 
 import statistics
@@ -23,11 +25,11 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from run import forward_ms  # noqa: E402
 
 from constrained_spec import cache as kv  # noqa: E402
+from constrained_spec import kernels  # noqa: E402
 from constrained_spec.models import DEFAULT_MODEL, load_model, skinny_matmul  # noqa: E402
 
 PHASES = {
     "aten::_weight_int4pack_mm_for_cpu": "4-bit matmuls",
-    "aten::mm": "LM head",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
 }
 
@@ -44,18 +46,21 @@ def phases() -> None:
             median = statistics.median(forward_ms(model, context, n, reps=10)[1:])
             line = f"{weights} n={n}: {median:.1f} ms"
             if weights == "int4":
+                line += head_split(model, context, n)
                 cache = kv.new_cache(model)
                 kv.forward(model, cache, context, "cpu")
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     for _ in range(10):  # the steps alone, not the context's prefill
-                        kv.forward(model, cache, context[-n:], "cpu")
+                        model(torch.tensor(context[-n:]), cache, logits=False)
                         kv.crop(cache, len(context))
                 split = {name: 0.0 for name in [*PHASES.values(), "other"]}
                 for event in prof.key_averages():
                     split[PHASES.get(event.key, "other")] += event.self_cpu_time_total / 1e3
                 total = sum(split.values())
                 line += (
-                    " (" + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items()) + ")"
+                    "; without the head: "
+                    + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items())
+                    + ")"
                 )
             print(line, flush=True)
         for n in (100, 300, 1000):
@@ -65,6 +70,38 @@ def phases() -> None:
                 kv.prefill(model, kv.new_cache(model), list(range(1000, 1000 + n)), "cpu")
                 times.append(1e3 * (time.perf_counter() - t))
             print(f"{weights} prefill of {n} tokens: {min(times):.0f} ms", flush=True)
+
+
+def head_split(model, context: list[int], n: int, reps: int = 20) -> str:
+    """The compact forward without logits, and with the LM head at wide positions (every token
+    legal: the Q8_0 head) or narrow ones (50 legal: their rows only); the float32 head alone."""
+    vocab = model.lm_head.weight.shape[0]
+    wide = torch.ones(n, vocab, dtype=torch.bool)
+    narrow = torch.zeros(n, vocab, dtype=torch.bool)
+    narrow[:, 1000:1050] = True
+    cache = kv.new_cache(model)
+    kv.prefill(model, cache, context, "cpu")
+    ids = torch.tensor(context[-n:])
+
+    def ms(call) -> float:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            call()
+            times.append(1e3 * (time.perf_counter() - t))
+            kv.crop(cache, len(context))
+        return statistics.median(times)
+
+    features = model(ids, cache, logits=False)[1]
+    kv.crop(cache, len(context))
+    dense = kernels.DenseLinear(model.lm_head.weight.data)
+    return (
+        f" (no logits {ms(lambda: model(ids, cache, logits=False)):.1f}, "
+        f"wide {ms(lambda: model(ids, cache, masks=wide)):.1f}, "
+        f"narrow {ms(lambda: model(ids, cache, masks=narrow)):.1f}; "
+        f"the head alone {ms(lambda: model.head(features, wide)):.2f}, "
+        f"a float32 head {ms(lambda: dense(features)):.2f}"
+    )
 
 
 def main(mode: str) -> None:

@@ -714,11 +714,11 @@ HEAD_MIN_CONFIDENCE = 0.3
 
 # The longest draft a CompositeDrafter proposes to a 4-bit (or 8-bit) target: its kernel runs
 # inputs in blocks of 4 rows and each new token attends by itself, so wide verify passes cost
-# several one-token steps. Tuned on 20 extract requests (--seed 1 and --seed 2; the reports use
-# --seed 0), with the mask-aware LM head and the kept bf16 prefill copy: caps of 2 / 3 / 4 / 5 / 7
-# ran lookup at 1.52 / 1.58 / 1.50 / 1.52 / 1.48× the baseline greedy (seed 1), 3 / 5 / 7 at
-# 1.49 / 1.46 / 1.46× (seed 2); at T = 0.7 3 / 7 ran 1.34 / 1.45× and 1.34 / 1.27×
-# (docs/measurements.md). The float target keeps CompositeDrafter's default (24).
+# several one-token steps. Tuned on 20 extract requests (--seed 1 and 2; the reports use --seed 0,
+# benchmarks/results/tuning-fast): caps of 2 / 3 / 4 / 5 / 7 ran lookup at 1.46 / 1.50 / 1.40 /
+# 1.43 / 1.40× (seed 1) and 1.38 / 1.44 / 1.41 / 1.43 / 1.44× (seed 2) the baseline greedy; at
+# T = 0.7 caps 3 / 5 / 7 ran 1.35 / 1.23 / 1.39× and 1.31 / 1.20 / 1.22×. The float target keeps
+# CompositeDrafter's default (24).
 QUANTIZED_MAX_DRAFT = 3
 
 

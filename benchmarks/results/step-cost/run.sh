@@ -5,5 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 python benchmarks/step_cost.py eager-skinny
 timeout 400 python benchmarks/step_cost.py compile-skinny || true
-# phases.md: the 4-bit compact forward per phase and the prefill costs (about 2 minutes)
-python benchmarks/step_cost.py phases | grep -v profiler > benchmarks/results/step-cost/phases.txt
+# phases.txt: the 4-bit compact forward per phase (the LM head at wide and narrow positions) and the
+# prefill costs (about 3 minutes)
+python benchmarks/step_cost.py phases | grep -v -i "profiler\|loading weights" > benchmarks/results/step-cost/phases.txt
