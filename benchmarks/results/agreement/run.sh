@@ -7,6 +7,6 @@ python benchmarks/agreement.py --n 24 --out benchmarks/results/agreement
 # head-replay.jsonl: the shipped head's greedy acceptance replayed (head/k4) on the int4 reports'
 # baseline outputs, on the fp32 target and on the int4 one (about a minute each)
 for w in float int4; do
-  python benchmarks/replay_head.py benchmarks/results/extract-int4 benchmarks/results/generate-int4 \
+  python benchmarks/replay_head.py benchmarks/results/extract-fast benchmarks/results/generate-fast \
     --weights "$w"
 done | grep '^{' > benchmarks/results/agreement/head-replay.jsonl
