@@ -169,7 +169,11 @@ def describe_weights(name: str, requested: str, used: str) -> str:
     if requested != "auto" or name not in BUILTIN_MODELS:
         return f"{used} ({'asked for' if requested != 'auto' else 'auto: not a built-in model'})"
     c = calibration(name)
-    prefill = f", prompts through the {c['prefill']} kernel" if used == "int4" else ""
+    prefill = (
+        f", 8-bit LM head (top logits in float32), prompts through the {c['prefill']} kernel"
+        if used == "int4"
+        else ""
+    )
     return (
         f"{used}{prefill} (auto: linears {c['int4_ms']:.1f} ms in int4 vs {c['float_ms']:.1f} ms "
         f"in float32 on this CPU, {c['measured']})"
