@@ -15,6 +15,7 @@ mask per new state, and rolling back to the committed prefix is keeping the old 
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import threading
@@ -249,6 +250,7 @@ NO_FORCING = '\n%llguidance {"no_forcing": true}\n'
 def schema_grammar(schema: dict, whitespace: str = "") -> str:
     """llguidance's grammar for a JSON Schema: compact JSON (``whitespace`` = "") or ``whitespace``
     (a regex) between tokens. A keyword it cannot honour is refused by name, never ignored."""
+    schema = _exclusive_one_of(schema, schema, not _nested_ids(schema))
     schema = _sound_for_llguidance(schema)
     if _closable(schema):
         schema = _close_objects(schema)
@@ -273,6 +275,108 @@ def schema_grammar(schema: dict, whitespace: str = "") -> str:
 # (dropped, as the regex engine does); the rest llguidance implements or refuses by name.
 NATIVE_FORMATS = {"date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"}
 VALUES = {"enum", "const", "default", "examples"}  # JSON values, not schemas: never rewritten
+
+
+def _exclusive_one_of(node, root, local_refs: bool):
+    """A copy of the schema in which every oneOf that no instance can satisfy twice is an anyOf
+    (the same instances; llguidance implements anyOf, not oneOf). Exclusive: branches with
+    pairwise disjoint types (integer and number overlap), or, where every instance is an object,
+    a property all branches require whose const/enum values are pairwise disjoint (a
+    discriminator). A branch may be a local $ref (resolved only when no nested $id could move
+    the base URI). Any other oneOf stays, for llguidance to refuse by name."""
+    if isinstance(node, list):
+        return [_exclusive_one_of(v, root, local_refs) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in VALUES else _exclusive_one_of(v, root, local_refs) for k, v in node.items()}
+    branches = node.get("oneOf")
+    if isinstance(branches, list) and "anyOf" not in node and _exclusive(node, root, local_refs):
+        out["anyOf"] = out.pop("oneOf")
+    return out
+
+
+def _exclusive(node: dict, root, local_refs: bool) -> bool:
+    resolve = (lambda b: _resolve(b, root)) if local_refs else (lambda b: b)
+    branches = [resolve(b) for b in node["oneOf"]]
+    if len(branches) < 2 or not all(isinstance(b, dict) and "$ref" not in b for b in branches):
+        return False
+    types = [_types(b) for b in branches]
+    pairs = list(itertools.combinations(range(len(branches)), 2))
+    if all(t is not None for t in types) and all(not types[i] & types[j] for i, j in pairs):
+        return True
+    if node.get("type") != "object" and any(t != {"object"} for t in types):
+        return False  # a non-object instance satisfies every branch's `required`
+    tags = [_tags(b, resolve) for b in branches]
+    for name in set.intersection(*(set(t) for t in tags)):
+        if all(not tags[i][name] & tags[j][name] for i, j in pairs):
+            return True
+    return False
+
+
+def _resolve(node, root, depth: int = 0):
+    """A local "#/..." $ref's target (followed up to 8 times), else the node itself."""
+    ref = node.get("$ref") if isinstance(node, dict) else None
+    if not isinstance(ref, str) or not ref.startswith("#/") or depth > 8:
+        return node
+    target = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or part not in target:
+            return node
+        target = target[part]
+    return _resolve(target, root, depth + 1)
+
+
+def _types(branch: dict) -> set | None:
+    kind = branch.get("type")
+    kinds = {kind} if isinstance(kind, str) else kind
+    if not isinstance(kinds, list | set) or not all(isinstance(k, str) for k in kinds):
+        return None
+    kinds = set(kinds)
+    return kinds | {"integer", "number"} if kinds & {"integer", "number"} else kinds
+
+
+def _tags(branch: dict, resolve) -> dict:
+    """Required property → the set of its const/enum values (JSON equality: 1 == 1.0, not True)."""
+    required, declared = branch.get("required"), branch.get("properties")
+    if not isinstance(required, list) or not isinstance(declared, dict):
+        return {}
+    tags = {}
+    for name in required:
+        spec = resolve(declared.get(name)) if isinstance(name, str) else None
+        if isinstance(spec, dict) and "const" in spec:
+            tags[name] = {_json_key(spec["const"])}
+        elif isinstance(spec, dict) and isinstance(spec.get("enum"), list):
+            tags[name] = {_json_key(v) for v in spec["enum"]}
+    return tags
+
+
+def _json_key(value):
+    if isinstance(value, bool) or value is None:
+        return ("literal", value)
+    if isinstance(value, int | float):
+        return ("number", float(value))
+    return ("json", json.dumps(value, sort_keys=True))
+
+
+def _nested_ids(node, root: bool = True) -> bool:
+    """Whether a subschema below the root sets $id (or draft 4's id): local refs resolve
+    against the root only where none does."""
+    if isinstance(node, list):
+        return any(_nested_ids(v, False) for v in node)
+    if not isinstance(node, dict):
+        return False
+    if not root and (isinstance(node.get("$id"), str) or isinstance(node.get("id"), str)):
+        return True
+    for k, v in node.items():
+        if k in VALUES:
+            continue
+        if k in ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas"):
+            if isinstance(v, dict) and any(_nested_ids(s, False) for s in v.values()):
+                return True
+        elif _nested_ids(v, False):
+            return True
+    return False
 
 
 def _sound_for_llguidance(node, pointer: str = ""):

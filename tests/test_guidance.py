@@ -231,6 +231,97 @@ def test_objects_with_declared_properties_get_no_undeclared_ones(tiny_tokenizer)
     assert compiled({"type": "object"}).accepts('{"x":1}')  # none declared: free-form
 
 
+KIND_A = {"type": "object", "properties": {"kind": {"const": "a"}, "x": {"type": "integer"}}}
+KIND_B = {"type": "object", "properties": {"kind": {"enum": ["b", "c"]}, "y": {"type": "string"}}}
+
+
+@pytest.mark.parametrize(
+    "schema, accepted, rejected",
+    [
+        (  # disjoint types
+            {"oneOf": [{"type": "string", "maxLength": 2}, {"type": ["integer", "null"]}]},
+            ['"ab"', "7", "null"],
+            ['"abc"', "7.5", "true"],
+        ),
+        (  # a discriminator every branch requires, disjoint values
+            {"oneOf": [KIND_A | {"required": ["kind"]}, KIND_B | {"required": ["kind", "y"]}]},
+            ['{"kind":"a","x":1}', '{"kind":"c","y":"q"}', '{"kind":"a"}'],
+            ['{"kind":"b"}', '{"kind":"d","x":1}', '"a"', '{"kind":"a","x":"1"}'],
+        ),
+        (  # through a local $ref (Github_easy---o25419: a JSON-RPC call or a batch of them)
+            {
+                "oneOf": [{"$ref": "#/definitions/call"}, {"type": "array", "minItems": 1}],
+                "definitions": {"call": {"type": "object", "required": ["id"]}},
+            },
+            ['{"id":1}', '[{"id":1}]'],
+            ["[]", "{}", '"x"'],
+        ),
+        (  # through local $refs, and true is no 1
+            {
+                "type": "object",
+                "oneOf": [{"$ref": "#/$defs/one"}, {"$ref": "#/$defs/yes"}],
+                "$defs": {
+                    "one": {"required": ["v"], "properties": {"v": {"const": 1}}},
+                    "yes": {"required": ["v"], "properties": {"v": {"const": True}}},
+                },
+            },
+            ['{"v":1}', '{"v":true}'],
+            ['{"v":2}', '{"v":false}', "1"],
+        ),
+    ],
+)
+def test_a_oneof_no_instance_can_satisfy_twice_compiles_as_anyof(
+    schema, accepted, rejected, tiny_target, tiny_tokenizer
+):
+    """Exclusive branches: oneOf and anyOf accept the same instances, and llguidance implements
+    anyOf (in milliseconds, where the regex engine took seconds or refused). llguidance proves
+    some of these itself; not through a $ref, nor every discriminator."""
+    c = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine="llguidance").compile(
+        schema=schema
+    )
+    assert [t for t in accepted if not c.accepts(t)] == []
+    assert [t for t in rejected if c.accepts(t)] == []
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"oneOf": [{"type": "integer"}, {"type": "number"}]},  # 3 is both: oneOf rejects it
+        {"oneOf": [{"type": "string"}, {}]},  # a branch without a type
+        {"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},  # both present
+        {  # no type object: "a" (a string) satisfies both branches' `required`
+            "oneOf": [
+                {"required": ["k"], "properties": {"k": {"const": 1}}},
+                {"required": ["k"], "properties": {"k": {"const": 2}}},
+            ]
+        },
+        {  # 1 and 1.0 are one JSON number
+            "type": "object",
+            "oneOf": [
+                {"required": ["k"], "properties": {"k": {"const": 1}}},
+                {"required": ["k"], "properties": {"k": {"enum": [1.0, 2]}}},
+            ],
+        },
+    ],
+)
+def test_a_oneof_that_may_overlap_stays_refused_by_name(schema):
+    with pytest.raises(UnsupportedSchemaError, match="oneOf"):
+        guidance.schema_grammar(schema)
+
+
+def test_local_refs_are_not_followed_below_a_nested_id():
+    """A nested $id may move the base URI a "#/..." $ref resolves against."""
+    schema = {
+        "oneOf": [{"$ref": "#/definitions/call"}, {"type": "array"}],
+        "definitions": {"call": {"type": "object"}},
+    }
+    moved = schema | {"properties": {"p": {"$id": "http://example.com/p"}}}
+    named = schema | {"properties": {"$id": {"type": "string"}}}  # a property named $id
+    for doc, follows in ((schema, True), (moved, False), (named, True)):
+        rewritten = guidance._exclusive_one_of(doc, doc, not guidance._nested_ids(doc))
+        assert ("anyOf" in rewritten) == follows, doc
+
+
 @pytest.mark.real_model
 def test_masks_after_rollbacks_equal_a_fresh_matchers():
     """The masks a request sequence asked for (a baseline request, then a speculative one over
