@@ -250,7 +250,7 @@ NO_FORCING = '\n%llguidance {"no_forcing": true}\n'
 def schema_grammar(schema: dict, whitespace: str = "") -> str:
     """llguidance's grammar for a JSON Schema: compact JSON (``whitespace`` = "") or ``whitespace``
     (a regex) between tokens. A keyword it cannot honour is refused by name, never ignored."""
-    schema = _exclusive_one_of(schema, schema, not _nested_ids(schema))
+    schema = _in_llguidance_terms(schema)
     schema = _sound_for_llguidance(schema)
     if _closable(schema):
         schema = _close_objects(schema)
@@ -277,22 +277,63 @@ NATIVE_FORMATS = {"date", "duration", "email", "hostname", "ipv4", "ipv6", "uri"
 VALUES = {"enum", "const", "default", "examples"}  # JSON values, not schemas: never rewritten
 
 
-def _exclusive_one_of(node, root, local_refs: bool):
-    """A copy of the schema in which every oneOf that no instance can satisfy twice is an anyOf
-    (the same instances; llguidance implements anyOf, not oneOf). Exclusive: branches with
-    pairwise disjoint types (integer and number overlap), or, where every instance is an object,
-    a property all branches require whose const/enum values are pairwise disjoint (a
-    discriminator). A branch may be a local $ref (resolved only when no nested $id could move
-    the base URI). Any other oneOf stays, for llguidance to refuse by name."""
+# Keywords whose values map names (of properties, definitions) to schemas: the names are no
+# keywords, whatever they spell.
+NAME_MAPS = ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas")
+
+
+def _rewrite(node, change):
+    """``change(node, copy)`` applied bottom up to every subschema, where ``copy`` is the node
+    with its subschemas already changed; JSON values and property names are left alone."""
     if isinstance(node, list):
-        return [_exclusive_one_of(v, root, local_refs) for v in node]
+        return [_rewrite(v, change) for v in node]
     if not isinstance(node, dict):
         return node
-    out = {k: v if k in VALUES else _exclusive_one_of(v, root, local_refs) for k, v in node.items()}
-    branches = node.get("oneOf")
-    if isinstance(branches, list) and "anyOf" not in node and _exclusive(node, root, local_refs):
-        out["anyOf"] = out.pop("oneOf")
-    return out
+    out = {}
+    for k, v in node.items():
+        if k in VALUES:
+            out[k] = v
+        elif k in (*NAME_MAPS, "dependencies") and isinstance(v, dict):
+            out[k] = {name: _rewrite(schema, change) for name, schema in v.items()}
+        else:
+            out[k] = _rewrite(v, change)
+    return change(node, out)
+
+
+def _in_llguidance_terms(schema):
+    """The schema with two keywords llguidance refuses said in ones it implements, accepting
+    the same instances:
+    - a oneOf no instance can satisfy twice becomes an anyOf (``_exclusive``);
+    - ``dependencies`` (draft 4–7) becomes an allOf of "the name is absent, or present with
+      what it needs": anyOf [{properties: {name: false}}, {required: [name, ...]}] for a list
+      of names, anyOf [{properties: {name: false}}, {required: [name], allOf: [schema]}] for a
+      schema (both vacuous on non-objects, as dependencies is)."""
+    local_refs = not _nested_ids(schema)
+
+    def change(node, out):
+        if isinstance(node.get("oneOf"), list) and "anyOf" not in node:
+            if _exclusive(node, schema, local_refs):
+                out["anyOf"] = out.pop("oneOf")
+        deps = out.get("dependencies")
+        if isinstance(deps, dict) and all(_dependency(d) for d in deps.values()):
+            del out["dependencies"]
+            out["allOf"] = [*out.get("allOf", []), *(_if_present(n, d) for n, d in deps.items())]
+        return out
+
+    return _rewrite(schema, change)
+
+
+def _dependency(dep) -> bool:
+    return isinstance(dep, dict | bool) or (
+        isinstance(dep, list) and all(isinstance(n, str) for n in dep)
+    )
+
+
+def _if_present(name: str, dep) -> dict:
+    needs = {"required": [name, *dep]} if isinstance(dep, list) else {"required": [name]}
+    if not isinstance(dep, list):
+        needs["allOf"] = [dep]
+    return {"anyOf": [{"properties": {name: False}}, needs]}
 
 
 def _exclusive(node: dict, root, local_refs: bool) -> bool:
@@ -371,7 +412,7 @@ def _nested_ids(node, root: bool = True) -> bool:
     for k, v in node.items():
         if k in VALUES:
             continue
-        if k in ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas"):
+        if k in NAME_MAPS:
             if isinstance(v, dict) and any(_nested_ids(s, False) for s in v.values()):
                 return True
         elif _nested_ids(v, False):

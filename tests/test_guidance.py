@@ -256,6 +256,29 @@ KIND_B = {"type": "object", "properties": {"kind": {"enum": ["b", "c"]}, "y": {"
             ['{"id":1}', '[{"id":1}]'],
             ["[]", "{}", '"x"'],
         ),
+        (  # dependencies: a list of names, and a schema
+            {
+                "type": "object",
+                "properties": {"card": {"type": "string"}, "addr": {"type": "string"}},
+                "dependencies": {
+                    "card": ["addr"],
+                    "addr": {"required": ["zip"], "properties": {"zip": {"type": "integer"}}},
+                },
+            },
+            ["{}", '{"addr":"a","zip":1}', '{"card":"c","addr":"a","zip":1}'],
+            ['{"card":"c"}', '{"addr":"a"}', '{"addr":"a","zip":"1"}', "1"],
+        ),
+        (  # properties named like keywords are names
+            {
+                "type": "object",
+                "properties": {
+                    "dependencies": {"type": "object", "properties": {"x": {"type": "string"}}},
+                    "oneOf": {"type": "array", "items": {"type": "integer"}},
+                },
+            },
+            ['{"dependencies":{"x":"a"},"oneOf":[1]}'],
+            ['{"dependencies":{"x":1}}', '{"oneOf":["a"]}'],
+        ),
         (  # through local $refs, and true is no 1
             {
                 "type": "object",
@@ -270,12 +293,13 @@ KIND_B = {"type": "object", "properties": {"kind": {"enum": ["b", "c"]}, "y": {"
         ),
     ],
 )
-def test_a_oneof_no_instance_can_satisfy_twice_compiles_as_anyof(
+def test_oneof_and_dependencies_compile_in_llguidance_terms(
     schema, accepted, rejected, tiny_target, tiny_tokenizer
 ):
     """Exclusive branches: oneOf and anyOf accept the same instances, and llguidance implements
-    anyOf (in milliseconds, where the regex engine took seconds or refused). llguidance proves
-    some of these itself; not through a $ref, nor every discriminator."""
+    anyOf (in milliseconds, where the regex engine took seconds or refused; llguidance proves
+    some of these itself, not through a $ref nor every discriminator). `dependencies` as
+    "absent, or present with what it needs"."""
     c = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine="llguidance").compile(
         schema=schema
     )
@@ -318,7 +342,7 @@ def test_local_refs_are_not_followed_below_a_nested_id():
     moved = schema | {"properties": {"p": {"$id": "http://example.com/p"}}}
     named = schema | {"properties": {"$id": {"type": "string"}}}  # a property named $id
     for doc, follows in ((schema, True), (moved, False), (named, True)):
-        rewritten = guidance._exclusive_one_of(doc, doc, not guidance._nested_ids(doc))
+        rewritten = guidance._in_llguidance_terms(doc)
         assert ("anyOf" in rewritten) == follows, doc
 
 
