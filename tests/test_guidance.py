@@ -272,12 +272,12 @@ KIND_B = {"type": "object", "properties": {"kind": {"enum": ["b", "c"]}, "y": {"
             {
                 "type": "object",
                 "properties": {
-                    "dependencies": {"type": "object", "properties": {"x": {"type": "string"}}},
+                    "dependencies": {"required": ["x"], "properties": {"x": {"type": "string"}}},
                     "oneOf": {"type": "array", "items": {"type": "integer"}},
                 },
             },
             ['{"dependencies":{"x":"a"},"oneOf":[1]}'],
-            ['{"dependencies":{"x":1}}', '{"oneOf":["a"]}'],
+            ['{"dependencies":{}}', '{"dependencies":{"x":1}}', '{"oneOf":["a"]}'],
         ),
         (  # through local $refs, and true is no 1
             {
