@@ -158,10 +158,16 @@ def reference_policy(
 
 
 @torch.no_grad()
-def last_logits(target, ids: list[int]) -> torch.Tensor:
+def last_logits(target, ids: list[int], legal: torch.Tensor | None = None) -> torch.Tensor:
     """The target's next-token logits after ``ids``, from a fresh cache (a transformers model or
-    the compact forward alike)."""
-    return kv.forward(target, kv.new_cache(target), ids, next(target.parameters()).device)[-1]
+    the compact forward alike); ``legal`` (V,) bool: the next position's mask, as the decode loop
+    passes it (the compact forward's LM head computes legal logits with it)."""
+    device = next(target.parameters()).device
+    masks = None
+    if legal is not None:
+        masks = torch.ones(len(ids), legal.shape[0], dtype=torch.bool, device=device)
+        masks[-1] = legal.to(device)  # the earlier positions' logits are not read
+    return kv.forward(target, kv.new_cache(target), ids, device, masks=masks)[-1]
 
 
 def sequence_distribution(
@@ -181,7 +187,7 @@ def sequence_distribution(
 
     def walk(seq: list[int], state: int, prob: float) -> None:
         nonlocal pruned
-        logits = last_logits(target, prompt + seq).double().tolist()
+        logits = last_logits(target, prompt + seq, constraint.mask(state)).double().tolist()
         policy = reference_policy(logits, constraint.allowed(state), temperature, top_k, top_p)
         for token, p in policy.items():
             if prob * p < prune:
@@ -233,7 +239,7 @@ def first_divergence(
     state = constraint.initial_state
     for i, (a, b) in enumerate(zip(reference, other)):
         if a != b:
-            logits = last_logits(target, prompt + reference[:i])
+            logits = last_logits(target, prompt + reference[:i], constraint.mask(state))
             top2 = (
                 logits[: constraint.vocab_size]
                 .masked_fill(~constraint.mask(state), float("-inf"))
