@@ -119,7 +119,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
         # for the bf16 prefill kernel: q in plain nibble order, and W = q·scale + (zero − 8·scale)
         self.prefill, self.dense = "int4", None  # dense: the bf16 copy that kernel multiplies
-        self.register_buffer("nibbles", (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8))
+        q = q.to(torch.uint8)
+        self.register_buffer("nibbles", q[:, 0::2] | (q[:, 1::2] << 4))
         self.register_buffer("scale_rows", scale.to(torch.bfloat16))  # (N, K/32)
         self.register_buffer("offset_rows", (zero - 8 * scale).to(torch.bfloat16))
 
@@ -133,11 +134,14 @@ class Int4Linear(nn.Module):
         """Q8_0 as two 4-bit halves of u = q + 128 = 16·high + low, the input fed twice:
         d·q = 16d·(high − 8) + d·(low − 8) + 8d. Its 8 bits and block scales survive (bf16
         scales)."""
-        u = q.to(torch.int16) + 128  # (N, K) 0..255
-        high, low = u // 16, u % 16
+        u = q.to(torch.int32).add_(128)  # (N, K) 0..255
+        halves = u.new_empty(u.shape[0], 2 * u.shape[1])  # written in place: a vocabulary's
+        torch.bitwise_right_shift(u, 4, out=halves[:, : u.shape[1]])  # head is large
+        torch.bitwise_and(u, 15, out=halves[:, u.shape[1] :])
+        del u
         zero = torch.zeros_like(d)
         return cls(
-            torch.cat((high, low), 1),
+            halves,
             torch.cat((16 * d, d), 1),
             torch.cat((zero, 8 * d), 1),
             copies=2,
@@ -166,14 +170,13 @@ class Int4Linear(nn.Module):
         """The weight (N, K) in bf16: the 4-bit kernel's values up to bf16 rounding."""
         return self.dequantized(torch.bfloat16)
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight (N, copies·K) in ``dtype``; in float32, exactly the values the 4-bit
-        kernel multiplies (a 4-bit q times a bf16 scale plus a bf16 offset is exact there)."""
-        n = self.nibbles.shape[0]
-        q = torch.stack((self.nibbles & 0x0F, self.nibbles >> 4), dim=-1).view(n, -1, GROUP)
-        w = q.to(dtype) * self.scale_rows[..., None].to(dtype) + self.offset_rows[..., None].to(
-            dtype
-        )
+    def dequantized(self, dtype: torch.dtype = torch.float32, rows=slice(None)) -> torch.Tensor:
+        """The weight's ``rows`` (n, copies·K) in ``dtype``; in float32, exactly the values the
+        4-bit kernel multiplies (a 4-bit q times a bf16 scale plus a bf16 offset is exact)."""
+        nibbles, scale, offset = self.nibbles[rows], self.scale_rows[rows], self.offset_rows[rows]
+        n = nibbles.shape[0]
+        q = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).view(n, -1, GROUP)
+        w = q.to(dtype) * scale[..., None].to(dtype) + offset[..., None].to(dtype)
         return w.view(n, -1)
 
 
@@ -196,17 +199,24 @@ class Q8Head(nn.Module):
     with slack_t = ‖w̃_t − w_t‖ + 2γ·‖|hi_t| + |lo_t|‖ (the halves' accumulation, γ = 2K·2⁻²⁴)
     and u the bf16 roundoff. Tests check the bound on random and real features."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, blocks: tuple | None = None):
+        """``weight`` (V, d): Q8_0 values in float32; ``blocks``: its (q, d), where at hand (a
+        GGUF's), else quantized from it (exactly: they are Q8_0 values)."""
         super().__init__()
         self.weight = nn.Parameter(weight.float().contiguous(), requires_grad=False)  # (V, d)
         vocab, k = weight.shape
-        padded = F.pad(self.weight, (0, 0, 0, -vocab % 16))  # the kernel packs 16 rows at once
-        self.blocks = Int4Linear.from_q8_0(*quantize_q8_0(padded))
-        hi, lo = self.blocks.dequantized()[:vocab].chunk(2, dim=1)  # what the kernel multiplies
-        gamma = 2 * k * 2.0**-24
-        slack = (hi + lo - self.weight).norm(dim=1) + 2 * gamma * (hi.abs() + lo.abs()).norm(dim=1)
-        self.register_buffer("slack", slack)  # (V,), times ‖x‖
-        self.register_buffer("norms", (hi + lo).norm(dim=1))  # (V,), times ‖x − x̃‖
+        if blocks is None or vocab % 16:  # the kernel packs 16 rows at once
+            blocks = quantize_q8_0(F.pad(self.weight, (0, 0, 0, -vocab % 16)))
+        self.blocks = Int4Linear.from_q8_0(*blocks)
+        gamma, slack, norms = 2 * k * 2.0**-24, [], []
+        for start in range(0, vocab, 4096):  # in slices: the whole would take ~1 GB at once
+            rows = slice(start, min(start + 4096, vocab))
+            hi, lo = self.blocks.dequantized(rows=rows).chunk(2, dim=1)  # what the kernel uses
+            w, spread = hi + lo, (hi.abs() + lo.abs()).norm(dim=1)
+            norms.append(w.norm(dim=1))
+            slack.append((w - self.weight[rows]).norm(dim=1) + 2 * gamma * spread)
+        self.register_buffer("slack", torch.cat(slack))  # (V,), times ‖x‖
+        self.register_buffer("norms", torch.cat(norms))  # (V,), times ‖x − x̃‖
 
     def bound(self, x: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
         """(n, V): how far each of ``approx`` = the kernel's logits of x may be from float32's."""

@@ -78,7 +78,7 @@ class CompactLlama(nn.Module):
         self,
         config,
         embed: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: nn.Module,
         norms: list,
         linears: list,
         weights: str,
@@ -88,9 +88,7 @@ class CompactLlama(nn.Module):
         self.shape = _shape(config)
         self.embed = nn.Embedding.from_pretrained(embed, freeze=True)  # (V, d)
         # (V, d): Q8_0 values (the 4-bit paths) through their blocks, float ones in float32
-        self.lm_head = (
-            kernels.Q8Head(lm_head) if weights != "float" else kernels.DenseLinear(lm_head)
-        )
+        self.lm_head = lm_head  # kernels.Q8Head (Q8_0 values) or kernels.DenseLinear
         self.norms = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in norms)
         self.linears = nn.ModuleList(linears)  # per layer: qkv, o, gate_up, down
         self.rope = _rope_inverse_frequencies(self.shape)
@@ -296,7 +294,8 @@ def from_gguf(path: str | Path, config) -> CompactLlama:
             )
         return torch.from_numpy(t.data.copy())  # (rows, bytes per row)
 
-    embed = kernels.dequantize_q8_0(*kernels.split_q8_0(blocks("token_embd.weight", "Q8_0")))
+    head = kernels.split_q8_0(blocks("token_embd.weight", "Q8_0"))
+    embed = kernels.dequantize_q8_0(*head)
     norms, linears = [], []
     for i in range(s.layers):
         norms += [
@@ -312,12 +311,11 @@ def from_gguf(path: str | Path, config) -> CompactLlama:
         q4["attn_k"] = tuple(_unpermute(t, s.kv_heads) for t in q4["attn_k"])
         linears += _layer_linears([q4[name] for name in GGUF_LINEARS])
     norms.append(_f32(tensors["output_norm.weight"]))
-    lm_head = (
-        embed
-        if "output.weight" not in tensors
-        else kernels.dequantize_q8_0(*kernels.split_q8_0(blocks("output.weight", "Q8_0")))
-    )
-    return CompactLlama(config, embed, lm_head, norms, linears, "int4")
+    weight = embed  # tied, unless the GGUF has its own output weight
+    if "output.weight" in tensors:
+        head = kernels.split_q8_0(blocks("output.weight", "Q8_0"))
+        weight = kernels.dequantize_q8_0(*head)
+    return CompactLlama(config, embed, kernels.Q8Head(weight, head), norms, linears, "int4")
 
 
 def from_transformers(model, weights: str = "int4") -> CompactLlama:
@@ -374,7 +372,8 @@ def from_transformers(model, weights: str = "int4") -> CompactLlama:
             layer.post_attention_layernorm.weight.detach().float(),
         ]
     norms.append(model.model.norm.weight.detach().float())
-    return CompactLlama(config, embed, lm_head, norms, linears, weights)
+    head = kernels.DenseLinear(lm_head) if weights == "float" else kernels.Q8Head(lm_head)
+    return CompactLlama(config, embed, head, norms, linears, weights)
 
 
 def _layer_linears(q4: list) -> list:
