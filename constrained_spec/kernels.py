@@ -278,6 +278,32 @@ def measure_prefill(shapes: list[tuple[int, int]], rows: int = 128, repeats: int
 
 # --- choosing by measurement ----------------------------------------------------------------------
 
+HEAD_KERNELS = ("q8", "float")
+
+
+def measure_head(vocab: int, hidden: int, rows: tuple[int, ...] = (1, 4), repeats: int = 5):
+    """Milliseconds of an LM head (vocab, hidden) of Q8_0 values, summed over inputs of ``rows``
+    rows: as a Q8Head ("q8") and in float32 ("float"). Inputs close to one token's row, as real
+    features are: a few logits to recompute, not thousands."""
+    import time
+
+    if int4_missing():
+        return {"q8": float("inf"), "float": 0.0}
+    weight = dequantize_q8_0(*quantize_q8_0(torch.randn(vocab, hidden) * 0.05))
+    heads = {"q8": Q8Head(weight), "float": DenseLinear(weight)}
+    result = dict.fromkeys(heads, 0.0)
+    for m in rows:
+        x = weight[torch.randint(vocab, (m,))]
+        x = 20 * x / x.norm(dim=1, keepdim=True)
+        for name, head in heads.items():
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                head(x)
+                best = min(best, time.perf_counter() - start)
+            result[name] += 1e3 * best
+    return result
+
 
 def measure_linears(
     shapes: list[tuple[int, int]], rows: tuple[int, ...] = (1, 5), repeats: int = 5

@@ -109,6 +109,16 @@ class CompactLlama(nn.Module):
                 linear.use_prefill(kernel)
         self.prefill = kernel
 
+    def use_head(self, kernel: str) -> None:
+        """The LM head of a 4-bit model: "q8" (its Q8_0 blocks, the top logits in float32) or
+        "float" (float32 throughout); both give the same largest logit (kernels.Q8Head)."""
+        assert kernel in kernels.HEAD_KERNELS, kernel
+        weight = self.lm_head.weight.data
+        if kernel == "float" and isinstance(self.lm_head, kernels.Q8Head):
+            self.lm_head = kernels.DenseLinear(weight)
+        elif kernel == "q8" and not isinstance(self.lm_head, kernels.Q8Head):
+            self.lm_head = kernels.Q8Head(weight)
+
     def new_cache(self) -> CompactCache:
         s = self.shape
         return CompactCache(s.layers, s.kv_heads, s.head_dim, min(256, s.context), s.context)

@@ -145,7 +145,9 @@ def load_model(
         )
     if weights == "int4" and name_or_path in BUILTIN_MODELS:
         model, tokenizer = _load_builtin_int4(name_or_path)
-        model.use_prefill(calibration(name_or_path)["prefill"])
+        measured = calibration(name_or_path)
+        model.use_prefill(measured["prefill"])
+        model.use_head(measured["head"])
         return model, tokenizer
     model, tokenizer = _load_float(name_or_path, dtype)
     if weights != "float":
@@ -169,11 +171,8 @@ def describe_weights(name: str, requested: str, used: str) -> str:
     if requested != "auto" or name not in BUILTIN_MODELS:
         return f"{used} ({'asked for' if requested != 'auto' else 'auto: not a built-in model'})"
     c = calibration(name)
-    prefill = (
-        f", 8-bit LM head (top logits in float32), prompts through the {c['prefill']} kernel"
-        if used == "int4"
-        else ""
-    )
+    head = "8-bit LM head (top logits in float32)" if c["head"] == "q8" else "float32 LM head"
+    prefill = f", {head}, prompts through the {c['prefill']} kernel" if used == "int4" else ""
     return (
         f"{used}{prefill} (auto: linears {c['int4_ms']:.1f} ms in int4 vs {c['float_ms']:.1f} ms "
         f"in float32 on this CPU, {c['measured']})"
@@ -181,7 +180,7 @@ def describe_weights(name: str, requested: str, used: str) -> str:
 
 
 # Part of the calibration's cache key: a new measurement method invalidates the cached choices.
-CALIBRATION = "v2: prefill timed on the bf16 copy kept once"
+CALIBRATION = "v3: the LM head measured too"
 
 
 def calibration(name: str) -> dict:
@@ -199,7 +198,7 @@ def calibration(name: str) -> dict:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    if isinstance(known, dict) and isinstance(known.get(key), dict) and "prefill" in known[key]:
+    if isinstance(known, dict) and isinstance(known.get(key), dict) and "head" in known[key]:
         return known[key]
     config = AutoConfig.from_pretrained(_converted_copy(name, BUILTIN_MODELS[name]))
     d, i = config.hidden_size, config.intermediate_size
@@ -208,12 +207,15 @@ def calibration(name: str) -> dict:
     layer = [((h + 2 * kv) * hd, d), (d, h * hd), (2 * i, d), (d, i)]
     timings = kernels.measure_linears(layer * 4)  # 4 layers: more than a CPU cache holds in fp32
     prefill = kernels.measure_prefill(layer * 2)
+    head = kernels.measure_head(config.vocab_size, d)
     result = {
         **{f"{k}_ms": round(v, 3) for k, v in timings.items()},
         "choice": min(timings, key=timings.get),
         "measured": "linears of 4 layers, 1 + 5 rows",
         **{f"prefill_{k}_ms": round(v, 3) for k, v in prefill.items()},
         "prefill": min(prefill, key=prefill.get),
+        **{f"head_{k}_ms": round(v, 3) for k, v in head.items()},
+        "head": min(head, key=head.get),
     }
     known = known if isinstance(known, dict) else {}
     known[key] = result

@@ -327,6 +327,7 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
         lambda shapes: calls.append(shapes) or {"int4": 1.0, "float": 2.0},
     )
     monkeypatch.setattr(kernels, "measure_prefill", lambda shapes: {"int4": 4.0, "bf16": 3.0})
+    monkeypatch.setattr(kernels, "measure_head", lambda vocab, d: {"q8": 1.5, "float": 2.5})
     name, path = models.DEFAULT_MODEL, tmp_path / "calibration.json"
 
     assert models.choose_weights(name) == "int4"
@@ -341,10 +342,14 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
         "prefill_int4_ms": 4.0,
         "prefill_bf16_ms": 3.0,
         "prefill": "bf16",
+        "head_q8_ms": 1.5,
+        "head_float_ms": 2.5,
+        "head": "q8",
     }
     assert models.calibration(name) == stored and models.choose_weights(name) == "int4"
     described = models.describe_weights(name, "auto", "int4")
     assert "1.0 ms in int4 vs 2.0 ms" in described and "through the bf16 kernel" in described
+    assert "8-bit LM head" in described
     assert len(calls) == 1, "measured again although cached"
 
     path.write_text("{not json")
@@ -561,3 +566,20 @@ def test_speculation_takes_the_narrow_head_and_still_equals_the_baseline(
     spec = gen.generate(prompt, schema=testing.PERSON, num_draft_tokens=4, max_new_tokens=40)
     assert seen["narrow"] > 0 and seen["wide"] > 0, seen
     assert spec.stats.drafted > 0 and spec.token_ids == base.token_ids
+
+
+def test_either_lm_head_kernel_gives_the_same_top_logit(tiny_int4_target):
+    """The calibration picks the LM head's kernel per machine: the Q8_0 blocks or float32."""
+    model = copy.deepcopy(tiny_int4_target)
+    torch.manual_seed(0)
+    features = torch.randn(8, model.shape.hidden) * 3
+    masks = torch.ones(8, model.lm_head.weight.shape[0], dtype=torch.bool)
+    blocks = model.head(features, masks)
+    model.use_head("float")
+    assert isinstance(model.lm_head, kernels.DenseLinear)
+    dense = model.head(features, masks)
+    assert torch.equal(blocks.argmax(1), dense.argmax(1))
+    torch.testing.assert_close(blocks.max(1).values, dense.max(1).values)
+    model.use_head("q8")
+    assert isinstance(model.lm_head, kernels.Q8Head)
+    assert torch.equal(model.head(features, masks), blocks)
