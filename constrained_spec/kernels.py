@@ -18,7 +18,7 @@ SKINNY_MAX = 32  # up to this many rows, W·xᵀ streams the weight once where x
 # A prompt's prefill (one request's input of this many tokens or more: verify passes feed at most
 # 25, and a batch of rows never counts) may run the 4-bit linears' "bf16" prefill kernel: one
 # dense matmul over a bf16 copy of the weight (dequantized once, when the kernel is chosen: 100 of
-# a 300-token prefill's 300 ms went to dequantizing per call), where the 4-bit kernel re-reads its
+# a 300-token prefill's ~250 ms went to dequantizing per call), where the 4-bit kernel re-reads its
 # blocks for every 4 rows. Chosen per machine (models.calibration): 2× faster for 300 rows with
 # avx512_bf16, slower without it.
 PREFILL_ROWS = 33

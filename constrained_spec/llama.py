@@ -5,9 +5,9 @@ m in fp16) and one Q8_0 token embedding (w = d·q, q int8) tied to the LM head. 
 tensor stays 4-bit and runs through a weight-only kernel (`kernels.py`); the Q8_0 tensor is
 dequantized exactly to float32 (d·q is exact in float32) for the embedding, and as the LM head
 runs through its 8-bit blocks with the top logits recomputed in float32 (``kernels.Q8Head``;
-positions with few legal tokens get only theirs: ``CompactLlama.head``); norms, rotary, attention
-and the KV cache stay float32. The forward is its own rather than transformers' so that it can fuse q/k/v and
-gate/up into one 4-bit matmul each, keep the KV cache in one tensor cropped by a length, and make
+positions with few legal tokens get only theirs: ``CompactLlama.head``); norms, rotary,
+attention and the KV cache stay float32. The forward is its own rather than transformers' so
+that it can fuse q/k/v and gate/up into one 4-bit matmul each, keep the KV cache in one tensor cropped by a length, and make
 every token of a verify pass compute exactly what a one-token step would (``_attend``).
 
 Any other Llama-family transformers model can be converted too (``from_transformers``): its
@@ -87,8 +87,7 @@ class CompactLlama(nn.Module):
         self.config, self.weights = config, weights
         self.shape = _shape(config)
         self.embed = nn.Embedding.from_pretrained(embed, freeze=True)  # (V, d)
-        # (V, d): Q8_0 values (the 4-bit paths) through their blocks, float ones in float32
-        self.lm_head = lm_head  # kernels.Q8Head (Q8_0 values) or kernels.DenseLinear
+        self.lm_head = lm_head  # (V, d): a kernels.Q8Head (4-bit paths) or kernels.DenseLinear
         self.norms = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in norms)
         self.linears = nn.ModuleList(linears)  # per layer: qkv, o, gate_up, down
         self.rope = _rope_inverse_frequencies(self.shape)
@@ -304,8 +303,8 @@ def from_gguf(path: str | Path, config) -> CompactLlama:
             )
         return torch.from_numpy(t.data.copy())  # (rows, bytes per row)
 
-    head = kernels.split_q8_0(blocks("token_embd.weight", "Q8_0"))
-    embed = kernels.dequantize_q8_0(*head)
+    head_blocks = kernels.split_q8_0(blocks("token_embd.weight", "Q8_0"))
+    embed = kernels.dequantize_q8_0(*head_blocks)
     norms, linears = [], []
     for i in range(s.layers):
         norms += [
@@ -323,9 +322,10 @@ def from_gguf(path: str | Path, config) -> CompactLlama:
     norms.append(_f32(tensors["output_norm.weight"]))
     weight = embed  # tied, unless the GGUF has its own output weight
     if "output.weight" in tensors:
-        head = kernels.split_q8_0(blocks("output.weight", "Q8_0"))
-        weight = kernels.dequantize_q8_0(*head)
-    return CompactLlama(config, embed, kernels.Q8Head(weight, head), norms, linears, "int4")
+        head_blocks = kernels.split_q8_0(blocks("output.weight", "Q8_0"))
+        weight = kernels.dequantize_q8_0(*head_blocks)
+    head = kernels.Q8Head(weight, head_blocks)
+    return CompactLlama(config, embed, head, norms, linears, "int4")
 
 
 def from_transformers(model, weights: str = "int4") -> CompactLlama:
