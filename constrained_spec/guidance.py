@@ -301,13 +301,16 @@ def _rewrite(node, change):
 
 
 def _in_llguidance_terms(schema):
-    """The schema with two keywords llguidance refuses said in ones it implements, accepting
-    the same instances:
+    """The schema with keywords llguidance refuses said in ones it implements, accepting the
+    same instances:
     - a oneOf no instance can satisfy twice becomes an anyOf (``_exclusive``);
     - ``dependencies`` (draft 4–7) becomes an allOf of "the name is absent, or present with
       what it needs": anyOf [{properties: {name: false}}, {required: [name, ...]}] for a list
       of names, anyOf [{properties: {name: false}}, {required: [name], allOf: [schema]}] for a
-      schema (both vacuous on non-objects, as dependencies is)."""
+      schema (both vacuous on non-objects, as dependencies is);
+    - ``not``: a double negation is what it negates; a negated ``required``, ``type``, empty or
+      boolean schema is said positively (``_affirmed``); any other ``not`` stays, refused."""
+    schema = _rewrite(schema, _without_double_negation)
     local_refs = not _nested_ids(schema)
 
     def change(node, out):
@@ -318,9 +321,53 @@ def _in_llguidance_terms(schema):
         if isinstance(deps, dict) and all(_dependency(d) for d in deps.values()):
             del out["dependencies"]
             out["allOf"] = [*out.get("allOf", []), *(_if_present(n, d) for n, d in deps.items())]
+        if "not" in out and (affirmed := _affirmed(out["not"])) is not None:
+            del out["not"]
+            out["allOf"] = [*out.get("allOf", []), affirmed]
         return out
 
     return _rewrite(schema, change)
+
+
+ANNOTATIONS = {"title", "description", "$comment", "examples", "default", "deprecated"}
+TYPES = {"null", "boolean", "object", "array", "number", "string"}  # integer: within number
+
+
+def _keywords(node: dict) -> set:
+    return set(node) - ANNOTATIONS
+
+
+def _without_double_negation(node, out):
+    inner = out.get("not")
+    if isinstance(inner, dict) and _keywords(inner) == {"not"}:
+        del out["not"]
+        out["allOf"] = [*out.get("allOf", []), inner["not"]]
+    return out
+
+
+def _affirmed(negated):
+    """A schema accepting exactly what {"not": negated} accepts, where llguidance needs it said
+    positively; None for the forms left to refuse."""
+    if negated is True or (isinstance(negated, dict) and not _keywords(negated)):
+        return False
+    if negated is False:
+        return True
+    if not isinstance(negated, dict):
+        return None
+    keys, names, kinds = _keywords(negated), negated.get("required"), negated.get("type")
+    if keys == {"allOf"} and isinstance(negated["allOf"], list) and len(negated["allOf"]) == 1:
+        return _affirmed(negated["allOf"][0])  # as a triple negation leaves it
+    if keys == {"required"} and isinstance(names, list) and names:
+        if all(isinstance(n, str) for n in names):  # an object missing one of them (`required`
+            missing = [{"properties": {n: False}} for n in names]  # holds on non-objects)
+            return {"type": "object", "anyOf": missing}
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else None
+    if keys == {"type"} and kinds is not None and kinds <= TYPES | {"integer"}:
+        if "integer" in kinds and "number" not in kinds:
+            return None  # the fractional numbers are no type of their own
+        rest = sorted(TYPES - kinds)
+        return {"type": rest} if rest else False
+    return None
 
 
 def _dependency(dep) -> bool:

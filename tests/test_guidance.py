@@ -279,6 +279,28 @@ KIND_B = {"type": "object", "properties": {"kind": {"enum": ["b", "c"]}, "y": {"
             ['{"dependencies":{"x":"a"},"oneOf":[1]}'],
             ['{"dependencies":{}}', '{"dependencies":{"x":1}}', '{"oneOf":["a"]}'],
         ),
+        (  # not required: an object missing one of them (`required` holds on a number)
+            {"properties": {"a": {"type": "integer"}}, "not": {"required": ["a", "b"]}},
+            ["{}", '{"a":1}', '{"b":2}'],
+            ['{"a":1,"b":2}', "1", '{"a":"x"}'],
+        ),
+        (  # not type: the other types (integers are numbers)
+            {"not": {"type": ["string", "null"]}},
+            ["1", "1.5", "true", "[]", "{}"],
+            ['"a"', "null"],
+        ),
+        (  # double and triple negations, and not {} (nothing)
+            {
+                "type": "object",
+                "properties": {
+                    "two": {"not": {"not": {"type": "string", "maxLength": 2}}},
+                    "three": {"not": {"not": {"not": {"type": "string"}}}},
+                    "none": {"not": {"description": "anything"}},
+                },
+            },
+            ['{"two":"ab","three":1}', "{}"],
+            ['{"two":"abc"}', '{"two":1}', '{"three":"a"}', '{"none":1}'],
+        ),
         (  # through local $refs, and true is no 1
             {
                 "type": "object",
@@ -293,13 +315,13 @@ KIND_B = {"type": "object", "properties": {"kind": {"enum": ["b", "c"]}, "y": {"
         ),
     ],
 )
-def test_oneof_and_dependencies_compile_in_llguidance_terms(
+def test_oneof_dependencies_and_not_compile_in_llguidance_terms(
     schema, accepted, rejected, tiny_target, tiny_tokenizer
 ):
     """Exclusive branches: oneOf and anyOf accept the same instances, and llguidance implements
     anyOf (in milliseconds, where the regex engine took seconds or refused; llguidance proves
     some of these itself, not through a $ref nor every discriminator). `dependencies` as
-    "absent, or present with what it needs"."""
+    "absent, or present with what it needs"; simple negations said positively."""
     c = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine="llguidance").compile(
         schema=schema
     )
@@ -311,6 +333,8 @@ def test_oneof_and_dependencies_compile_in_llguidance_terms(
     "schema",
     [
         {"oneOf": [{"type": "integer"}, {"type": "number"}]},  # 3 is both: oneOf rejects it
+        {"not": {"type": "integer"}},  # 1.5 and "a": no type says "a fractional number"
+        {"not": {"enum": ["a"]}},
         {"oneOf": [{"type": "string"}, {}]},  # a branch without a type
         {"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},  # both present
         {  # no type object: "a" (a string) satisfies both branches' `required`
@@ -329,7 +353,7 @@ def test_oneof_and_dependencies_compile_in_llguidance_terms(
     ],
 )
 def test_a_oneof_that_may_overlap_stays_refused_by_name(schema):
-    with pytest.raises(UnsupportedSchemaError, match="oneOf"):
+    with pytest.raises(UnsupportedSchemaError, match="oneOf|not"):
         guidance.schema_grammar(schema)
 
 
