@@ -280,6 +280,7 @@ VALUES = {"enum", "const", "default", "examples"}  # JSON values, not schemas: n
 # Keywords whose values map names (of properties, definitions) to schemas: the names are no
 # keywords, whatever they spell.
 NAME_MAPS = ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas")
+DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
 
 
 def _rewrite(node, change):
@@ -293,7 +294,7 @@ def _rewrite(node, change):
     for k, v in node.items():
         if k in VALUES:
             out[k] = v
-        elif k in (*NAME_MAPS, "dependencies") and isinstance(v, dict):
+        elif k in (*NAME_MAPS, *DEPENDENCIES) and isinstance(v, dict):
             out[k] = {name: _rewrite(schema, change) for name, schema in v.items()}
         else:
             out[k] = _rewrite(v, change)
@@ -304,8 +305,8 @@ def _in_llguidance_terms(schema):
     """The schema with keywords llguidance refuses said in ones it implements, accepting the
     same instances:
     - a oneOf no instance can satisfy twice becomes an anyOf (``_exclusive``);
-    - ``dependencies`` (draft 4–7) becomes an allOf of "the name is absent, or present with
-      what it needs": anyOf [{properties: {name: false}}, {required: [name, ...]}] for a list
+    - ``dependencies`` (draft 4–7; ``dependentRequired``/``dependentSchemas`` since 2019-09)
+      becomes an allOf of "the name is absent, or present with what it needs": anyOf [{properties: {name: false}}, {required: [name, ...]}] for a list
       of names, anyOf [{properties: {name: false}}, {required: [name], allOf: [schema]}] for a
       schema (both vacuous on non-objects, as dependencies is);
     - ``not``: a double negation is what it negates; a negated ``required``, ``type``, empty or
@@ -317,10 +318,12 @@ def _in_llguidance_terms(schema):
         if isinstance(node.get("oneOf"), list) and "anyOf" not in node:
             if _exclusive(node, schema, local_refs):
                 out["anyOf"] = out.pop("oneOf")
-        deps = out.get("dependencies")
-        if isinstance(deps, dict) and all(_dependency(d) for d in deps.values()):
-            del out["dependencies"]
-            out["allOf"] = [*out.get("allOf", []), *(_if_present(n, d) for n, d in deps.items())]
+        for keyword in DEPENDENCIES:
+            deps = out.get(keyword)
+            if isinstance(deps, dict) and all(_dependency(d) for d in deps.values()):
+                del out[keyword]
+                needs = [_if_present(n, d) for n, d in deps.items()]
+                out["allOf"] = [*out.get("allOf", []), *needs]
         if "not" in out and (affirmed := _affirmed(out["not"])) is not None:
             del out["not"]
             out["allOf"] = [*out.get("allOf", []), affirmed]
@@ -440,11 +443,13 @@ def _tags(branch: dict, resolve) -> dict:
 
 
 def _json_key(value):
+    """Equal keys for JSON-equal scalars; one key for all arrays and objects (their members'
+    numbers compare as numbers too: never told apart here)."""
     if isinstance(value, bool) or value is None:
         return ("literal", value)
     if isinstance(value, int | float):
         return ("number", float(value))
-    return ("json", json.dumps(value, sort_keys=True))
+    return ("string", value) if isinstance(value, str) else ("composite",)
 
 
 def _nested_ids(node, root: bool = True) -> bool:

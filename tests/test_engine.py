@@ -269,8 +269,8 @@ def test_bad_constraint_or_settings_fail_before_model_work(guarded_gen, kwargs, 
     "engine, schema, keyword",
     [
         ("regex", {"type": "integer", "multipleOf": 3}, "multipleOf"),
-        ("llguidance", {"not": {"type": "string"}}, "not"),
-        ("llguidance", {"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+        ("llguidance", {"not": {"enum": ["a"]}}, "not"),
+        ("llguidance", {"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames"),
     ],
 )
 def test_each_engine_refuses_what_it_cannot_honour_by_name(

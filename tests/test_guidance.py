@@ -256,6 +256,15 @@ KIND_B = {"type": "object", "properties": {"kind": {"enum": ["b", "c"]}, "y": {"
             ['{"id":1}', '[{"id":1}]'],
             ["[]", "{}", '"x"'],
         ),
+        (  # 2019-09's dependentRequired and dependentSchemas
+            {
+                "type": "object",
+                "dependentRequired": {"card": ["addr"]},
+                "dependentSchemas": {"addr": {"required": ["zip"]}},
+            },
+            ["{}", '{"addr":1,"zip":2}', '{"card":0,"addr":1,"zip":2}'],
+            ['{"card":0}', '{"addr":1}', '{"card":0,"addr":1}'],
+        ),
         (  # dependencies: a list of names, and a schema
             {
                 "type": "object",
@@ -335,6 +344,13 @@ def test_oneof_dependencies_and_not_compile_in_llguidance_terms(
         {"oneOf": [{"type": "integer"}, {"type": "number"}]},  # 3 is both: oneOf rejects it
         {"not": {"type": "integer"}},  # 1.5 and "a": no type says "a fractional number"
         {"not": {"enum": ["a"]}},
+        {  # [1] and [1.0] are one JSON array: both branches take it
+            "type": "object",
+            "oneOf": [
+                {"required": ["k"], "properties": {"k": {"const": [1]}}},
+                {"required": ["k"], "properties": {"k": {"const": [1.0]}}},
+            ],
+        },
         {"oneOf": [{"type": "string"}, {}]},  # a branch without a type
         {"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},  # both present
         {  # no type object: "a" (a string) satisfies both branches' `required`
