@@ -8,6 +8,7 @@ Q8_0 (w = d·q, q int8) is dequantized once to float32, where d·q is exact.
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 import torch.nn.functional as F
@@ -118,7 +119,7 @@ class Int4Linear(nn.Module):
         scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1)  # (K/32, N, 2)
         self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
         # for the bf16 prefill kernel: q in plain nibble order, and W = q·scale + (zero − 8·scale)
-        self.prefill, self.dense = "int4", None  # dense: the bf16 copy that kernel multiplies
+        self.dense = None  # the bf16 copy the prefill kernel multiplies, where it is chosen
         q = q.to(torch.uint8)
         self.register_buffer("nibbles", q[:, 0::2] | (q[:, 1::2] << 4))
         self.register_buffer("scale_rows", scale.to(torch.bfloat16))  # (N, K/32)
@@ -163,7 +164,6 @@ class Int4Linear(nn.Module):
         """The kernel of a prompt's prefill: "bf16" keeps a bf16 copy of the weight (2 bytes
         per weight on top of the blocks' half byte), "int4" drops it."""
         assert kernel in PREFILL_KERNELS, kernel
-        self.prefill = kernel
         self.dense = self.dequantized_bf16() if kernel == "bf16" else None
 
     def dequantized_bf16(self) -> torch.Tensor:
@@ -256,8 +256,6 @@ def int4_missing() -> str | None:
 
 def measure_prefill(shapes: list[tuple[int, int]], rows: int = 128, repeats: int = 3) -> dict:
     """Milliseconds for one pass over ``shapes`` with ``rows`` input rows, per PREFILL_KERNELS."""
-    import time
-
     if int4_missing():
         return {"int4": 0.0, "bf16": float("inf")}  # nothing to choose: the model runs float
     layers = [Int4Linear.from_q4_1(*quantize_q4_1(torch.randn(n, k) * 0.02)) for n, k in shapes]
@@ -266,13 +264,8 @@ def measure_prefill(shapes: list[tuple[int, int]], rows: int = 128, repeats: int
     for kernel in PREFILL_KERNELS:
         for layer in layers:
             layer.use_prefill(kernel)  # the bf16 copy is made once per load, not timed
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for layer, (_, k) in zip(layers, shapes):
-                layer(xs[k], prefill=True)
-            best = min(best, time.perf_counter() - start)
-        result[kernel] = 1e3 * best
+        one_pass = functools.partial(_one_pass, layers, shapes, xs, prefill=True)
+        result[kernel] = _best_ms(one_pass, repeats)
     return result
 
 
@@ -285,8 +278,6 @@ def measure_head(vocab: int, hidden: int, rows: tuple[int, ...] = (1, 4), repeat
     """Milliseconds of an LM head (vocab, hidden) of Q8_0 values, summed over inputs of ``rows``
     rows: as a Q8Head ("q8") and in float32 ("float"). Inputs close to one token's row, as real
     features are: a few logits to recompute, not thousands."""
-    import time
-
     if int4_missing():
         return {"q8": float("inf"), "float": 0.0}
     weight = dequantize_q8_0(*quantize_q8_0(torch.randn(vocab, hidden) * 0.05))
@@ -296,12 +287,7 @@ def measure_head(vocab: int, hidden: int, rows: tuple[int, ...] = (1, 4), repeat
         x = weight[torch.randint(vocab, (m,))]
         x = 20 * x / x.norm(dim=1, keepdim=True)
         for name, head in heads.items():
-            best = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                head(x)
-                best = min(best, time.perf_counter() - start)
-            result[name] += 1e3 * best
+            result[name] += _best_ms(functools.partial(head, x), repeats)
     return result
 
 
@@ -311,8 +297,6 @@ def measure_linears(
     """Milliseconds for one pass over ``shapes`` ((N, K) weights, random, distinct so that they
     are read from memory as a model's are), per kernel, summed over inputs of ``rows`` rows:
     a one-token step and a typical verify pass."""
-    import time
-
     makers = {"int4": lambda w: Int4Linear.from_q4_1(*quantize_q4_1(w)), "float": DenseLinear}
     result = {"int4": float("inf")} if int4_missing() else {}  # never chosen then
     for name, make in makers.items():
@@ -322,13 +306,22 @@ def measure_linears(
         total = 0.0
         for m in rows:
             xs = {k: torch.randn(m, k) for _, k in shapes}
-            best = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                for layer, (_, k) in zip(layers, shapes):
-                    layer(xs[k])
-                best = min(best, time.perf_counter() - start)
-            total += best
-        result[name] = 1e3 * total
+            total += _best_ms(functools.partial(_one_pass, layers, shapes, xs), repeats)
+        result[name] = total
         del layers
     return result
+
+
+def _one_pass(layers, shapes, xs: dict, **kwargs) -> None:
+    for layer, (_, k) in zip(layers, shapes):
+        layer(xs[k], **kwargs)
+
+
+def _best_ms(call, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls, in milliseconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best
