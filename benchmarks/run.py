@@ -885,7 +885,7 @@ def measure(args, configs, bench, out: Path, argv, say) -> int:
         "configs": [asdict(c) for c in configs],
         "near_tie": NEAR_TIE,
         "weights": describe_weights(
-            args.model, args.weights, getattr(bench.model, "weights", "float")
+            args.model, args.weights, getattr(bench.model, "weights", "float"), bench.model
         )
         if not args.quick
         else args.weights,

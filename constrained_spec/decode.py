@@ -394,7 +394,7 @@ class Generator:
         if skinny_matmul and next(model.parameters()).device.type == "cpu":  # quantizes only
             use_skinny(model)  # plain nn.Linear
         gen = cls(model, tokenizer, draft=draft, **kwargs)
-        gen.weights_choice = describe_weights(target, weights, gen.weights)
+        gen.weights_choice = describe_weights(target, weights, gen.weights, model)
         return gen
 
     @property

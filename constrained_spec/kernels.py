@@ -8,7 +8,9 @@ Q8_0 (w = d·q, q int8) is dequantized once to float32, where d·q is exact.
 from __future__ import annotations
 
 import functools
+import re
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -325,3 +327,45 @@ def _best_ms(call, repeats: int) -> float:
         call()
         best = min(best, time.perf_counter() - start)
     return 1e3 * best
+
+
+# --- the fused layers (csrc/fused_layers.cpp) ------------------------------------------------------
+
+# How the compact forward runs its layers for a step, a verify pass or a batch's rows: "fused"
+# (one compiled call for every layer) or "python" (llama.py's loop of torch ops). A prompt's
+# prefill always takes the Python loop (one masked attention call per layer).
+LAYER_KERNELS = ("fused", "python")
+FUSED_SOURCE = Path(__file__).with_name("csrc") / "fused_layers.cpp"
+
+
+@functools.cache
+def fused_build():
+    """(the compiled fused layers, None) or (None, why they cannot be built here). Compiled once
+    per CPU model and torch version under the cache (about 20 s: C++ with OpenMP, for this CPU's
+    vector units), loaded from there afterwards."""
+    from torch.utils import cpp_extension
+
+    from .models import _cpu_name, _say, cache_dir
+
+    key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{_cpu_name()}-torch-{torch.__version__}")
+    folder = cache_dir() / "kernels" / key
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not any(folder.glob("*.so")):
+            _say(f"compiling the fused layers for this CPU, once (about 20 s) into {folder}")
+        module = cpp_extension.load(
+            "constrained_spec_fused",
+            [str(FUSED_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+        )
+    except Exception as err:  # no compiler, no ninja, an unsupported platform: the Python loop
+        lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        return None, f"{type(err).__name__}: {lines[-1][:200]}"
+    return module, None
+
+
+def fused_missing() -> str | None:
+    """Why the fused layers cannot run here, or None if they can."""
+    return fused_build()[1]

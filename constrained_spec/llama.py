@@ -28,13 +28,19 @@ from .errors import WeightsError
 
 
 class CompactCache:
-    """Keys and values of every layer in one preallocated tensor; ``length`` positions are valid.
-    Cropping is setting ``length``: rejected drafts' entries are simply overwritten next round."""
+    """Keys and values of every layer in one preallocated tensor each; ``length`` positions are
+    valid. Cropping is setting ``length``: rejected drafts' entries are simply overwritten next
+    round. Keys are stored transposed, position last, so that the fused layers' scores of a
+    query are vertical multiply-adds over the positions (csrc/fused_layers.cpp)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, limit: int):
-        self.keys = torch.empty(layers, kv_heads, capacity, head_dim)  # (L, KV, T_cap, hd)
-        self.values = torch.empty_like(self.keys)
+        self.keys = torch.empty(layers, kv_heads, head_dim, capacity)  # (L, KV, hd, T_cap)
+        self.values = torch.empty(layers, kv_heads, capacity, head_dim)  # (L, KV, T_cap, hd)
         self.length, self.limit = 0, limit
+
+    @property
+    def capacity(self) -> int:
+        return self.values.shape[2]
 
     def get_seq_length(self) -> int:  # the names cache.py uses for transformers' caches too
         return self.length
@@ -44,16 +50,16 @@ class CompactCache:
 
     def reserve(self, n: int) -> None:
         """Room for ``n`` more positions (doubling, up to the model's context)."""
-        need = self.length + n
-        if need <= self.keys.shape[2]:
+        need, have = self.length + n, self.capacity
+        if need <= have:
             return
         assert need <= self.limit, f"{need} positions exceed the model's context {self.limit}"
-        capacity = min(max(need, 2 * self.keys.shape[2]), self.limit)
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
-            new[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, new)
+        capacity = min(max(need, 2 * have), self.limit)
+        keys = self.keys.new_empty(*self.keys.shape[:3], capacity)
+        keys[..., : self.length] = self.keys[..., : self.length]
+        values = self.values.new_empty(*self.values.shape[:2], capacity, self.values.shape[3])
+        values[:, :, : self.length] = self.values[:, :, : self.length]
+        self.keys, self.values = keys, values
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,8 @@ class CompactLlama(nn.Module):
         self.linears = nn.ModuleList(linears)  # per layer: qkv, o, gate_up, down
         self.rope = _rope_inverse_frequencies(self.shape)
         self.prefill = "int4"  # the 4-bit linears' kernel for long inputs (use_prefill)
+        self.layer_kernel = "python"  # how steps, verify passes and batches run (use_layers)
+        self._fused = None  # the fused layers' arguments, where they run
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed
@@ -107,6 +115,31 @@ class CompactLlama(nn.Module):
             if isinstance(linear, kernels.Int4Linear):
                 linear.use_prefill(kernel)
         self.prefill = kernel
+
+    def use_layers(self, kernel: str) -> None:
+        """How steps, verify passes and batch rows run the layers: "fused" (one compiled call,
+        kernels.fused_build; 4-bit linears only) or "python" (a loop of torch ops). Both compute
+        the same function up to float rounding, and each computes a token's values from its own
+        inputs alone; one of them runs for a model's whole life (baseline and speculation share
+        it), so greedy speculation still commits the baseline's tokens."""
+        assert kernel in kernels.LAYER_KERNELS, kernel
+        self._fused = None
+        if kernel == "fused":
+            if missing := kernels.fused_missing():
+                raise WeightsError(f"the fused layers cannot run here: {missing}")
+            if not all(isinstance(m, kernels.Int4Linear) for m in self.linears):
+                raise WeightsError(
+                    "the fused layers run 4-bit linears only: weights='float' "
+                    "runs its layers in Python"
+                )
+            linears = list(self.linears)
+            self._fused = (
+                [m.packed for m in linears],
+                [m.scale_zero for m in linears],
+                [m.copies for m in linears],
+                list(self.norms)[:-1],
+            )
+        self.layer_kernel = kernel
 
     def use_head(self, kernel: str) -> None:
         """The LM head of a 4-bit model: "q8" (its Q8_0 blocks, the top logits in float32) or
@@ -153,7 +186,21 @@ class CompactLlama(nn.Module):
             if long
             else None
         )
-        x, total = self.embed(torch.cat(rows)), sum(sizes)  # (N, d)
+        x = self.embed(torch.cat(rows))  # (N, d)
+        if self._fused is not None and not long:
+            keys, values = [c.keys for c in caches], [c.values for c in caches]
+            x = kernels.fused_build()[0].fused_layers(
+                x, cos, sin, *self._fused, keys, values, starts, sizes, s.heads, s.kv_heads, s.eps
+            )
+        else:
+            x = self._python_layers(x, caches, starts, sizes, cos, sin, long, mask)
+        for cache, start, n in zip(caches, starts, sizes):
+            cache.length = start + n
+        features = F.rms_norm(x, (s.hidden,), self.norms[-1], s.eps)  # (N, d)
+        return (self.head(features, masks) if logits else None), features
+
+    def _python_layers(self, x, caches, starts, sizes, cos, sin, long, mask) -> torch.Tensor:
+        s, total = self.shape, sum(sizes)
         for layer in range(s.layers):
             qkv, o, gate_up, down = self.linears[4 * layer : 4 * layer + 4]
             h = qkv(F.rms_norm(x, (s.hidden,), self.norms[2 * layer], s.eps), long)
@@ -162,9 +209,9 @@ class CompactLlama(nn.Module):
             parts, offset = [], 0
             for cache, start, n in zip(caches, starts, sizes):
                 new = slice(offset, offset + n)
-                cache.keys[layer, :, start : start + n] = qk[s.heads :, new]  # (KV, n, hd)
+                cache.keys[layer, :, :, start : start + n] = qk[s.heads :, new].transpose(1, 2)
                 cache.values[layer, :, start : start + n] = h[s.heads + s.kv_heads :, new]
-                keys, values = cache.keys[layer], cache.values[layer]
+                keys, values = cache.keys[layer].transpose(1, 2), cache.values[layer]  # (KV, T, hd)
                 parts.append(_attend(qk[: s.heads, new], keys, values, start, mask))
                 offset += n
             a = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # (H, N, hd)
@@ -172,10 +219,7 @@ class CompactLlama(nn.Module):
             h = gate_up(F.rms_norm(x, (s.hidden,), self.norms[2 * layer + 1], s.eps), long)
             g, u = h.chunk(2, dim=-1)  # (N, I) each
             x = x + down(F.silu(g) * u, long)
-        for cache, start, n in zip(caches, starts, sizes):
-            cache.length = start + n
-        features = F.rms_norm(x, (s.hidden,), self.norms[-1], s.eps)  # (N, d)
-        return (self.head(features, masks) if logits else None), features
+        return x
 
     def head(self, features: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (N, V) of ``features`` (N, d). With ``masks`` (N, V) bool, the legal tokens at
@@ -207,6 +251,30 @@ class CompactLlama(nn.Module):
         return self.lm_head(features)
 
 
+def measure_layers(model: CompactLlama, repeats: int = 5) -> dict[str, float]:
+    """Milliseconds of a one-token step plus a 5-token verify pass after a 64-token context,
+    the layers alone (no logits), per kernels.LAYER_KERNELS that can run here (best of
+    ``repeats``). Leaves the model on the kernel it had."""
+    kept, result = model.layer_kernel, {}
+    context = torch.arange(64) % model.embed.weight.shape[0]
+    for kernel in kernels.LAYER_KERNELS:
+        try:
+            model.use_layers(kernel)
+        except WeightsError:
+            continue
+        cache = model.new_cache()
+        model(context, cache, logits=False)
+
+        def step_and_verify(cache=cache):
+            for n in (1, 5):
+                model(context[:n], cache, logits=False)
+                cache.crop(64)
+
+        result[kernel] = kernels._best_ms(step_and_verify, repeats)
+    model.use_layers(kept)
+    return result
+
+
 # JSON's positions are mostly either narrow (keys, numbers, punctuation: at most ~100 of 49,152
 # tokens legal, 40% of verify positions on 8 extract requests) or wide (string contents: a quarter
 # of the vocabulary or more); a narrow one costs a gather of its rows instead of the whole head,
@@ -226,6 +294,7 @@ def _attend(
 ) -> torch.Tensor:
     """Attention of q (H, n, hd) at positions start.. over the cached keys/values (KV, T, hd)."""
     n = q.shape[1]
+    keys = keys[:, : start + n].contiguous()  # stored transposed (CompactCache)
     if mask is not None:  # a prompt's prefill: one masked call
         return F.scaled_dot_product_attention(
             q[None],

@@ -148,12 +148,14 @@ def load_model(
         measured = calibration(name_or_path)
         model.use_prefill(measured["prefill"])
         model.use_head(measured["head"])
+        choose_layers(name_or_path, model)
         return model, tokenizer
     model, tokenizer = _load_float(name_or_path, dtype)
     if weights != "float":
         from . import llama
 
         model = llama.from_transformers(model, weights)
+        choose_layers(name_or_path, model)
     return model.eval(), tokenizer
 
 
@@ -166,17 +168,38 @@ def choose_weights(name_or_path: str) -> str:
     return "int4" if calibration(name_or_path)["choice"] == "int4" else "float"
 
 
-def describe_weights(name: str, requested: str, used: str) -> str:
-    """One line for --stats and the benchmark: what runs, and why (the measurement for auto)."""
+def describe_weights(name: str, requested: str, used: str, model=None) -> str:
+    """One line for --stats and the benchmark: what runs, and why (the measurement for auto);
+    with the loaded ``model``, how its layers run too."""
+    layers = _describe_layers(model)
     if requested != "auto" or name not in BUILTIN_MODELS:
-        return f"{used} ({'asked for' if requested != 'auto' else 'auto: not a built-in model'})"
+        why = "asked for" if requested != "auto" else "auto: not a built-in model"
+        return f"{used}{layers} ({why})"
     c = calibration(name)
     head = "8-bit LM head (top logits in float32)" if c["head"] == "q8" else "float32 LM head"
     prefill = f", {head}, prompts through the {c['prefill']} kernel" if used == "int4" else ""
     return (
-        f"{used}{prefill} (auto: linears {c['int4_ms']:.1f} ms in int4 vs {c['float_ms']:.1f} ms "
-        f"in float32 on this CPU, {c['measured']})"
+        f"{used}{prefill}{layers} (auto: linears {c['int4_ms']:.1f} ms in int4 vs "
+        f"{c['float_ms']:.1f} ms in float32 on this CPU, {c['measured']})"
     )
+
+
+def _describe_layers(model) -> str:
+    from . import kernels
+
+    kernel = getattr(model, "layer_kernel", None)
+    if kernel == "fused":
+        return ", layers fused (one compiled call per step)"
+    if kernel == "python":
+        missing = (
+            kernels.fused_missing()
+            if all(isinstance(m, kernels.Int4Linear) for m in model.linears)
+            else "float linears"
+        )
+        return (
+            f", layers in Python ({'fused: ' + missing if missing else 'faster here than fused'})"
+        )
+    return ""
 
 
 # Part of the calibration's cache key: a new measurement method invalidates the cached choices.
@@ -185,21 +208,14 @@ CALIBRATION = "v3: the LM head measured too"
 
 def calibration(name: str) -> dict:
     """The linear-kernel timings behind ``choose_weights`` for a built-in model, cached."""
+    return _remembered(f"{name} | {CALIBRATION}", lambda: _measure_kernels(name))
+
+
+def _measure_kernels(name: str) -> dict:
     from transformers import AutoConfig
 
     from . import kernels
 
-    key = (
-        f"{name} | {_cpu_name()} | torch {torch.__version__} | "
-        f"{torch.get_num_threads()} threads | {CALIBRATION}"
-    )
-    path = cache_dir() / "calibration.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if isinstance(known, dict) and isinstance(known.get(key), dict) and "head" in known[key]:
-        return known[key]
     config = AutoConfig.from_pretrained(_converted_copy(name, BUILTIN_MODELS[name]))
     d, i = config.hidden_size, config.intermediate_size
     hd = getattr(config, "head_dim", None) or d // config.num_attention_heads
@@ -208,7 +224,7 @@ def calibration(name: str) -> dict:
     timings = kernels.measure_linears(layer * 4)  # 4 layers: more than a CPU cache holds in fp32
     prefill = kernels.measure_prefill(layer * 2)
     head = kernels.measure_head(config.vocab_size, d)
-    result = {
+    return {
         **{f"{k}_ms": round(v, 3) for k, v in timings.items()},
         "choice": min(timings, key=timings.get),
         "measured": "linears of 4 layers, 1 + 5 rows",
@@ -217,8 +233,43 @@ def calibration(name: str) -> dict:
         **{f"head_{k}_ms": round(v, 3) for k, v in head.items()},
         "head": min(head, key=head.get),
     }
+
+
+def choose_layers(name: str, model) -> str:
+    """How a compact model runs its layers (kernels.LAYER_KERNELS): "fused" where they compile
+    here and run faster than the Python loop, else "python". Measured on the model itself (a
+    step and a verify pass, well under a second), once per model, CPU, torch version and thread
+    count, then cached; the model is left on the choice."""
+    from . import kernels, llama
+
+    def measure() -> dict:
+        timings = llama.measure_layers(model)
+        return {
+            **{f"layers_{k}_ms": round(v, 3) for k, v in timings.items()},
+            "layers": min(timings, key=timings.get),
+        }
+
+    choice = _remembered(f"{name} | {model.weights} | {LAYERS_CALIBRATION}", measure)["layers"]
+    model.use_layers("python" if kernels.fused_missing() else choice)
+    return model.layer_kernel
+
+
+LAYERS_CALIBRATION = "layers v1"
+
+
+def _remembered(what: str, measure) -> dict:
+    """``measure()``'s result for ``what`` on this CPU, torch version and thread count: from
+    the cache's calibration.json, else measured now and written there."""
+    key = f"{what} | {_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    path = cache_dir() / "calibration.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
     known = known if isinstance(known, dict) else {}
-    known[key] = result
+    if isinstance(known.get(key), dict):
+        return known[key]
+    known[key] = result = measure()
     try:
         _atomic_write(path, json.dumps(known, indent=1))
     except OSError as err:  # a read-only cache still runs, measuring again next time

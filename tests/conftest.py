@@ -23,13 +23,18 @@ def tiny_draft(tiny_tokenizer):
     return testing.tiny_model(tiny_tokenizer, seed=1, layers=1)
 
 
-@pytest.fixture(scope="session")
-def tiny_int4_target(tiny_tokenizer):
+@pytest.fixture(scope="session", params=["fused", "python"])
+def tiny_int4_target(request, tiny_tokenizer):
     """The tiny target's weights quantized as the default model ships (Q4_1 linears, Q8_0 LM
-    head), in the compact forward."""
-    from constrained_spec import llama
+    head), in the compact forward; every test taking it runs on both ways of running its layers
+    (the fused ones skip, saying why, where they cannot be compiled)."""
+    from constrained_spec import kernels, llama
 
-    return llama.from_transformers(testing.tiny_model(tiny_tokenizer, seed=0), "int4")
+    if request.param == "fused" and (missing := kernels.fused_missing()):
+        pytest.skip(f"the fused layers cannot be compiled here: {missing}")
+    model = llama.from_transformers(testing.tiny_model(tiny_tokenizer, seed=0), "int4")
+    model.use_layers(request.param)
+    return model
 
 
 @pytest.fixture(params=["llguidance", "regex"])

@@ -1,0 +1,254 @@
+// The compact Llama forward's layers for a few new tokens (a one-token step, a verify pass, a
+// batch's rows), fused into one call: llama.py's Python loop spends more time dispatching its
+// ~35 small ops per layer than the 4-bit matmuls take (docs/measurements.md). The matmuls are
+// still torch's int4 weight-only kernel (the same values as the Python loop's); norms, rotary,
+// attention and the MLP's gate are plain loops here.
+//
+// Every token's values depend on its own inputs and its own cache only, computed by the same
+// code in the same order whatever the number of tokens or rows: a verify pass computes bit for
+// bit what one-token steps would, and a batch row what it would alone (tests check both).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using at::BFloat16;
+using at::Tensor;
+using Vec = at::vec::Vectorized<float>;
+
+// Independent partial sums: the compiler vectorizes them, and every call adds in the same order.
+constexpr int64_t LANES = 16;
+
+float dot(const float* a, const float* b, int64_t n) {
+  float partial[LANES] = {0.f};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int64_t l = 0; l < LANES; ++l) partial[l] += a[i + l] * b[i + l];
+  for (; i < n; ++i) partial[i % LANES] += a[i] * b[i];
+  for (int64_t width = LANES / 2; width > 0; width /= 2)  // a tree: vector shuffles, not 16 adds
+    for (int64_t l = 0; l < width; ++l) partial[l] += partial[l + width];
+  return partial[0];
+}
+
+// p[0..n) ← exp(p − max p); returns their sum.
+float exp_shifted(float* p, int64_t n) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) top = std::max(top, p[j]);
+  Vec sum(0.f);
+  for (int64_t j = 0; j < n; j += Vec::size()) {
+    int64_t count = std::min<int64_t>(Vec::size(), n - j);
+    Vec e = (Vec::loadu(p + j, count) - Vec(top)).exp_u20();
+    e = Vec::set(Vec(0.f), e, count);
+    e.store(p + j, count);
+    sum = sum + e;
+  }
+  float lanes[Vec::size()], total = 0.f;
+  sum.store(lanes);
+  for (float lane : lanes) total += lane;
+  return total;
+}
+
+// One query's attention over n positions: softmax(q·K·scale)·V, K (hd, capacity) transposed, V
+// (capacity, hd). The accumulators stay in registers, B vectors of positions (or of V's columns)
+// at a time, then one at a time for the rest; each score sums its hd products in order, each
+// output its n products in order, whichever pass computes it.
+template <int64_t B>
+void scores_pass(const float* q, const float* k, int64_t capacity, int64_t hd, int64_t j,
+                 int64_t count, float* scores) {  // scores[j, j + B·W), the last vector count long
+  constexpr int64_t W = Vec::size();
+  Vec acc[B];
+  for (auto& a : acc) a = Vec(0.f);
+  for (int64_t e = 0; e < hd; ++e) {
+    const Vec qe(q[e]);
+    const float* ke = k + e * capacity + j;
+    for (int64_t b = 0; b < B; ++b)
+      acc[b] = at::vec::fmadd(qe, b + 1 < B ? Vec::loadu(ke + b * W) : Vec::loadu(ke + b * W, count), acc[b]);
+  }
+  for (int64_t b = 0; b < B; ++b) acc[b].store(scores + j + b * W, b + 1 < B ? W : count);
+}
+
+template <int64_t B>
+void values_pass(const float* p, const float* v, int64_t n, int64_t hd, int64_t c, int64_t count,
+                 float total, float* out) {  // out[c, c + B·W), the last vector count long
+  constexpr int64_t W = Vec::size();
+  Vec acc[B];
+  for (auto& a : acc) a = Vec(0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const Vec pj(p[j]);
+    const float* vj = v + j * hd + c;
+    for (int64_t b = 0; b < B; ++b)
+      acc[b] = at::vec::fmadd(pj, b + 1 < B ? Vec::loadu(vj + b * W) : Vec::loadu(vj + b * W, count), acc[b]);
+  }
+  for (int64_t b = 0; b < B; ++b) (acc[b] / Vec(total)).store(out + c + b * W, b + 1 < B ? W : count);
+}
+
+void attend(const float* q, const float* k, const float* v, int64_t capacity, int64_t n, int64_t hd,
+            float scale, float* scores, float* out) {
+  constexpr int64_t W = Vec::size(), B = 4;
+  std::vector<float> scaled(hd);
+  for (int64_t e = 0; e < hd; ++e) scaled[e] = q[e] * scale;
+  int64_t j = 0;
+  for (; j + B * W <= n; j += B * W) scores_pass<B>(scaled.data(), k, capacity, hd, j, W, scores);
+  for (; j < n; j += W) scores_pass<1>(scaled.data(), k, capacity, hd, j, std::min(W, n - j), scores);
+  const float total = exp_shifted(scores, n);
+  int64_t c = 0;
+  for (; c + B * W <= hd; c += B * W) values_pass<B>(scores, v, n, hd, c, W, total, out);
+  for (; c < hd; c += W) values_pass<1>(scores, v, n, hd, c, std::min(W, hd - c), total, out);
+}
+
+// rows (n, d) → x·rsqrt(mean(x²) + eps)·weight, as the bf16 input of a 4-bit matmul.
+void rms_norm(const float* x, const float* weight, BFloat16* out, int64_t n, int64_t d, float eps,
+              std::vector<float>& scratch) {
+  scratch.resize(d);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = x + r * d;
+    float inverse = 1.f / std::sqrt(dot(row, row, d) / d + eps);
+    for (int64_t j = 0; j < d; ++j) scratch[j] = row[j] * inverse * weight[j];
+    at::vec::convert(scratch.data(), out + r * d, d);
+  }
+}
+
+Tensor int4_matmul(const Tensor& x, const Tensor& packed, const Tensor& scale_zero, int64_t copies) {
+  return at::_weight_int4pack_mm_for_cpu(copies > 1 ? x.repeat({1, copies}) : x, packed, 32,
+                                         scale_zero);
+}
+
+void add_bf16(float* x, const Tensor& y) {  // x += y (bf16)
+  const BFloat16* v = y.data_ptr<BFloat16>();
+  for (int64_t i = 0, n = y.numel(); i < n; ++i) x[i] += static_cast<float>(v[i]);
+}
+
+}  // namespace
+
+// x (N, d) float32: the new tokens' embeddings; rows r = 0.. take sizes[r] of them, at positions
+// starts[r].., into keys[r] ((L, KV, hd, capacity) float32: transposed) and values[r] ((L, KV,
+// capacity, hd)), room reserved. cos and sin
+// (N, hd): the rotary factors of each token's position. Per layer l, linears 4l..4l+3 are
+// q/k/v, o, gate/up, down (torch int4 packs: packed, scale_zero, copies of the input) and norms
+// 2l, 2l+1 its two RMSNorm weights. Returns the last layer's output (N, d), before the final norm;
+// the caches hold the new keys and values.
+Tensor fused_layers(Tensor x, const Tensor& cos, const Tensor& sin,
+                    const std::vector<Tensor>& packed, const std::vector<Tensor>& scale_zero,
+                    const std::vector<int64_t>& copies, const std::vector<Tensor>& norms,
+                    const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
+                    const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
+                    int64_t heads, int64_t kv_heads, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x: (N, d) float32");
+  x = x.contiguous().clone();
+  const int64_t N = x.size(0), d = x.size(1), layers = static_cast<int64_t>(norms.size()) / 2;
+  const int64_t hd = cos.size(1), half = hd / 2, group = heads / kv_heads;
+  const int64_t width = (heads + 2 * kv_heads) * hd;
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == N, "cos, sin: (N, hd)");
+  const int64_t rows = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> row(N), position(N), first(rows);
+  for (int64_t r = 0, t = 0; r < rows; ++r) {
+    first[r] = t;
+    for (int64_t i = 0; i < sizes[r]; ++i, ++t) row[t] = r, position[t] = starts[r] + i;
+  }
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == rows && static_cast<int64_t>(values.size()) == rows,
+              "one cache per row");
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(keys[r].is_contiguous() && values[r].is_contiguous() &&
+                    keys[r].size(3) >= starts[r] + sizes[r] && values[r].size(2) == keys[r].size(3),
+                "each row's cache: contiguous, with room for its new positions");
+  int64_t longest = 0;
+  for (int64_t p : position) longest = std::max(longest, p + 1);
+
+  float* X = x.data_ptr<float>();
+  const float* C = cos.data_ptr<float>();
+  const float* S = sin.data_ptr<float>();
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+  Tensor normed = at::empty({N, d}, bf16), attended = at::empty({N, heads * hd}, bf16);
+  std::vector<float> q(N * heads * hd), scratch;
+
+  for (int64_t l = 0; l < layers; ++l) {
+    // attention: q, k, v of every token; rotary on q and k; k and v into the token's cache
+    rms_norm(X, norms[2 * l].data_ptr<float>(), normed.data_ptr<BFloat16>(), N, d, eps, scratch);
+    Tensor h = int4_matmul(normed, packed[4 * l], scale_zero[4 * l], copies[4 * l]);
+    const BFloat16* H = h.data_ptr<BFloat16>();
+    for (int64_t t = 0; t < N; ++t) {
+      const Tensor &K = keys[row[t]], &V = values[row[t]];
+      const int64_t capacity = V.size(2);
+      const float *c = C + t * hd, *s = S + t * hd;
+      for (int64_t head = 0; head < heads + 2 * kv_heads; ++head) {
+        const BFloat16* in = H + t * width + head * hd;
+        if (head >= heads + kv_heads) {  // a value: no rotary
+          const int64_t kv = l * kv_heads + head - heads - kv_heads;
+          float* out = V.data_ptr<float>() + (kv * capacity + position[t]) * hd;
+          for (int64_t j = 0; j < hd; ++j) out[j] = in[j];
+          continue;
+        }
+        // a query, or a key (stored transposed: element j at j·capacity)
+        const int64_t kv = l * kv_heads + head - heads;
+        float* out = head < heads ? &q[(t * heads + head) * hd]
+                                  : K.data_ptr<float>() + kv * hd * capacity + position[t];
+        const int64_t step = head < heads ? 1 : capacity;
+        for (int64_t j = 0; j < half; ++j) {  // transformers' layout: pairs (j, j + hd/2)
+          float a = in[j], b = in[j + half];
+          out[j * step] = a * c[j] - b * s[j];
+          out[(j + half) * step] = b * c[j + half] + a * s[j + half];
+        }
+      }
+    }
+    BFloat16* A = attended.data_ptr<BFloat16>();
+    // a task is one head of one row, all its tokens: they read the same keys and values, which
+    // stay in the core's cache from one token to the next (from memory, they cost as much as
+    // the arithmetic)
+    at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(longest), out(hd);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t r = task / heads, head = task % heads;
+        const Tensor &K = keys[r], &V = values[r];
+        const int64_t capacity = K.size(3), offset = (l * kv_heads + head / group) * capacity * hd;
+        for (int64_t t = first[r]; t < first[r] + sizes[r]; ++t) {
+          attend(&q[(t * heads + head) * hd], K.data_ptr<float>() + offset,
+                 V.data_ptr<float>() + offset, capacity, position[t] + 1, hd, scale,
+                 scores.data(), out.data());
+          at::vec::convert(out.data(), A + t * heads * hd + head * hd, hd);
+        }
+      }
+    });
+    add_bf16(X, int4_matmul(attended, packed[4 * l + 1], scale_zero[4 * l + 1], copies[4 * l + 1]));
+
+    // MLP: down(silu(gate) · up)
+    rms_norm(X, norms[2 * l + 1].data_ptr<float>(), normed.data_ptr<BFloat16>(), N, d, eps, scratch);
+    Tensor gate_up = int4_matmul(normed, packed[4 * l + 2], scale_zero[4 * l + 2], copies[4 * l + 2]);
+    const int64_t I = gate_up.size(1) / 2;
+    Tensor gated = at::empty({N, I}, bf16);
+    std::vector<float> g(I), u(I);
+    for (int64_t t = 0; t < N; ++t) {
+      const BFloat16* in = gate_up.data_ptr<BFloat16>() + t * 2 * I;
+      at::vec::convert(in, g.data(), I);
+      at::vec::convert(in + I, u.data(), I);
+      for (int64_t j = 0; j < I; j += Vec::size()) {
+        int64_t count = std::min<int64_t>(Vec::size(), I - j);
+        Vec a = Vec::loadu(g.data() + j, count), b = Vec::loadu(u.data() + j, count);
+        (a / (Vec(1.f) + a.neg().exp_u20()) * b).store(g.data() + j, count);
+      }
+      at::vec::convert(g.data(), gated.data_ptr<BFloat16>() + t * I, I);
+    }
+    add_bf16(X, int4_matmul(gated, packed[4 * l + 3], scale_zero[4 * l + 3], copies[4 * l + 3]));
+  }
+  return x;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fused_layers", &fused_layers, "The compact Llama's layers for a few new tokens");
+}
