@@ -669,7 +669,7 @@ def _calibration_section(calibration: dict | None) -> list[str]:
     lines = [
         "## Forward costs (bare forwards, before the run)",
         "",
-        f"After a {calibration['context_tokens']}-token context, median of 3:",
+        f"After a {calibration['context_tokens']}-token context, median of 10:",
         "",
         *_table(["k drafts", "tokens fed", "target ms", "÷ one-token step"], rows),
         "",
@@ -679,7 +679,7 @@ def _calibration_section(calibration: dict | None) -> list[str]:
         lines += [
             f"ms per step against the bandwidth limit: a one-token step reads "
             f"{calibration['weight_bytes'] / 1e6:.0f} MB of weights; at the measured read "
-            f"bandwidth ({calibration['read_gb_s']:.1f} GB/s, summing a 1 GiB tensor) that "
+            f"bandwidth ({calibration['read_gb_s']:.1f} GB/s, summing a 1 GiB tensor, median of 7) that "
             f"takes {calibration['bandwidth_limit_ms']:.1f} ms; the step takes {one:.1f} ms "
             f"({one / calibration['bandwidth_limit_ms']:.1f}× the limit).",
             "",

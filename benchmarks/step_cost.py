@@ -7,11 +7,11 @@ torch.compile (inductor, dynamic shapes) — the "cheaper target steps" probe of
 
 Modes: "eager" or "compile", with "-skinny" for models.skinny_matmul (the library default):
 prints, for n = 1, 2, 5, 1, the median of 10 timed steps and the first (compiling) step.
-"phases": the built-in model with weights="int4" and "float", n = 1, 4, 8, 9, 17 and prefills of
-100, 300 and 1000 tokens: wall ms (median of 10); for int4 also the forward without logits, with
-the LM head at wide or narrow positions, the head alone against a float32 one, and the
-profiler's split of the forward without the head into the 4-bit matmuls, attention and
-everything else (op dispatch, norms, rotary, cache).
+"phases": the built-in model with weights="int4" (its layers fused and in Python) and "float",
+n = 1, 4, 8, 9, 17 and prefills of 100, 300 and 1000 tokens: wall ms (median of 10); for int4
+also the forward without logits, with the LM head at wide or narrow positions, the head alone
+against a float32 one, and for the Python layers the profiler's split of the forward without the
+head into the 4-bit matmuls, attention and everything else (op dispatch, norms, rotary, cache).
 """
 
 import statistics
@@ -42,11 +42,14 @@ def phases() -> None:
         model, _ = load_model(DEFAULT_MODEL, weights=weights)
         if weights == "float":
             skinny_matmul(model)
-        for n in (1, 4, 8, 9, 17):
+        for layers, n in [(k, n) for k in layer_kernels(model) for n in (1, 4, 8, 9, 17)]:
+            if layers:
+                model.use_layers(layers)
             median = statistics.median(forward_ms(model, context, n, reps=10)[1:])
-            line = f"{weights} n={n}: {median:.1f} ms"
+            line = f"{weights}{f' {layers} layers' if layers else ''} n={n}: {median:.1f} ms"
             if weights == "int4":
                 line += head_split(model, context, n)
+            if layers == "python":
                 cache = kv.new_cache(model)
                 kv.forward(model, cache, context, "cpu")
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -57,12 +60,10 @@ def phases() -> None:
                 for event in prof.key_averages():
                     split[PHASES.get(event.key, "other")] += event.self_cpu_time_total / 1e3
                 total = sum(split.values())
-                line += (
-                    "; without the head: "
-                    + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items())
-                    + ")"
+                line += "; without the head: " + ", ".join(
+                    f"{k} {100 * v / total:.0f}%" for k, v in split.items()
                 )
-            print(line, flush=True)
+            print(line + (")" if weights == "int4" else ""), flush=True)
         for n in (100, 300, 1000):
             times = []
             for _ in range(3):
@@ -70,6 +71,13 @@ def phases() -> None:
                 kv.prefill(model, kv.new_cache(model), list(range(1000, 1000 + n)), "cpu")
                 times.append(1e3 * (time.perf_counter() - t))
             print(f"{weights} prefill of {n} tokens: {min(times):.0f} ms", flush=True)
+
+
+def layer_kernels(model) -> list:
+    """The ways this model can run its layers (kernels.LAYER_KERNELS), [None] for a float one."""
+    if getattr(model, "weights", "float") == "float":
+        return [None]
+    return [k for k in kernels.LAYER_KERNELS if k == "python" or not kernels.fused_missing()]
 
 
 def head_split(model, context: list[int], n: int, reps: int = 20) -> str:

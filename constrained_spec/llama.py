@@ -31,11 +31,15 @@ class CompactCache:
     """Keys and values of every layer in one preallocated tensor each; ``length`` positions are
     valid. Cropping is setting ``length``: rejected drafts' entries are simply overwritten next
     round. Keys are stored transposed, position last, so that the fused layers' scores of a
-    query are vertical multiply-adds over the positions (csrc/fused_layers.cpp)."""
+    query are vertical multiply-adds over the positions (csrc/fused_layers.cpp). Values come in
+    ``values_dtype``: bf16 behind a 4-bit q/k/v matmul, whose outputs are bf16 (held exactly,
+    in half the bytes every step reads), else float32."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, limit: int):
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, capacity: int, limit: int, values_dtype
+    ):
         self.keys = torch.empty(layers, kv_heads, head_dim, capacity)  # (L, KV, hd, T_cap)
-        self.values = torch.empty(layers, kv_heads, capacity, head_dim)  # (L, KV, T_cap, hd)
+        self.values = torch.empty(layers, kv_heads, capacity, head_dim, dtype=values_dtype)
         self.length, self.limit = 0, limit
 
     @property
@@ -153,7 +157,9 @@ class CompactLlama(nn.Module):
 
     def new_cache(self) -> CompactCache:
         s = self.shape
-        return CompactCache(s.layers, s.kv_heads, s.head_dim, min(256, s.context), s.context)
+        bf16 = isinstance(self.linears[0], kernels.Int4Linear)  # its outputs are bf16
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        return CompactCache(s.layers, s.kv_heads, s.head_dim, min(256, s.context), s.context, dtype)
 
     def forward(self, ids: torch.Tensor, cache: CompactCache, logits: bool = True, masks=None):
         """Feed ``ids`` (n,) after the cache's positions; returns their logits (None unless
@@ -295,6 +301,7 @@ def _attend(
     """Attention of q (H, n, hd) at positions start.. over the cached keys/values (KV, T, hd)."""
     n = q.shape[1]
     keys = keys[:, : start + n].contiguous()  # stored transposed (CompactCache)
+    values = values[:, : start + n].float()  # stored in bf16, exactly
     if mask is not None:  # a prompt's prefill: one masked call
         return F.scaled_dot_product_attention(
             q[None],

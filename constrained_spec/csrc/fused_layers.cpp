@@ -65,7 +65,7 @@ float exp_shifted(float* p, int64_t n) {
 }
 
 // One query's attention over n positions: softmax(q·K·scale)·V, K (hd, capacity) transposed, V
-// (capacity, hd). The accumulators stay in registers, B vectors of positions (or of V's columns)
+// (capacity, hd) bf16. The accumulators stay in registers, B vectors of positions (or of V's columns)
 // at a time, then one at a time for the rest; each score sums its hd products in order, each
 // output its n products in order, whichever pass computes it.
 template <int64_t B>
@@ -83,22 +83,33 @@ void scores_pass(const float* q, const float* k, int64_t capacity, int64_t hd, i
   for (int64_t b = 0; b < B; ++b) acc[b].store(scores + j + b * W, b + 1 < B ? W : count);
 }
 
+Vec load_bf16(const BFloat16* p, int64_t count) {  // count ≤ Vec::size() values, as floats
+  if (count == Vec::size()) {
+    Vec out;
+    at::vec::load_fp32_from_bf16(p, out);
+    return out;
+  }
+  float part[Vec::size()] = {0.f};
+  for (int64_t i = 0; i < count; ++i) part[i] = static_cast<float>(p[i]);
+  return Vec::loadu(part);
+}
+
 template <int64_t B>
-void values_pass(const float* p, const float* v, int64_t n, int64_t hd, int64_t c, int64_t count,
-                 float total, float* out) {  // out[c, c + B·W), the last vector count long
+void values_pass(const float* p, const BFloat16* v, int64_t n, int64_t hd, int64_t c,
+                 int64_t count, float total, float* out) {  // out[c, c + B·W), the last vector count long
   constexpr int64_t W = Vec::size();
   Vec acc[B];
   for (auto& a : acc) a = Vec(0.f);
   for (int64_t j = 0; j < n; ++j) {
     const Vec pj(p[j]);
-    const float* vj = v + j * hd + c;
+    const BFloat16* vj = v + j * hd + c;
     for (int64_t b = 0; b < B; ++b)
-      acc[b] = at::vec::fmadd(pj, b + 1 < B ? Vec::loadu(vj + b * W) : Vec::loadu(vj + b * W, count), acc[b]);
+      acc[b] = at::vec::fmadd(pj, load_bf16(vj + b * W, b + 1 < B ? W : count), acc[b]);
   }
   for (int64_t b = 0; b < B; ++b) (acc[b] / Vec(total)).store(out + c + b * W, b + 1 < B ? W : count);
 }
 
-void attend(const float* q, const float* k, const float* v, int64_t capacity, int64_t n, int64_t hd,
+void attend(const float* q, const float* k, const BFloat16* v, int64_t capacity, int64_t n, int64_t hd,
             float scale, float* scores, float* out) {
   constexpr int64_t W = Vec::size(), B = 4;
   std::vector<float> scaled(hd);
@@ -138,7 +149,7 @@ void add_bf16(float* x, const Tensor& y) {  // x += y (bf16)
 
 // x (N, d) float32: the new tokens' embeddings; rows r = 0.. take sizes[r] of them, at positions
 // starts[r].., into keys[r] ((L, KV, hd, capacity) float32: transposed) and values[r] ((L, KV,
-// capacity, hd)), room reserved. cos and sin
+// capacity, hd) bf16: the q/k/v matmul's outputs are bf16, so nothing is rounded), room reserved. cos and sin
 // (N, hd): the rotary factors of each token's position. Per layer l, linears 4l..4l+3 are
 // q/k/v, o, gate/up, down (torch int4 packs: packed, scale_zero, copies of the input) and norms
 // 2l, 2l+1 its two RMSNorm weights. Returns the last layer's output (N, d), before the final norm;
@@ -164,7 +175,8 @@ Tensor fused_layers(Tensor x, const Tensor& cos, const Tensor& sin,
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == rows && static_cast<int64_t>(values.size()) == rows,
               "one cache per row");
   for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK(keys[r].is_contiguous() && values[r].is_contiguous() &&
+    TORCH_CHECK(keys[r].scalar_type() == at::kFloat && values[r].scalar_type() == at::kBFloat16 &&
+                    keys[r].is_contiguous() && values[r].is_contiguous() &&
                     keys[r].size(3) >= starts[r] + sizes[r] && values[r].size(2) == keys[r].size(3),
                 "each row's cache: contiguous, with room for its new positions");
   int64_t longest = 0;
@@ -191,7 +203,7 @@ Tensor fused_layers(Tensor x, const Tensor& cos, const Tensor& sin,
         const BFloat16* in = H + t * width + head * hd;
         if (head >= heads + kv_heads) {  // a value: no rotary
           const int64_t kv = l * kv_heads + head - heads - kv_heads;
-          float* out = V.data_ptr<float>() + (kv * capacity + position[t]) * hd;
+          BFloat16* out = V.data_ptr<BFloat16>() + (kv * capacity + position[t]) * hd;
           for (int64_t j = 0; j < hd; ++j) out[j] = in[j];
           continue;
         }
@@ -219,7 +231,7 @@ Tensor fused_layers(Tensor x, const Tensor& cos, const Tensor& sin,
         const int64_t capacity = K.size(3), offset = (l * kv_heads + head / group) * capacity * hd;
         for (int64_t t = first[r]; t < first[r] + sizes[r]; ++t) {
           attend(&q[(t * heads + head) * hd], K.data_ptr<float>() + offset,
-                 V.data_ptr<float>() + offset, capacity, position[t] + 1, hd, scale,
+                 V.data_ptr<BFloat16>() + offset, capacity, position[t] + 1, hd, scale,
                  scores.data(), out.data());
           at::vec::convert(out.data(), A + t * heads * hd + head * hd, hd);
         }
