@@ -44,9 +44,13 @@ def sequences(gen, n: int, data: Path) -> list[tuple[list[int], int]]:
 
 @torch.inference_mode()
 def top1(model, ids: list[int], start: int) -> torch.Tensor:
-    """Argmax at the positions predicting ids[start:] (the answer and its EOS)."""
-    logits = kv.forward(model, kv.new_cache(model), ids[:-1], "cpu")  # (n - 1, V)
-    return logits[start - 1 :].argmax(-1)
+    """Argmax at the positions predicting ids[start:] (the answer and its EOS), fed as decoding
+    feeds them: the prompt in one call (its prefill), then the answer one token at a time (the
+    4-bit target's steps may run another kernel than its prefill: its fused layers)."""
+    cache = kv.new_cache(model)
+    logits = [kv.forward(model, cache, ids[:start], "cpu")[-1:]]
+    logits += [kv.forward(model, cache, [t], "cpu") for t in ids[start:-1]]
+    return torch.cat(logits).argmax(-1)
 
 
 def llama_cpp_top1(ids: list[int], start: int):
