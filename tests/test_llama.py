@@ -575,6 +575,37 @@ def test_a_missing_int4_kernel_is_named_and_auto_falls_back(monkeypatch):
     assert kernels.measure_prefill([(64, 64)])["bf16"] == float("inf")
 
 
+def test_the_layers_are_chosen_by_measurement_once_and_a_missing_compiler_is_named(
+    tmp_path, monkeypatch, tiny_target
+):
+    """choose_layers measures the loaded model once per machine and keeps the faster way; where
+    the fused layers cannot be built, the model runs the Python loop and the --stats line says
+    why (asking for them anyway is a WeightsError naming the compiler's complaint)."""
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    compact = llama.from_transformers(tiny_target, "int4")
+    calls = []
+    monkeypatch.setattr(
+        llama, "measure_layers", lambda m: calls.append(m) or {"fused": 2.0, "python": 1.0}
+    )
+    if kernels.fused_missing() is None:
+        assert models.choose_layers("tiny", compact) == "python"  # the faster, as measured
+        assert models.choose_layers("tiny", compact) == "python" and len(calls) == 1
+        stored = json.loads((tmp_path / "calibration.json").read_text())
+        assert [v["layers"] for v in stored.values()] == ["python"]
+        assert "layers in Python (faster here than fused)" in models.describe_weights(
+            "tiny", "int4", "int4", compact
+        )
+    monkeypatch.setattr(kernels, "fused_build", lambda: (None, "RuntimeError: no c++ here"))
+    # a choice of "fused" cached on a machine that could build them, this one cannot
+    monkeypatch.setattr(llama, "measure_layers", lambda m: {"fused": 1.0, "python": 2.0})
+    assert models.choose_layers("other", compact) == "python"
+    assert "fused: RuntimeError: no c++ here" in models.describe_weights(
+        "other", "int4", "int4", compact
+    )
+    with pytest.raises(WeightsError, match="fused layers cannot run here: RuntimeError: no c"):
+        compact.use_layers("fused")
+
+
 # --- the mask-aware LM head -----------------------------------------------------------------------
 
 
