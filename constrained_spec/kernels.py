@@ -267,7 +267,7 @@ def measure_prefill(shapes: list[tuple[int, int]], rows: int = 128, repeats: int
         for layer in layers:
             layer.use_prefill(kernel)  # the bf16 copy is made once per load, not timed
         one_pass = functools.partial(_one_pass, layers, shapes, xs, prefill=True)
-        result[kernel] = _best_ms(one_pass, repeats)
+        result[kernel] = best_ms(one_pass, repeats)
     return result
 
 
@@ -289,7 +289,7 @@ def measure_head(vocab: int, hidden: int, rows: tuple[int, ...] = (1, 4), repeat
         x = weight[torch.randint(vocab, (m,))]
         x = 20 * x / x.norm(dim=1, keepdim=True)
         for name, head in heads.items():
-            result[name] += _best_ms(functools.partial(head, x), repeats)
+            result[name] += best_ms(functools.partial(head, x), repeats)
     return result
 
 
@@ -308,7 +308,7 @@ def measure_linears(
         total = 0.0
         for m in rows:
             xs = {k: torch.randn(m, k) for _, k in shapes}
-            total += _best_ms(functools.partial(_one_pass, layers, shapes, xs), repeats)
+            total += best_ms(functools.partial(_one_pass, layers, shapes, xs), repeats)
         result[name] = total
         del layers
     return result
@@ -319,7 +319,7 @@ def _one_pass(layers, shapes, xs: dict, **kwargs) -> None:
         layer(xs[k], **kwargs)
 
 
-def _best_ms(call, repeats: int) -> float:
+def best_ms(call, repeats: int) -> float:
     """The fastest of ``repeats`` timed calls, in milliseconds."""
     best = float("inf")
     for _ in range(repeats):
@@ -345,9 +345,9 @@ def fused_build():
     vector units), loaded from there afterwards."""
     from torch.utils import cpp_extension
 
-    from .models import _cpu_name, _say, cache_dir
+    from .models import _say, cache_dir, cpu_name
 
-    key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{_cpu_name()}-torch-{torch.__version__}")
+    key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{cpu_name()}-torch-{torch.__version__}")
     folder = cache_dir() / "kernels" / key
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -276,7 +276,7 @@ def measure_layers(model: CompactLlama, repeats: int = 5) -> dict[str, float]:
                 model(context[:n], cache, logits=False)
                 cache.crop(64)
 
-        result[kernel] = kernels._best_ms(step_and_verify, repeats)
+        result[kernel] = kernels.best_ms(step_and_verify, repeats)
     model.use_layers(kept)
     return result
 

@@ -260,7 +260,7 @@ LAYERS_CALIBRATION = "layers v1"
 def _remembered(what: str, measure) -> dict:
     """``measure()``'s result for ``what`` on this CPU, torch version and thread count: from
     the cache's calibration.json, else measured now and written there."""
-    key = f"{what} | {_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    key = f"{what} | {cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
     path = cache_dir() / "calibration.json"
     try:
         known = json.loads(path.read_text())
@@ -277,7 +277,8 @@ def _remembered(what: str, measure) -> dict:
     return result
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """This CPU's model name: part of the key of every cached measurement and compiled kernel."""
     import platform
 
     try:
