@@ -7,7 +7,13 @@ import random
 import llguidance as llg
 import pytest
 
-from constrained_spec import ConstraintError, Generator, UnsupportedSchemaError, guidance
+from constrained_spec import (
+    ConstraintError,
+    Generator,
+    UnsupportedSchemaError,
+    guidance,
+    guidance_schema,
+)
 from constrained_spec.compile import FINISHED
 from constrained_spec.testing import PERSON
 from constrained_spec.vocab import token_vocabulary
@@ -382,7 +388,7 @@ def test_local_refs_are_not_followed_below_a_nested_id():
     moved = schema | {"properties": {"p": {"$id": "http://example.com/p"}}}
     named = schema | {"properties": {"$id": {"type": "string"}}}  # a property named $id
     for doc, follows in ((schema, True), (moved, False), (named, True)):
-        rewritten = guidance._in_llguidance_terms(doc)
+        rewritten = guidance_schema._in_llguidance_terms(doc)
         assert ("anyOf" in rewritten) == follows, doc
 
 
