@@ -4,8 +4,21 @@
 from __future__ import annotations
 
 import itertools
+import re
+import warnings
+from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
+from functools import cache
 
 from .errors import UnsupportedSchemaError
+from .schema.regex import (
+    MAX_CODEPOINT,
+    C,
+    PatternError,
+    _complement,
+    _intersect,
+    _normalise,
+    sre_parse,
+)
 
 # Where llguidance accepts texts that jsonschema (with its format checker) rejects, found by
 # benchmarks/coverage_engines.py and a fuzz of every format (docs/schemas.md): a leap second
@@ -215,26 +228,217 @@ def _nested_ids(node, root: bool = True) -> bool:
 
 def _sound_for_llguidance(node, pointer: str = ""):
     """A copy of the schema in which llguidance accepts nothing jsonschema rejects."""
-    from .schema.regex import FORMATS, KNOWN_FORMATS
-
     if isinstance(node, list):
         return [_sound_for_llguidance(v, f"{pointer}/{i}") for i, v in enumerate(node)]
     if not isinstance(node, dict):
         return node
-    out = {
-        k: v if k in VALUES else _sound_for_llguidance(v, f"{pointer}/{k}") for k, v in node.items()
-    }
-    step = node.get("multipleOf")
-    if isinstance(step, (int, float)) and not float(step).is_integer():
-        raise UnsupportedSchemaError("multipleOf", pointer, _LOOSER)
-    fmt = node.get("format")
+    out = {}
+    for k, v in node.items():
+        if k in VALUES:
+            out[k] = v
+        elif k in NAME_MAPS and isinstance(v, dict):
+            out[k] = {n: _sound_for_llguidance(s, f"{pointer}/{k}/{n}") for n, s in v.items()}
+        else:
+            out[k] = _sound_for_llguidance(v, f"{pointer}/{k}")
+    _sound_strings(out, pointer)
+    _sound_numbers(out, pointer)
+    return out
+
+
+def _sound_strings(out: dict, pointer: str) -> None:
+    """Formats as the regex engine writes them, and every regex in llguidance's own syntax with
+    Python's meaning (``_llg_pattern``)."""
+    from .schema.regex import FORMATS, KNOWN_FORMATS
+
+    fmt = out.get("format")
     if isinstance(fmt, str) and fmt not in NATIVE_FORMATS:
         if fmt not in KNOWN_FORMATS:
             del out["format"]  # an annotation: jsonschema checks nothing
-        elif fmt in FORMATS and "pattern" not in node:
+        elif fmt in FORMATS and "pattern" not in out:
             del out["format"]
             out["pattern"] = f"^{FORMATS[fmt]}$"
-    return out
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = _llg_pattern(out["pattern"], f"{pointer}/pattern")
+    names = out.get("patternProperties")
+    if isinstance(names, dict):
+        where = f"{pointer}/patternProperties"
+        out["patternProperties"] = {_llg_pattern(k, f"{where}/{k}"): v for k, v in names.items()}
+
+
+# llguidance reads bounds as 64-bit floats, fractional ones printed to ~15 digits (minimum
+# -1.9999999999999998 let -2 through, maximum 2**63 let 2**63 + 1 through), and compares texts
+# with them in exact decimals, where jsonschema compares the float json.loads parses: 1e-401
+# written out is > 0 for llguidance and 0.0 for jsonschema. So bounds are moved inward to what
+# it reads exactly (integers below 2**53, 15 significant digits; an integer bound past 2**53 on
+# integers to 2**53 - 1, on other numbers refused), and an exclusive bound on numbers that may
+# have fractions becomes an inclusive one a relative 1e-13 inside it, past which the parsed
+# float lies beyond the bound too. Subsets all: a few valid numbers next to a bound are lost.
+BOUNDS = {"minimum": 1, "exclusiveMinimum": 1, "maximum": -1, "exclusiveMaximum": -1}  # inward
+EXACT_DIGITS = 15
+LARGEST = 2**53 - 1  # the largest integer from which all smaller ones are exact floats
+
+
+def _sound_numbers(out: dict, pointer: str) -> None:
+    step = out.get("multipleOf")
+    if _is_number(step) and not float(step).is_integer():
+        raise UnsupportedSchemaError("multipleOf", pointer, _LOOSER)  # decimals vs floats
+    kinds = out.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    integers = "integer" in kinds and "number" not in kinds
+    for key, inward in BOUNDS.items():
+        b = out.get(key)
+        if not _is_number(b):
+            continue
+        if abs(b) > LARGEST:
+            if not integers or (b > 0) == (inward > 0):
+                raise UnsupportedSchemaError(key, pointer, _ROUNDED)
+            out[key] = -inward * LARGEST  # the bound's side of 0, within 2**53
+        elif isinstance(b, float) and _digits(b) > EXACT_DIGITS:
+            rounding = ROUND_CEILING if inward > 0 else ROUND_FLOOR
+            out[key] = float(Context(EXACT_DIGITS, rounding).create_decimal(repr(b)))
+    if integers:
+        return  # integers parse exactly, and llguidance's integer bounds are exact
+    for exclusive, inclusive in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        b = out.get(exclusive)
+        if b is True:  # draft 4: a flag on the inclusive bound
+            b = out.pop(inclusive, None)
+        if not _is_number(b):
+            continue
+        del out[exclusive]
+        m = _inside(b, BOUNDS[inclusive])
+        tighter = max if BOUNDS[inclusive] > 0 else min
+        out[inclusive] = tighter(out[inclusive], m) if _is_number(out.get(inclusive)) else m
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _digits(x: float) -> int:
+    return len(Decimal(repr(x)).normalize().as_tuple().digits)
+
+
+def _inside(bound, inward: int) -> float:
+    """A number of at most 15 significant digits a relative 1e-13 inside ``bound``."""
+    d = Decimal(repr(bound) if isinstance(bound, float) else bound)
+    step = Decimal(1).scaleb(d.adjusted() - 13) if d else Decimal("1e-15")
+    return float(d + inward * step)
+
+
+_ROUNDED = (
+    "llguidance reads this bound rounded and would accept texts jsonschema rejects: "
+    "use a bound within 2**53, or engine='regex'."
+)
+
+
+def _llg_pattern(pattern: str, pointer: str) -> str:
+    """``pattern`` in llguidance's (Rust) regex syntax, matching what Python's ``re.search``
+    (jsonschema's) matches, or less: written from Python's own parse, every character class as
+    explicit ranges, since llguidance's differ from Python's: its negated classes let ``"`` and
+    ``\\`` through (``[^"]`` matched ``a"b``), its ``\\s`` lacks \\x1c-\\x1f (so ``\\S`` has
+    them), its ``\\w`` and ``\\d`` are ASCII (so ``\\W`` had ``é``), ``[[:alpha:]]`` is a
+    POSIX class there and literal characters in Python."""
+    try:
+        with warnings.catch_warnings():  # "possible nested set": Python reads [[ literally
+            warnings.simplefilter("ignore", FutureWarning)
+            parsed = sre_parse.parse(pattern)
+        if parsed.state.flags & (re.I | re.M | re.L):
+            raise PatternError("the flags (?i), (?m) and (?L)")
+        return _rust(list(parsed))
+    except (re.error, PatternError, RecursionError) as e:
+        raise UnsupportedSchemaError(
+            "pattern", pointer, f"{pattern[:200]!r}: {e} (not said in llguidance's terms)."
+        ) from None
+
+
+def _rust(items: list) -> str:
+    return "".join(_rust_item(op, av) for op, av in items)
+
+
+def _rust_item(op, av) -> str:
+    if op is C.LITERAL:
+        return _rust_class([(av, av)])
+    if op is C.NOT_LITERAL:
+        return _rust_class(_complement([(av, av)]))
+    if op is C.ANY:  # without (?s): all but a newline; with it Python's is wider (fewer strings)
+        return _rust_class(_complement([(10, 10)]))
+    if op is C.IN:
+        return _rust_class(_class_ranges(av))
+    if op is C.BRANCH:
+        return "(?:" + "|".join(_rust(list(b)) for b in av[1]) + ")"
+    if op is C.SUBPATTERN:
+        if (av[1] | av[2]) & (re.I | re.M | re.L):
+            raise PatternError("the flags (?i), (?m) and (?L)")
+        return "(?:" + _rust(list(av[3])) + ")"
+    if op in (C.MAX_REPEAT, C.MIN_REPEAT):  # laziness does not change what re.search finds
+        lo, hi, sub = av
+        return "(?:" + _rust(list(sub)) + f"){{{lo},{'' if hi >= C.MAXREPEAT else hi}}}"
+    if op is C.AT and av in (C.AT_BEGINNING, C.AT_BEGINNING_STRING):
+        return "^"
+    if op is C.AT and av in (C.AT_END, C.AT_END_STRING):  # Python's $ also before a last \n
+        return "$"
+    raise PatternError(f"{_UNSAID.get(op, 'anchors other than ^ and $')} cannot be said there")
+
+
+_UNSAID = {
+    C.ASSERT: "lookarounds",
+    C.ASSERT_NOT: "lookarounds",
+    C.GROUPREF: "backreferences",
+    C.GROUPREF_EXISTS: "conditional groups",
+    C.POSSESSIVE_REPEAT: "possessive repeats",
+    C.ATOMIC_GROUP: "atomic groups",
+}
+
+
+def _class_ranges(items) -> list[tuple[int, int]]:
+    """Code point ranges of a Python character class, its categories (\\d, \\s, \\w) as
+    Python's own (Unicode)."""
+    negate = bool(items) and items[0][0] is C.NEGATE
+    ranges = []
+    for op, av in items[int(negate) :]:
+        if op is C.LITERAL:
+            ranges.append((av, av))
+        elif op is C.RANGE:
+            ranges.append(av)
+        elif op is C.CATEGORY and av in _CATEGORIES:
+            name, inverted = _CATEGORIES[av]
+            members = _category(name)
+            ranges += _complement(members) if inverted else members
+        else:
+            raise PatternError(f"the class item {str(op).lower()}")
+    return _complement(ranges) if negate else _normalise(ranges)
+
+
+_CATEGORIES = {
+    C.CATEGORY_DIGIT: ("\\d", False),
+    C.CATEGORY_NOT_DIGIT: ("\\d", True),
+    C.CATEGORY_SPACE: ("\\s", False),
+    C.CATEGORY_NOT_SPACE: ("\\s", True),
+    C.CATEGORY_WORD: ("\\w", False),
+    C.CATEGORY_NOT_WORD: ("\\w", True),
+}
+
+
+@cache
+def _category(name: str) -> list[tuple[int, int]]:
+    """The code points Python's ``name`` (\\d, \\s, \\w) matches, as ranges (~0.1 s, once)."""
+    everything = "".join(map(chr, range(MAX_CODEPOINT + 1)))
+    return [(m.start(), m.end() - 1) for m in re.finditer(name + "+", everything)]
+
+
+def _rust_class(ranges) -> str:
+    """One character of ``ranges``, every code point written as \\x{...}, in a positive
+    class (llguidance's negated ones let ``"`` and ``\\\\`` through), without surrogates (no
+    text holds them) and without NUL: a set with all 32 control characters made llguidance
+    accept any JSON escape, ``\\"`` and ``\\\\`` too, whether they were members or not."""
+    ranges = _intersect(ranges, _complement([(0, 0), (0xD800, 0xDFFF)]))
+    if not ranges:
+        raise PatternError("a character class that matches no character")
+    if ranges == [(ranges[0][0], ranges[0][0])]:
+        c = ranges[0][0]
+        return chr(c) if chr(c).isascii() and chr(c).isalnum() else f"\\x{{{c:X}}}"
+    body = "".join(f"\\x{{{lo:X}}}" + (f"-\\x{{{hi:X}}}" if hi > lo else "") for lo, hi in ranges)
+    return f"[{body}]"
 
 
 _LOOSER = "llguidance would accept texts jsonschema rejects here."

@@ -18,6 +18,7 @@ from constrained_spec.compile import FINISHED
 from constrained_spec.testing import PERSON
 from constrained_spec.vocab import token_vocabulary
 
+DRAFT4 = "http://json-schema.org/draft-04/schema#"
 REGEXES = ["(ab|ba|yes|no){1,2}", "(yes|no)\\{\\}(ab|ba)", "[0-9]+(,[0-9]+)*", "Zoë|東京|(ab)*"]
 ARITHMETIC = """
 start: expr
@@ -192,6 +193,31 @@ def test_the_regex_engine_refuses_grammars(tiny_target, tiny_tokenizer):
         ({"type": "string", "format": "time"}, ['"23:59:59Z"'], ['"23:59:60Z"']),
         ({"type": "string", "format": "topic"}, ['"anything"'], ["1"]),  # an annotation
         ({"enum": [{"format": "date-time"}]}, ['{"format":"date-time"}'], ['{"format":"x"}']),
+        # regexes in llguidance's syntax with Python's meaning: its negated classes let `"` and
+        # `\` through, a set of all 32 controls any escape, its \s lacks \x1c-\x1f, its \w is
+        # ASCII, [[:alpha:]] is a POSIX class there (a set of 6 characters and a `]` in Python)
+        ({"type": "string", "pattern": '^[^"]*$'}, ['"a b"', '"\\n"', '"\\\\"'], ['"a\\"b"']),
+        ({"type": "string", "pattern": "^[^\\\\]+$"}, ['"a\\"b"'], ['"a\\\\b"']),
+        ({"type": "string", "pattern": "^\\S+$"}, ['"ab"', '"é"'], ['"a\\u001c"', '"a b"']),
+        ({"type": "string", "pattern": "^\\W+$"}, ['"!?"'], ['"é"', '"a"']),
+        ({"type": "string", "pattern": "^[[:alpha:]]$"}, ['":]"', '"h]"'], ['"b"', '"h"']),
+        (
+            {"type": "object", "patternProperties": {'^[^"]+$': {}}, "additionalProperties": False},
+            ['{"a":1}'],
+            ['{"a\\"b":1}'],
+        ),
+        # exclusive bounds: llguidance compares exact decimals, jsonschema the parsed float
+        ({"type": "number", "exclusiveMinimum": 0}, ["0.5", "1"], ["0", "0." + "0" * 400 + "1"]),
+        ({"type": "number", "exclusiveMaximum": -2}, ["-3", "-2.01"], ["-2.0000000000000001"]),
+        (
+            {"$schema": DRAFT4, "type": "number", "minimum": 0, "exclusiveMinimum": True},
+            ["0.5"],
+            ["0", "1e-400", "0." + "0" * 400 + "1"],
+        ),
+        ({"type": "integer", "exclusiveMinimum": 0}, ["1"], ["0"]),  # integers stay exact
+        # bounds moved inward to what llguidance reads exactly
+        ({"type": "number", "minimum": -1.9999999999999998}, ["-1.5"], ["-2"]),
+        ({"type": "integer", "maximum": 2**63}, ["9007199254740991"], [str(2**63 + 1)]),
     ],
 )
 def test_llguidance_is_never_looser_than_jsonschema(
@@ -203,6 +229,20 @@ def test_llguidance_is_never_looser_than_jsonschema(
     assert isinstance(c, guidance.GuidanceConstraint)
     assert [t for t in accepted if not c.accepts(t)] == []
     assert [t for t in rejected if c.accepts(t)] == []
+
+
+@pytest.mark.parametrize(
+    "schema, keyword",
+    [  # llguidance reads bounds as floats, rounded
+        ({"type": "integer", "minimum": 2**63}, "minimum"),  # no integer inside it is exact
+        ({"type": "number", "maximum": 2**63}, "maximum"),  # nor a number with fractions
+        ({"type": "string", "pattern": "(?<=a)b"}, "pattern"),  # lookarounds, backreferences
+        ({"type": "string", "pattern": "(?i)abc"}, "pattern"),  # Python's case folding
+    ],
+)
+def test_what_llguidance_cannot_be_told_exactly_is_refused_by_name(schema, keyword):
+    with pytest.raises(UnsupportedSchemaError, match=keyword):
+        guidance.schema_grammar(schema)
 
 
 def test_fractional_multiple_of_is_refused_by_name(tiny_target, tiny_tokenizer):
