@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-import itertools
+import json
 import re
 import warnings
+from dataclasses import dataclass, field
 from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
 from functools import cache
 
@@ -56,75 +57,180 @@ def _rewrite(node, change):
 
 
 def _in_llguidance_terms(schema):
-    """The schema with keywords llguidance refuses said in ones it implements, accepting the
-    same instances:
-    - a oneOf no instance can satisfy twice becomes an anyOf (``_exclusive``);
-    - ``dependencies`` (draft 4–7; ``dependentRequired``/``dependentSchemas`` since 2019-09)
-      becomes an allOf of "the name is absent, or present with what it needs": anyOf [{properties: {name: false}}, {required: [name, ...]}] for a list
-      of names, anyOf [{properties: {name: false}}, {required: [name], allOf: [schema]}] for a
-      schema (both vacuous on non-objects, as dependencies is);
-    - ``not``: a double negation is what it negates; a negated ``required``, ``type``, empty or
-      boolean schema is said positively (``_affirmed``); any other ``not`` stays, refused."""
-    schema = _rewrite(schema, _without_double_negation)
-    local_refs = not _nested_ids(schema)
+    """The schema with the keywords llguidance refuses said in ones it implements, accepting
+    the same instances under jsonschema's meaning (its draft's keywords; exact, so that what is
+    rewritten can be negated again):
+    - ``not S``: S negated keyword by keyword (``_negated``), e.g. not {required: [a, b]} = an
+      object without a or without b, not {enum: [1]} = the other types, or numbers below or
+      above 1;
+    - ``oneOf``: branch i and not any other (``_one_of``; branches no instance can satisfy
+      together need no negation);
+    - ``if``/``then``/``else``: (if and then) or (not if and else);
+    - ``dependencies`` (``dependentRequired``/``dependentSchemas`` since 2019-09): an allOf
+      of "the name is absent, or present with what it needs".
+    Forms left unsaid stay, and llguidance refuses them by name."""
+    schema = _rewrite(schema, _without_double_negation)  # before the inner one is rewritten
+    doc = _Document.of(schema)
 
     def change(node, out):
-        if isinstance(node.get("oneOf"), list) and "anyOf" not in node:
-            if _exclusive(node, schema, local_refs):
-                out["anyOf"] = out.pop("oneOf")
-        for keyword in DEPENDENCIES:
-            deps = out.get(keyword)
-            if isinstance(deps, dict) and all(_dependency(d) for d in deps.values()):
-                del out[keyword]
-                needs = [_if_present(n, d) for n, d in deps.items()]
-                out["allOf"] = [*out.get("allOf", []), *needs]
-        if "not" in out and (affirmed := _affirmed(out["not"])) is not None:
+        if isinstance(out.get("oneOf"), list):
+            _one_of(out, doc)
+        _dependencies(out, doc)
+        if "not" in out and (positive := _negated(out["not"], doc, _kinds(out, doc))) is not None:
             del out["not"]
-            out["allOf"] = [*out.get("allOf", []), affirmed]
+            _also(out, positive)
+        if "if" in out and "if" in doc.keywords:
+            _if_then_else(out, doc)
         return out
 
+    doc.change = change
     return _rewrite(schema, change)
 
 
-ANNOTATIONS = {"title", "description", "$comment", "examples", "default", "deprecated"}
-TYPES = {"null", "boolean", "object", "array", "number", "string"}  # integer: within number
+TYPES = frozenset({"null", "boolean", "object", "array", "number", "string"})  # integer: number
+MAX_BRANCHES = 16  # a oneOf's branches said as "this one and no other" (k * (k - 1) negations)
+MAX_NEGATION_DEPTH = 16  # nested subschemas (and $refs followed) a negation goes through
+MAX_GROWTH = 100_000  # characters of JSON one oneOf may grow to when said as anyOf
 
 
-def _keywords(node: dict) -> set:
-    return set(node) - ANNOTATIONS
+@dataclass
+class _Document:
+    """What rewriting needs to know of the whole schema: the keywords its draft validates
+    (jsonschema's), and local $ref targets in llguidance terms (rewritten on first use)."""
+
+    root: object
+    keywords: frozenset
+    ref_siblings: bool  # 2019-09 on: keywords beside a $ref count; drafts 4-7 ignore them
+    local_refs: bool  # "#/..." resolves against the root: no nested $id moves the base
+    change: object = None
+    targets: dict = field(default_factory=dict)  # ref -> rewritten target, None while rewriting
+    narrowed: set = field(default_factory=set)  # ids of rewritten nodes narrower than the schema
+
+    @classmethod
+    def of(cls, schema) -> _Document:
+        import jsonschema
+
+        with warnings.catch_warnings():  # an unknown $schema: the latest draft, as the oracle
+            warnings.simplefilter("ignore", DeprecationWarning)
+            draft = jsonschema.validators.validator_for(
+                schema, default=jsonschema.Draft202012Validator
+            )
+        keywords = frozenset(draft.VALIDATORS)
+        return cls(schema, keywords, "dependentRequired" in keywords, not _nested_ids(schema))
+
+    def target(self, ref):
+        """The local $ref's target in llguidance terms; None if not local or being rewritten
+        (a recursive reference is not followed)."""
+        if not (self.local_refs and isinstance(ref, str) and ref.startswith("#")):
+            return None
+        if ref not in self.targets:
+            self.targets[ref] = None
+            raw = _pointed(self.root, ref)
+            self.targets[ref] = None if raw is None else _rewrite(raw, self.change)
+        return self.targets[ref]
+
+    def resolved(self, node):
+        """``node``, or the target of its local $ref (followed up to 8 times)."""
+        for _ in range(8):
+            ref = node.get("$ref") if isinstance(node, dict) else None
+            if ref is None or not self.local_refs or (target := _pointed(self.root, ref)) is None:
+                break
+            node = target
+        return node
 
 
 def _without_double_negation(node, out):
     inner = out.get("not")
-    if isinstance(inner, dict) and _keywords(inner) == {"not"}:
+    if isinstance(inner, dict) and set(inner) - {"title", "description", "$comment"} == {"not"}:
         del out["not"]
-        out["allOf"] = [*out.get("allOf", []), inner["not"]]
+        _also(out, inner["not"])
     return out
 
 
-def _affirmed(negated):
-    """A schema accepting exactly what {"not": negated} accepts, where llguidance needs it said
-    positively; None for the forms left to refuse."""
-    if negated is True or (isinstance(negated, dict) and not _keywords(negated)):
-        return False
-    if negated is False:
-        return True
-    if not isinstance(negated, dict):
+def _pointed(root, ref):
+    """The subschema a "#..." JSON pointer names, None if there is none."""
+    if not isinstance(ref, str) or not ref.startswith("#") or (ref[1:] and ref[1] != "/"):
         return None
-    keys, names, kinds = _keywords(negated), negated.get("required"), negated.get("type")
-    if keys == {"allOf"} and isinstance(negated["allOf"], list) and len(negated["allOf"]) == 1:
-        return _affirmed(negated["allOf"][0])  # as a triple negation leaves it
-    if keys == {"required"} and isinstance(names, list) and names:
-        if all(isinstance(n, str) for n in names):  # an object missing one of them (`required`
-            missing = [{"properties": {n: False}} for n in names]  # holds on non-objects)
-            return {"type": "object", "anyOf": missing}
-    kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else None
-    if keys == {"type"} and kinds is not None and kinds <= TYPES | {"integer"}:
-        if "integer" in kinds and "number" not in kinds:
-            return None  # the fractional numbers are no type of their own
-        rest = sorted(TYPES - kinds)
-        return {"type": rest} if rest else False
-    return None
+    node = root
+    for part in ref[2:].split("/") if ref[1:] else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return None
+    return node
+
+
+def _also(out: dict, schema) -> None:
+    if schema is not True:
+        out["allOf"] = [*out.get("allOf", []), schema]
+
+
+def _all(parts):
+    parts = [p for p in parts if p is not True]
+    if any(p is False for p in parts):
+        return False
+    return True if not parts else parts[0] if len(parts) == 1 else {"allOf": parts}
+
+
+def _any(parts):
+    parts = [p for p in parts if p is not False]
+    if any(p is True for p in parts):
+        return True
+    return False if not parts else parts[0] if len(parts) == 1 else {"anyOf": parts}
+
+
+def _one_of(out: dict, doc: _Document) -> None:
+    """oneOf [B1, ..., Bk] as anyOf [B1 and no other, ..., Bk and no other], where "and no
+    other" negates each other branch an instance of Bi may satisfy too (``_disjoint``)."""
+    branches = out["oneOf"]
+    if not branches or len(branches) > MAX_BRANCHES:
+        return
+    within = _kinds(out, doc)
+    resolved = [doc.resolved(b) for b in branches]
+    options = []
+    for i, branch in enumerate(branches):
+        kinds = within & _kinds(resolved[i], doc)
+        parts = [branch]
+        for j, other in enumerate(branches):
+            if j != i and not _disjoint(resolved[i], resolved[j], within, doc):
+                if (negated := _negated(other, doc, kinds)) is None:
+                    return
+                parts.append(negated)
+        options.append(_all(parts))
+    if len(json.dumps(options)) > MAX_GROWTH:
+        return
+    del out["oneOf"]
+    if "anyOf" in out:
+        _also(out, _any(options))
+    else:
+        out["anyOf"] = options
+
+
+def _if_then_else(out: dict, doc: _Document) -> None:
+    cond, then, other = out["if"], out.get("then", True), out.get("else", True)
+    unless = _negated(cond, doc, _kinds(out, doc)) if other is not False else False
+    if unless is None:
+        return
+    for key in ("if", "then", "else"):
+        out.pop(key, None)
+    _also(out, _any([_all([cond, then]), _all([unless, other])]))
+
+
+def _dependencies(out: dict, doc: _Document) -> None:
+    """A dependency as "absent, or present with what it needs"; where the draft does not
+    validate the keyword (jsonschema ignores it) the same, marked narrower: not negated."""
+    for keyword in DEPENDENCIES:
+        deps = out.get(keyword)
+        if not isinstance(deps, dict) or not all(_dependency(d) for d in deps.values()):
+            continue
+        del out[keyword]
+        needs = [_if_present(n, d) for n, d in deps.items()]
+        if keyword not in doc.keywords:
+            doc.narrowed.update(id(n) for n in needs)
+        out["allOf"] = [*out.get("allOf", []), *needs]
 
 
 def _dependency(dep) -> bool:
@@ -140,60 +246,353 @@ def _if_present(name: str, dep) -> dict:
     return {"anyOf": [{"properties": {name: False}}, needs]}
 
 
-def _exclusive(node: dict, root, local_refs: bool) -> bool:
-    resolve = (lambda b: _resolve(b, root)) if local_refs else (lambda b: b)
-    branches = [resolve(b) for b in node["oneOf"]]
-    if len(branches) < 2 or not all(isinstance(b, dict) and "$ref" not in b for b in branches):
+# --- negation ----------------------------------------------------------------------------------
+
+
+def _negated(node, doc: _Document, within=TYPES, depth: int = 0):
+    """A schema in llguidance's keywords that accepts, of the instances whose JSON types are
+    in ``within``, exactly those ``node`` rejects (jsonschema's meaning); None where it is not
+    said here. ``node`` is in llguidance terms already (rewritten bottom up), and exact."""
+    if node is True:
         return False
-    types = [_types(b) for b in branches]
-    pairs = list(itertools.combinations(range(len(branches)), 2))
-    if all(t is not None for t in types) and all(not types[i] & types[j] for i, j in pairs):
+    if node is False:
         return True
-    if node.get("type") != "object" and any(t != {"object"} for t in types):
-        return False  # a non-object instance satisfies every branch's `required`
-    tags = [_tags(b, resolve) for b in branches]
-    for name in set.intersection(*(set(t) for t in tags)):
-        if all(not tags[i][name] & tags[j][name] for i, j in pairs):
-            return True
-    return False
-
-
-def _resolve(node, root, depth: int = 0):
-    """A local "#/..." $ref's target (followed up to 8 times), else the node itself."""
-    ref = node.get("$ref") if isinstance(node, dict) else None
-    if not isinstance(ref, str) or not ref.startswith("#/") or depth > 8:
-        return node
-    target = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if not isinstance(target, dict) or part not in target:
-            return node
-        target = target[part]
-    return _resolve(target, root, depth + 1)
-
-
-def _types(branch: dict) -> set | None:
-    kind = branch.get("type")
-    kinds = {kind} if isinstance(kind, str) else kind
-    if not isinstance(kinds, list | set) or not all(isinstance(k, str) for k in kinds):
+    if not isinstance(node, dict) or depth > MAX_NEGATION_DEPTH or id(node) in doc.narrowed:
         return None
-    kinds = set(kinds)
-    return kinds | {"integer", "number"} if kinds & {"integer", "number"} else kinds
+    keys = node.keys() & doc.keywords  # what the draft does not know asserts nothing
+    if "$ref" in keys and not doc.ref_siblings:
+        keys = {"$ref"}
+    parts = []
+    for key in sorted(keys):
+        if key in _NEGATIONS:
+            part = _NEGATIONS[key](node, doc, within, depth + 1)
+        else:  # vacuous on the types it is not about; else not said here
+            kind = _TYPE_OF.get(key)
+            part = None if kind is None or kind in within else []
+        if part is None:
+            return None
+        parts += part
+    return _any(parts)
 
 
-def _tags(branch: dict, resolve) -> dict:
-    """Required property → the set of its const/enum values (JSON equality: 1 == 1.0, not True)."""
+def _of_type(kind: str, within, schema: dict) -> list:
+    """[schema] for the instances of ``kind``; [] where none can be in ``within``."""
+    return [{"type": kind} | schema] if kind in within else []
+
+
+def _not_type(node, doc, within, depth):
+    kinds = node["type"]
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    if not isinstance(kinds, list) or not all(k in TYPES or k == "integer" for k in kinds):
+        return None
+    if "integer" in kinds and "number" not in kinds and "number" in within:
+        return None  # the fractional numbers are no type of their own
+    rest = within - {"number" if k == "integer" else k for k in kinds}
+    return [{"type": sorted(rest)}] if rest else []
+
+
+def _other_values(values, within):
+    """The instances of the types ``within`` JSON-equal to none of ``values`` (1 == 1.0, 1 is
+    no true), or None for arrays and objects among the values."""
+    if not isinstance(values, list):
+        return None
+    parts = [{"type": "null"}] if "null" in within and None not in values else []
+    booleans = [b for b in (False, True) if not any(v is b for v in values)]
+    if "boolean" in within and booleans:
+        parts.append({"enum": booleans})
+    if "number" in within:  # the open intervals between the values
+        edges = [None, *sorted({v for v in values if _is_number(v)}), None]
+        for lo, hi in zip(edges, edges[1:]):
+            bounds = {"exclusiveMinimum": lo, "exclusiveMaximum": hi}
+            parts.append({"type": "number"} | {k: v for k, v in bounds.items() if v is not None})
+    if "string" in within:
+        strings = sorted({v for v in values if isinstance(v, str)})
+        if strings and (pattern := _none_of(strings)) is None:
+            return None
+        parts.append({"type": "string"} | ({"pattern": pattern} if strings else {}))
+    for kind, python in (("array", list), ("object", dict)):
+        if kind in within:
+            if any(isinstance(v, python) for v in values):
+                return None
+            parts.append({"type": kind})
+    return parts
+
+
+def _none_of(strings: list) -> str | None:
+    """A Python regex matching exactly the strings not among ``strings`` (a walk down their
+    trie that leaves it somewhere); None past 64 characters a string."""
+    if max(map(len, strings)) > 64 or len(strings) > 256:
+        return None
+    trie: dict = {}
+    for text in strings:
+        node = trie
+        for ch in text:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # a string ends here ("" is no character)
+    return r"\A" + _leaving(trie) + r"\Z"
+
+
+def _leaving(node: dict) -> str:
+    chars = sorted(c for c in node if c)
+    options = [] if "" in node else [""]  # the text may end here
+    escaped = "".join(map(re.escape, chars))
+    options.append(f"[^{escaped}](?s:.)*" if chars else "(?s:.)+")  # or go elsewhere
+    options += [re.escape(c) + _leaving(node[c]) for c in chars]  # or go on down
+    return "(?:" + "|".join(options) + ")"
+
+
+def _not_required(node, doc, within, depth):
+    names = node["required"]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return None
+    return [p for n in names for p in _of_type("object", within, {"properties": {n: False}})]
+
+
+def _not_properties(node, doc, within, depth):
+    declared = node["properties"]
+    if not isinstance(declared, dict):
+        return None
+    parts = []
+    for name, sub in declared.items() if "object" in within else ():
+        negated = _negated(sub, doc, TYPES, depth)
+        if negated is None:
+            return None
+        if negated is not False:  # present, and what its schema rejects
+            parts.append({"type": "object", "required": [name], "properties": {name: negated}})
+    return parts
+
+
+def _not_additional(node, doc, within, depth):
+    extra = node["additionalProperties"]
+    if extra is True or (isinstance(extra, dict) and not (extra.keys() & doc.keywords)):
+        return []
+    if extra is False and not node.get("properties") and not node.get("patternProperties"):
+        return _of_type("object", within, {"minProperties": 1})  # any property at all
+    return None if "object" in within else []
+
+
+# size keyword: (the type it is about, its opposite, the step from one to the other)
+SIZES = {
+    "minLength": ("string", "maxLength", -1),
+    "maxLength": ("string", "minLength", 1),
+    "minItems": ("array", "maxItems", -1),
+    "maxItems": ("array", "minItems", 1),
+    "minProperties": ("object", "maxProperties", -1),
+    "maxProperties": ("object", "minProperties", 1),
+}
+
+
+def _not_size(key):
+    kind, opposite, step = SIZES[key]
+
+    def negate(node, doc, within, depth):
+        n = node[key]
+        if not _is_number(n) or n != int(n) or n < 0:
+            return None
+        if step < 0 and n == 0:
+            return []  # every size is >= 0
+        return _of_type(kind, within, {opposite: int(n) + step})
+
+    return negate
+
+
+def _not_bound(key):
+    """not (x >= b) is x < b, and so on; draft 4's boolean exclusive flags read with them."""
+    lower = key in ("minimum", "exclusiveMinimum")
+
+    def negate(node, doc, within, depth):
+        b = node[key]
+        if not _is_number(b):
+            return None
+        flag = "exclusive" + key[:1].upper() + key[1:]  # draft 4: a flag beside the bound
+        exclusive = key.startswith("exclusive") or (
+            flag not in doc.keywords and node.get(flag) is True
+        )
+        opposite = (
+            ("maximum" if exclusive else "exclusiveMaximum")
+            if lower
+            else ("minimum" if exclusive else "exclusiveMinimum")
+        )
+        return _of_type("number", within, {opposite: b})
+
+    return negate
+
+
+def _not_all(node, doc, within, depth):
+    subs = node["allOf"]
+    if not isinstance(subs, list):
+        return None
+    parts = [_negated(s, doc, within, depth) for s in subs]
+    return None if None in parts else parts
+
+
+def _not_any(node, doc, within, depth):
+    subs = node["anyOf"]
+    if not isinstance(subs, list):
+        return None
+    parts = [_negated(s, doc, within, depth) for s in subs]
+    return None if None in parts else [_all(parts)]
+
+
+def _not_ref(node, doc, within, depth):
+    target = doc.target(node["$ref"])
+    negated = None if target is None else _negated(target, doc, within, depth)
+    return None if negated is None else [negated]
+
+
+def _not_if(node, doc, within, depth):
+    """not (if C then T else E) = (C and not T) or (not C and not E)."""
+    cond, then, other = node["if"], node.get("then", True), node.get("else", True)
+    parts = []
+    for guard, branch in ((cond, then), (None, other)):
+        negated = _negated(branch, doc, within, depth)
+        if negated is None:
+            return None
+        if negated is not False:
+            guard = _negated(cond, doc, within, depth) if guard is None else guard
+            if guard is None:
+                return None
+            parts.append(_all([guard, negated]))
+    return parts
+
+
+_NEGATIONS = {
+    "type": _not_type,
+    "enum": lambda node, doc, within, depth: _other_values(node["enum"], within),
+    "const": lambda node, doc, within, depth: _other_values([node["const"]], within),
+    "required": _not_required,
+    "properties": _not_properties,
+    "additionalProperties": _not_additional,
+    **{key: _not_size(key) for key in SIZES},
+    **{k: _not_bound(k) for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")},
+    "allOf": _not_all,
+    "anyOf": _not_any,
+    "not": lambda node, doc, within, depth: [node["not"]],  # not not S = S
+    "$ref": _not_ref,
+    "if": _not_if,
+    "uniqueItems": lambda node, doc, within, depth: (
+        [] if node["uniqueItems"] is False or "array" not in within else None
+    ),
+}
+# the type the other keywords are about: vacuous on instances of other types
+_TYPE_OF = {
+    **dict.fromkeys(("pattern", "format", "contentMediaType", "contentEncoding"), "string"),
+    **dict.fromkeys(("multipleOf",), "number"),
+    **dict.fromkeys(
+        ("items", "prefixItems", "additionalItems", "contains", "unevaluatedItems"), "array"
+    ),
+    **dict.fromkeys(
+        (
+            "patternProperties",
+            "propertyNames",
+            "unevaluatedProperties",
+            *DEPENDENCIES,
+        ),
+        "object",
+    ),
+}
+
+
+def _kinds(node, doc: _Document, depth: int = 0) -> frozenset:
+    """The JSON types ``node``'s instances may have (or more), as far as its type, const,
+    enum, combinators and local $ref say."""
+    if node is False:
+        return frozenset()
+    if not isinstance(node, dict) or depth > MAX_NEGATION_DEPTH:
+        return TYPES
+    kinds = TYPES
+    if "$ref" in node:
+        target = doc.resolved(node)
+        kinds = TYPES if target is node else _kinds(target, doc, depth + 1)
+        if not doc.ref_siblings:
+            return kinds
+    named = node.get("type")
+    named = [named] if isinstance(named, str) else named
+    if isinstance(named, list) and all(isinstance(k, str) for k in named):
+        kinds &= {"number" if k == "integer" else k for k in named}
+    if "const" in node and "const" in doc.keywords:
+        kinds &= {_kind(node["const"])}
+    if isinstance(node.get("enum"), list):
+        kinds &= {_kind(v) for v in node["enum"]}
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list):
+            kinds &= frozenset().union(*(_kinds(b, doc, depth + 1) for b in node[key]))
+    for sub in node.get("allOf", []) if isinstance(node.get("allOf"), list) else []:
+        kinds &= _kinds(sub, doc, depth + 1)
+    return kinds
+
+
+def _kind(value) -> str:
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), "object")
+
+
+def _disjoint(a, b, within, doc: _Document) -> bool:
+    """Whether no instance of the types ``within`` satisfies both branches (resolved), as far
+    as their types, their values, a discriminating property or a closed object show."""
+    common = within & _kinds(a, doc) & _kinds(b, doc)
+    if not common:
+        return True
+    if not (isinstance(a, dict) and isinstance(b, dict)) or "$ref" in a or "$ref" in b:
+        return False
+    values = _values(a, doc), _values(b, doc)
+    if None not in values and not values[0] & values[1]:
+        return True
+    if common != {"object"}:
+        return False  # an instance of another type satisfies both branches' `required`
+    tags = _tags(a, doc), _tags(b, doc)
+    if any(not tags[0][n] & tags[1][n] for n in tags[0].keys() & tags[1].keys()):
+        return True
+    return _closed_to(a, b) or _closed_to(b, a)
+
+
+def _values(node, doc: _Document, depth: int = 0) -> set | None:
+    """The JSON values ``node`` allows (as _json_key; or more), where its const, enum,
+    combinators and local $ref say; None where they do not."""
+    if not isinstance(node, dict) or depth > MAX_NEGATION_DEPTH:
+        return None
+    found = []
+    if "$ref" in node:
+        target = doc.resolved(node)
+        found.append(None if target is node else _values(target, doc, depth + 1))
+        if not doc.ref_siblings:
+            return found[0]
+    if "const" in node and "const" in doc.keywords:
+        found.append({_json_key(node["const"])})
+    if isinstance(node.get("enum"), list):
+        found.append({_json_key(v) for v in node["enum"]})
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list):
+            each = [_values(b, doc, depth + 1) for b in node[key]]
+            found.append(None if None in each else set().union(*each))
+    for sub in node.get("allOf", []) if isinstance(node.get("allOf"), list) else []:
+        found.append(_values(sub, doc, depth + 1))
+    known = [v for v in found if v is not None]
+    return set.intersection(*known) if known else None
+
+
+def _tags(branch: dict, doc: _Document) -> dict:
+    """Required property -> the values its schema allows, where const or enum says."""
     required, declared = branch.get("required"), branch.get("properties")
     if not isinstance(required, list) or not isinstance(declared, dict):
         return {}
-    tags = {}
-    for name in required:
-        spec = resolve(declared.get(name)) if isinstance(name, str) else None
-        if isinstance(spec, dict) and "const" in spec:
-            tags[name] = {_json_key(spec["const"])}
-        elif isinstance(spec, dict) and isinstance(spec.get("enum"), list):
-            tags[name] = {_json_key(v) for v in spec["enum"]}
-    return tags
+    found = {n: _values(doc.resolved(declared.get(n)), doc) for n in required if isinstance(n, str)}
+    return {n: v for n, v in found.items() if v is not None}
+
+
+def _closed_to(a: dict, b: dict) -> bool:
+    """Whether ``a`` admits no object with all the properties ``b`` requires."""
+    declared, required = a.get("properties", {}), b.get("required")
+    if not isinstance(declared, dict) or not isinstance(required, list):
+        return False
+    closed = a.get("additionalProperties") is False and not a.get("patternProperties")
+    return any(
+        isinstance(n, str) and (declared.get(n) is False or (closed and n not in declared))
+        for n in required
+    )
 
 
 def _json_key(value):
@@ -344,35 +743,36 @@ def _llg_pattern(pattern: str, pointer: str) -> str:
             parsed = sre_parse.parse(pattern)
         if parsed.state.flags & (re.I | re.M | re.L):
             raise PatternError("the flags (?i), (?m) and (?L)")
-        return _rust(list(parsed))
+        return _rust(list(parsed), bool(parsed.state.flags & re.S))
     except (re.error, PatternError, RecursionError) as e:
         raise UnsupportedSchemaError(
             "pattern", pointer, f"{pattern[:200]!r}: {e} (not said in llguidance's terms)."
         ) from None
 
 
-def _rust(items: list) -> str:
-    return "".join(_rust_item(op, av) for op, av in items)
+def _rust(items: list, dotall: bool) -> str:
+    return "".join(_rust_item(op, av, dotall) for op, av in items)
 
 
-def _rust_item(op, av) -> str:
+def _rust_item(op, av, dotall: bool) -> str:
     if op is C.LITERAL:
         return _rust_class([(av, av)])
     if op is C.NOT_LITERAL:
         return _rust_class(_complement([(av, av)]))
-    if op is C.ANY:  # without (?s): all but a newline; with it Python's is wider (fewer strings)
-        return _rust_class(_complement([(10, 10)]))
+    if op is C.ANY:  # all but a newline, without (?s)
+        return _rust_class([(0, MAX_CODEPOINT)] if dotall else _complement([(10, 10)]))
     if op is C.IN:
         return _rust_class(_class_ranges(av))
     if op is C.BRANCH:
-        return "(?:" + "|".join(_rust(list(b)) for b in av[1]) + ")"
+        return "(?:" + "|".join(_rust(list(b), dotall) for b in av[1]) + ")"
     if op is C.SUBPATTERN:
         if (av[1] | av[2]) & (re.I | re.M | re.L):
             raise PatternError("the flags (?i), (?m) and (?L)")
-        return "(?:" + _rust(list(av[3])) + ")"
+        dotall = (dotall or bool(av[1] & re.S)) and not av[2] & re.S
+        return "(?:" + _rust(list(av[3]), dotall) + ")"
     if op in (C.MAX_REPEAT, C.MIN_REPEAT):  # laziness does not change what re.search finds
         lo, hi, sub = av
-        return "(?:" + _rust(list(sub)) + f"){{{lo},{'' if hi >= C.MAXREPEAT else hi}}}"
+        return "(?:" + _rust(list(sub), dotall) + f"){{{lo},{'' if hi >= C.MAXREPEAT else hi}}}"
     if op is C.AT and av in (C.AT_BEGINNING, C.AT_BEGINNING_STRING):
         return "^"
     if op is C.AT and av in (C.AT_END, C.AT_END_STRING):  # Python's $ also before a last \n
@@ -391,10 +791,11 @@ _UNSAID = {
 
 
 def _class_ranges(items) -> list[tuple[int, int]]:
-    """Code point ranges of a Python character class, its categories (\\d, \\s, \\w) as
-    Python's own (Unicode)."""
+    """Code point ranges of a Python character class (or fewer): \\s as Python's own, \\d and
+    \\w their ASCII members (Python's are thousands of ranges, which slowed llguidance's
+    compile 20-fold), and a class that complements those cut to ASCII, which it then holds."""
     negate = bool(items) and items[0][0] is C.NEGATE
-    ranges = []
+    ranges, cut = [], False
     for op, av in items[int(negate) :]:
         if op is C.LITERAL:
             ranges.append((av, av))
@@ -404,9 +805,11 @@ def _class_ranges(items) -> list[tuple[int, int]]:
             name, inverted = _CATEGORIES[av]
             members = _category(name)
             ranges += _complement(members) if inverted else members
+            cut |= name != "\\s" and (inverted or negate)
         else:
             raise PatternError(f"the class item {str(op).lower()}")
-    return _complement(ranges) if negate else _normalise(ranges)
+    ranges = _complement(ranges) if negate else _normalise(ranges)
+    return _intersect(ranges, [(0, 127)]) if cut else ranges
 
 
 _CATEGORIES = {
@@ -421,9 +824,11 @@ _CATEGORIES = {
 
 @cache
 def _category(name: str) -> list[tuple[int, int]]:
-    """The code points Python's ``name`` (\\d, \\s, \\w) matches, as ranges (~0.1 s, once)."""
-    everything = "".join(map(chr, range(MAX_CODEPOINT + 1)))
-    return [(m.start(), m.end() - 1) for m in re.finditer(name + "+", everything)]
+    """The code points Python's ``name`` matches: all of them for \\s (~0.1 s, once), the
+    ASCII ones for \\d and \\w."""
+    top = MAX_CODEPOINT if name == "\\s" else 127
+    chars = "".join(map(chr, range(top + 1)))
+    return [(m.start(), m.end() - 1) for m in re.finditer(name + "+", chars)]
 
 
 def _rust_class(ranges) -> str:
@@ -449,8 +854,9 @@ _LOOSER = "llguidance would accept texts jsonschema rejects here."
 # Sound because it only happens in schemas without negation (`not`, `oneOf`'s "exactly one",
 # `if`): there every subschema counts positively, so narrowing one narrows the whole (under
 # oneOf, closing a branch lets instances valid under two branches through: the coverage run
-# caught it). Nor with allOf or a $ref beside properties, where closing one schema would reject
-# the properties another declares.
+# caught it). Nor with allOf, or a $ref or anyOf beside properties, where closing one schema
+# would reject the properties another declares (closed beside an anyOf, an object with the
+# properties of a branch had none left: "unsatisfiable").
 OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 NOT_CLOSABLE = ("not", "oneOf", "if", "allOf")
 
@@ -472,11 +878,13 @@ def _close_objects(node):
 
 
 def _closable(node) -> bool:
-    """No negation, no allOf and no $ref beside properties anywhere (JSON values aside)."""
+    """No negation, no allOf, no $ref or anyOf beside properties (JSON values aside)."""
     if isinstance(node, list):
         return all(_closable(v) for v in node)
     if not isinstance(node, dict):
         return True
-    if any(k in node for k in NOT_CLOSABLE) or ("$ref" in node and "properties" in node):
+    if any(k in node for k in NOT_CLOSABLE) or (
+        "properties" in node and any(k in node for k in ("$ref", "anyOf"))
+    ):
         return False
     return all(_closable(v) for k, v in node.items() if k not in VALUES)

@@ -271,8 +271,10 @@ def test_objects_with_declared_properties_get_no_undeclared_ones(tiny_tokenizer)
             {"required": ["id", "lose"], "properties": {"id": {"type": "string"}, "lose": {}}},
         ],
     }
-    with pytest.raises(UnsupportedSchemaError, match="oneOf"):  # overlapping branches: refused
-        compiled(either)  # closed, the branches looked disjoint: {"id","win","lose"} got through
+    # said as "one branch and not the other" (an allOf: not closed), never closed: closed, the
+    # branches looked disjoint, and {"id","win","lose"} got through
+    assert compiled(either).accepts('{"id":"a","win":1,"x":2}')
+    assert not compiled(either).accepts('{"id":"a","win":1,"lose":2}')
     assert compiled(PERSON | {"additionalProperties": True}).accepts(extra)
     assert compiled({"type": "object"}).accepts('{"x":1}')  # none declared: free-form
 
@@ -368,6 +370,125 @@ KIND_B = {"type": "object", "properties": {"kind": {"enum": ["b", "c"]}, "y": {"
             ['{"v":1}', '{"v":true}'],
             ['{"v":2}', '{"v":false}', "1"],
         ),
+        (  # not enum under a known type: a string none of them (a walk off their trie)
+            {"type": "string", "not": {"enum": ["a", "ab"]}},
+            ['""', '"b"', '"abc"', '"a\\n"', '"\\""', '"aab"'],
+            ['"a"', '"ab"', "1"],
+        ),
+        ({"type": "integer", "not": {"const": 6379}}, ["6378", "6380", "0"], ["6379"]),
+        (  # not enum of any type: the other types, numbers between the values (1 == 1.0)
+            {"not": {"enum": [1, "x", None, True]}},
+            ["2", "1.5", "-7", '"y"', "false", "[]", "{}"],
+            ["1", "1.0", '"x"', "null", "true"],
+        ),
+        ({"not": {"enum": [0, 1]}}, ["true", "false", "0.5"], ["0", "1"]),  # true is no 1
+        (  # exactly one of these keys
+            {"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+            ['{"a":1}', '{"b":1}', '{"a":1,"c":2}'],
+            ['{"a":1,"b":2}', "{}", "1"],
+        ),
+        (  # overlapping branches: one and not the other, through $refs
+            {
+                "oneOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}],
+                "$defs": {
+                    "a": {"type": "object", "required": ["a"]},
+                    "b": {
+                        "type": "object",
+                        "required": ["b"],
+                        "properties": {"b": {"type": "string"}},
+                    },
+                },
+            },
+            ['{"a":1}', '{"b":"x"}', '{"b":2,"a":1}'],  # (llguidance's property order)
+            ['{"a":1,"b":"x"}', "{}", '"a"'],
+        ),
+        (  # no type object: a non-object satisfies both branches' `required`
+            {
+                "oneOf": [
+                    {"required": ["k"], "properties": {"k": {"const": 1}}},
+                    {"required": ["k"], "properties": {"k": {"const": 2}}},
+                ]
+            },
+            ['{"k":1}', '{"k":2}'],
+            ['"a"', "1", '{"k":3}', "{}"],
+        ),
+        (  # 1 and 1.0 are one JSON number: both branches take it
+            {
+                "type": "object",
+                "oneOf": [
+                    {"required": ["k"], "properties": {"k": {"const": 1}}},
+                    {"required": ["k"], "properties": {"k": {"enum": [1.0, 2]}}},
+                ],
+            },
+            ['{"k":2}'],
+            ['{"k":1}', '{"k":1.0}', '{"k":3}'],
+        ),
+        ({"oneOf": [{"type": "string"}, {}]}, ["1", "null", "{}"], ['"a"']),  # {} takes all
+        (  # a closed object admits no y: disjoint from what requires y (open: not)
+            {
+                "oneOf": [
+                    {"type": "object", "properties": {"x": {}}, "additionalProperties": False},
+                    {"type": "object", "required": ["y"]},
+                ]
+            },
+            ['{"x":1}', "{}", '{"y":1}', '{"y":1,"x":1}'],  # required ones first
+            ["1"],
+        ),
+        (
+            {
+                "oneOf": [
+                    {"type": "object", "properties": {"x": {}}},
+                    {"type": "object", "required": ["y"]},
+                ]
+            },
+            ['{"x":1}', "{}"],
+            ['{"y":1}', '{"y":1,"x":1}'],
+        ),
+        (  # if/then/else: (if and then) or (not if and else)
+            {
+                "if": {"properties": {"kind": {"const": "a"}}},
+                "then": {"required": ["x"]},
+                "else": {"required": ["y"]},
+            },
+            ['{"kind":"a","x":1}', '{"kind":"b","y":1}', '{"x":1}', '"s"'],
+            ['{"kind":"a","y":1}', '{"kind":"b","x":1}', "{}"],
+        ),
+        (  # not properties, bounds, sizes
+            {"not": {"type": "object", "properties": {"a": {"type": "string", "minLength": 2}}}},
+            ["1", '{"a":"x"}', '{"a":1}'],
+            ["{}", '{"a":"xy"}', '{"b":1}'],
+        ),
+        ({"type": "number", "not": {"minimum": 2}}, ["1.5", "-3"], ["2", "2.5"]),
+        ({"type": "array", "not": {"maxItems": 1}}, ["[1,2]"], ["[]", "[1]"]),
+        (  # not (if C then T else E) = (C and not T) or (not C and not E), E here true
+            {"not": {"if": {"pattern": "^a"}, "then": {"minLength": 3}}},
+            ['"a"', '"ab"'],
+            ['"abc"', '"b"', "1"],
+        ),
+        (  # no else: (if and then) or not if
+            {
+                "if": {"properties": {"a": {"const": 1}}, "required": ["a"]},
+                "then": {"required": ["b"]},
+            },
+            ['{"a":2}', "{}", '{"a":1,"b":1}'],
+            ['{"a":1}'],
+        ),
+        ({"oneOf": [{"enum": ["a", "b"]}, {"enum": ["b", "c"]}]}, ['"a"', '"c"'], ['"b"', '"d"']),
+        (  # draft 4 has no const: the first branch takes everything
+            {"$schema": DRAFT4, "oneOf": [{"const": "a"}, {"type": "number"}]},
+            ['"x"', "null"],
+            ["1"],
+        ),
+        ({"type": "string", "not": {"not": {"pattern": "^a"}}}, ['"ab"'], ['"b"']),  # not not
+        (  # draft 7: beside a $ref, jsonschema reads nothing (so neither does the negation)
+            {
+                "$schema": "http://json-schema.org/draft-07/schema#",
+                "not": {"$ref": "#/definitions/s", "type": "number"},
+                "definitions": {"s": {"type": "string"}},
+            },
+            ["1", "null"],
+            ['"a"'],
+        ),
     ],
 )
 def test_oneof_dependencies_and_not_compile_in_llguidance_terms(
@@ -387,36 +508,53 @@ def test_oneof_dependencies_and_not_compile_in_llguidance_terms(
 @pytest.mark.parametrize(
     "schema",
     [
-        {"oneOf": [{"type": "integer"}, {"type": "number"}]},  # 3 is both: oneOf rejects it
+        {"oneOf": [{"type": "integer"}, {"type": "number"}]},  # 3 is both: needs "not integer"
         {"not": {"type": "integer"}},  # 1.5 and "a": no type says "a fractional number"
-        {"not": {"enum": ["a"]}},
-        {  # [1] and [1.0] are one JSON array: both branches take it
+        {"oneOf": [{"pattern": "a"}, {"pattern": "b"}]},  # no negated patterns
+        {"not": {"multipleOf": 3}},
+        {  # [1] and [1.0] are one JSON array: not told apart, nor negated
             "type": "object",
             "oneOf": [
                 {"required": ["k"], "properties": {"k": {"const": [1]}}},
                 {"required": ["k"], "properties": {"k": {"const": [1.0]}}},
             ],
         },
-        {"oneOf": [{"type": "string"}, {}]},  # a branch without a type
-        {"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},  # both present
-        {  # no type object: "a" (a string) satisfies both branches' `required`
-            "oneOf": [
-                {"required": ["k"], "properties": {"k": {"const": 1}}},
-                {"required": ["k"], "properties": {"k": {"const": 2}}},
-            ]
+        {  # 2020-12 does not know `dependencies`: said (narrower), never negated
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            "not": {"dependencies": {"a": ["b"]}},
         },
-        {  # 1 and 1.0 are one JSON number
+    ],
+)
+def test_what_is_not_said_exactly_stays_refused_by_name(schema):
+    with pytest.raises(UnsupportedSchemaError, match="oneOf|not"):
+        guidance.schema_grammar(schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$schema": DRAFT4, "not": {"const": 1}},  # draft 4 has no const: not {} (nothing)
+        {  # nor const discriminators: both branches take every object with k
+            "$schema": DRAFT4,
             "type": "object",
             "oneOf": [
                 {"required": ["k"], "properties": {"k": {"const": 1}}},
-                {"required": ["k"], "properties": {"k": {"enum": [1.0, 2]}}},
+                {"required": ["k"], "properties": {"k": {"const": 2}}},
             ],
         },
     ],
 )
-def test_a_oneof_that_may_overlap_stays_refused_by_name(schema):
-    with pytest.raises(UnsupportedSchemaError, match="oneOf|not"):
+def test_keywords_the_draft_does_not_know_assert_nothing(schema):
+    with pytest.raises(ConstraintError, match="[Uu]nsatisfiable"):
         guidance.schema_grammar(schema)
+
+
+def test_a_keyword_not_negated_here_is_never_taken_as_vacuous():
+    """(Under a negation, ignoring a keyword narrows; negating that again would loosen.)"""
+    doc = guidance_schema._Document.of({})
+    for kept in ({"oneOf": [{"pattern": "a"}, {"pattern": "b"}]}, {"$dynamicRef": "#x"}):
+        assert guidance_schema._negated(kept, doc) is None
+    assert guidance_schema._negated({"pattern": "a"}, doc, frozenset({"number"})) is False
 
 
 def test_local_refs_are_not_followed_below_a_nested_id():
