@@ -68,15 +68,27 @@ def _in_llguidance_terms(schema):
     - ``if``/``then``/``else``: (if and then) or (not if and else);
     - ``dependencies`` (``dependentRequired``/``dependentSchemas`` since 2019-09): an allOf
       of "the name is absent, or present with what it needs".
-    Forms left unsaid stay, and llguidance refuses them by name."""
+    Forms left unsaid stay, and llguidance refuses them by name. Where the negations would
+    grow the schema past ``MAX_GROWTH`` times (llguidance took minutes on one grown 13-fold),
+    they are left out."""
     schema = _rewrite(schema, _without_double_negation)  # before the inner one is rewritten
+    size = len(json.dumps(schema))
+    rewritten = _rewritten(schema, negate=True)
+    if len(json.dumps(rewritten)) > MAX_GROWTH * size + 10_000:
+        rewritten = _rewritten(schema, negate=False)
+    return rewritten
+
+
+def _rewritten(schema, negate: bool):
     doc = _Document.of(schema)
+    doc.negate = negate
 
     def change(node, out):
         if isinstance(out.get("oneOf"), list):
             _one_of(out, doc)
         _dependencies(out, doc)
-        if "not" in out and (positive := _negated(out["not"], doc, _kinds(out, doc))) is not None:
+        positive = _negation(out["not"], out, doc, _kinds(out, doc)) if "not" in out else None
+        if positive is not None:
             del out["not"]
             _also(out, positive)
         if "if" in out and "if" in doc.keywords:
@@ -90,7 +102,8 @@ def _in_llguidance_terms(schema):
 TYPES = frozenset({"null", "boolean", "object", "array", "number", "string"})  # integer: number
 MAX_BRANCHES = 16  # a oneOf's branches said as "this one and no other" (k * (k - 1) negations)
 MAX_NEGATION_DEPTH = 16  # nested subschemas (and $refs followed) a negation goes through
-MAX_GROWTH = 100_000  # characters of JSON one oneOf may grow to when said as anyOf
+MAX_GROWTH = 4  # times (plus 10k characters) the negations may grow a schema
+MAX_NEGATED_REFS = 4_000  # characters of $ref targets one negation may copy
 
 
 @dataclass
@@ -105,6 +118,9 @@ class _Document:
     change: object = None
     targets: dict = field(default_factory=dict)  # ref -> rewritten target, None while rewriting
     narrowed: set = field(default_factory=set)  # ids of rewritten nodes narrower than the schema
+    negate: bool = True  # whether rewrites may negate (else only what needs no negation)
+    partial: bool = False  # negating with the parts not said here left out (``_negation``)
+    budget: int = 0  # characters of $ref targets the current negation may still copy
 
     @classmethod
     def of(cls, schema) -> _Document:
@@ -183,25 +199,29 @@ def _any(parts):
 
 
 def _one_of(out: dict, doc: _Document) -> None:
-    """oneOf [B1, ..., Bk] as anyOf [B1 and no other, ..., Bk and no other], where "and no
-    other" negates each other branch an instance of Bi may satisfy too (``_disjoint``)."""
+    """oneOf [B1, ..., Bk] as anyOf [B1 and no other, ..., Bk and no other], where "no other"
+    negates each other branch on the types where its instances may be Bi's too (``_overlap``)."""
     branches = out["oneOf"]
     if not branches or len(branches) > MAX_BRANCHES:
         return
     within = _kinds(out, doc)
     resolved = [doc.resolved(b) for b in branches]
+    required = out.get("required") if isinstance(out.get("required"), list) else []
     options = []
     for i, branch in enumerate(branches):
-        kinds = within & _kinds(resolved[i], doc)
-        parts = [branch]
-        for j, other in enumerate(branches):
-            if j != i and not _disjoint(resolved[i], resolved[j], within, doc):
-                if (negated := _negated(other, doc, kinds)) is None:
-                    return
-                parts.append(negated)
+        kinds, parts = within & _kinds(resolved[i], doc), [branch]
+        for j, other in enumerate(resolved):
+            shared = frozenset() if j == i else _overlap(resolved[i], other, kinds, doc, required)
+            if not shared:
+                continue
+            if (negated := _negation(branches[j], out, doc, shared)) is None:
+                return
+            if shared != kinds:  # instances of the other types satisfy Bi alone
+                negated = _any(
+                    [{"type": sorted(kinds - shared)}, _all([{"type": sorted(shared)}, negated])]
+                )
+            parts.append(negated)
         options.append(_all(parts))
-    if len(json.dumps(options)) > MAX_GROWTH:
-        return
     del out["oneOf"]
     if "anyOf" in out:
         _also(out, _any(options))
@@ -211,7 +231,7 @@ def _one_of(out: dict, doc: _Document) -> None:
 
 def _if_then_else(out: dict, doc: _Document) -> None:
     cond, then, other = out["if"], out.get("then", True), out.get("else", True)
-    unless = _negated(cond, doc, _kinds(out, doc)) if other is not False else False
+    unless = _negation(cond, out, doc, _kinds(out, doc)) if other is not False else False
     if unless is None:
         return
     for key in ("if", "then", "else"):
@@ -249,6 +269,28 @@ def _if_present(name: str, dep) -> dict:
 # --- negation ----------------------------------------------------------------------------------
 
 
+def _negation(node, out: dict, doc: _Document, within):
+    """``node`` negated exactly, else with the parts not said here left out (a subset: the
+    instances that fail ``node`` the ways that can be said, such as missing a required
+    property), as the regex engine does; then ``out`` is marked narrower, never to be
+    negated itself (that would loosen it). None where nothing is left."""
+    if not doc.negate:
+        return None
+    saved = doc.partial, doc.budget
+    try:
+        doc.partial, doc.budget = False, MAX_NEGATED_REFS
+        exact = _negated(node, doc, within)
+        if exact is not None:
+            return exact
+        doc.partial, doc.budget = True, MAX_NEGATED_REFS
+        if (part := _negated(node, doc, within)) is False:
+            return None
+        doc.narrowed.add(id(out))
+        return part
+    finally:
+        doc.partial, doc.budget = saved
+
+
 def _negated(node, doc: _Document, within=TYPES, depth: int = 0):
     """A schema in llguidance's keywords that accepts, of the instances whose JSON types are
     in ``within``, exactly those ``node`` rejects (jsonschema's meaning); None where it is not
@@ -258,7 +300,7 @@ def _negated(node, doc: _Document, within=TYPES, depth: int = 0):
     if node is False:
         return True
     if not isinstance(node, dict) or depth > MAX_NEGATION_DEPTH or id(node) in doc.narrowed:
-        return None
+        return False if doc.partial else None
     keys = node.keys() & doc.keywords  # what the draft does not know asserts nothing
     if "$ref" in keys and not doc.ref_siblings:
         keys = {"$ref"}
@@ -269,9 +311,9 @@ def _negated(node, doc: _Document, within=TYPES, depth: int = 0):
         else:  # vacuous on the types it is not about; else not said here
             kind = _TYPE_OF.get(key)
             part = None if kind is None or kind in within else []
-        if part is None:
+        if part is None and not doc.partial:
             return None
-        parts += part
+        parts += part or []  # (partial: what is not said here is left out)
     return _any(parts)
 
 
@@ -435,8 +477,14 @@ def _not_any(node, doc, within, depth):
 
 
 def _not_ref(node, doc, within, depth):
+    """The target negated, within a budget of copied targets per negation: llguidance took
+    minutes intersecting big copies (Github_hard---o91595)."""
     target = doc.target(node["$ref"])
-    negated = None if target is None else _negated(target, doc, within, depth)
+    size = len(json.dumps(target))
+    if target is None or size > doc.budget:
+        return None
+    doc.budget -= size
+    negated = _negated(target, doc, within, depth)
     return None if negated is None else [negated]
 
 
@@ -530,23 +578,30 @@ def _kind(value) -> str:
     return {str: "string", list: "array", dict: "object"}.get(type(value), "object")
 
 
-def _disjoint(a, b, within, doc: _Document) -> bool:
-    """Whether no instance of the types ``within`` satisfies both branches (resolved), as far
-    as their types, their values, a discriminating property or a closed object show."""
+def _overlap(a, b, within, doc: _Document, required=()) -> frozenset:
+    """The types ``within`` of which an instance may satisfy both branches (resolved), as far
+    as their types, their values, a discriminating property (required by both, or by the
+    node around them: ``required``) or a closed object show (the last two tell objects
+    apart: a non-object satisfies every `required`)."""
     common = within & _kinds(a, doc) & _kinds(b, doc)
-    if not common:
-        return True
-    if not (isinstance(a, dict) and isinstance(b, dict)) or "$ref" in a or "$ref" in b:
-        return False
+    if (
+        not common
+        or not (isinstance(a, dict) and isinstance(b, dict))
+        or "$ref" in a
+        or "$ref" in b
+    ):
+        return common
     values = _values(a, doc), _values(b, doc)
     if None not in values and not values[0] & values[1]:
-        return True
-    if common != {"object"}:
-        return False  # an instance of another type satisfies both branches' `required`
-    tags = _tags(a, doc), _tags(b, doc)
-    if any(not tags[0][n] & tags[1][n] for n in tags[0].keys() & tags[1].keys()):
-        return True
-    return _closed_to(a, b) or _closed_to(b, a)
+        return frozenset()
+    tags = _tags(a, doc, required), _tags(b, doc, required)
+    if (
+        any(not tags[0][n] & tags[1][n] for n in tags[0].keys() & tags[1].keys())
+        or _closed_to(a, b)
+        or _closed_to(b, a)
+    ):
+        return common - {"object"}
+    return common
 
 
 def _values(node, doc: _Document, depth: int = 0) -> set | None:
@@ -574,11 +629,13 @@ def _values(node, doc: _Document, depth: int = 0) -> set | None:
     return set.intersection(*known) if known else None
 
 
-def _tags(branch: dict, doc: _Document) -> dict:
-    """Required property -> the values its schema allows, where const or enum says."""
-    required, declared = branch.get("required"), branch.get("properties")
+def _tags(branch: dict, doc: _Document, also=()) -> dict:
+    """Required property (by the branch, or ``also``) -> the values its schema allows, where
+    const or enum says."""
+    required, declared = branch.get("required", []), branch.get("properties")
     if not isinstance(required, list) or not isinstance(declared, dict):
         return {}
+    required = [*required, *also]
     found = {n: _values(doc.resolved(declared.get(n)), doc) for n in required if isinstance(n, str)}
     return {n: v for n, v in found.items() if v is not None}
 
