@@ -137,6 +137,9 @@ def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: local)")
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     srv.add_argument(
+        "--open-objects", action="store_true", help="as for generate: undeclared properties"
+    )
+    srv.add_argument(
         "--api-key",
         default=os.environ.get("CONSTRAINED_SPEC_API_KEY"),
         metavar="KEY",
@@ -195,6 +198,13 @@ def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
         help="what compiles the constraint: "
         + "; ".join(f"'{k}' = {v}" for k, v in ENGINES.items())
         + " (default: auto)",
+    )
+    gen.add_argument(
+        "--open-objects",
+        action="store_true",
+        help="let objects that declare properties have undeclared ones too, where the schema "
+        "says nothing about them (JSON Schema's meaning; by default they are closed, so that "
+        "the model cannot invent keys; the regex engine always closes them)",
     )
     gen.add_argument(
         "--raw-prompt",
@@ -457,7 +467,9 @@ def _constraint(args) -> dict:
         constraint = {"schema": load_schema(args.schema)}
     else:
         constraint = {"regex": args.regex}
-    engine, _ = translate(getattr(args, "engine", "auto"), **constraint)
+    engine, _ = translate(
+        getattr(args, "engine", "auto"), "", getattr(args, "open_objects", False), **constraint
+    )
     if engine == "regex" and "regex" in constraint:
         try:
             re.compile(constraint["regex"])
@@ -564,6 +576,7 @@ def _generate(args, out: Console, err: Console) -> int:
             weights=args.weights,
             dtype=getattr(torch, args.dtype),
             engine=args.engine,
+            open_objects=args.open_objects,
         )
     except ModelFetchError as e:  # not the user's input: no network, corrupt download
         err.print(Text.assemble(("error: ", "bold red"), str(e)))
@@ -652,6 +665,7 @@ def _serve(args, out: Console, err: Console) -> int:
         max_queue=args.max_queue,
         threads=args.threads,
         batch_size=args.batch_size,
+        open_objects=args.open_objects,
     )
     err.print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (loading the model)")
     serve(config, args.host, args.port)

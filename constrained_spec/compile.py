@@ -201,9 +201,10 @@ _compiled: dict[tuple[str, str, int], Constraint] = {}
 _translated: dict[tuple[str, str], str] = {}
 
 
-def translate_schema(schema: dict, whitespace: str = "") -> str:
-    """``schema_to_regex`` under the compile bounds, memoised: translation alone can take
-    minutes (a 100k-value enum, an enum candidate checked against a backtracking ``pattern``)."""
+def translate_schema(schema: dict, whitespace: str = "", timeout_s: float | None = None) -> str:
+    """``schema_to_regex`` under the compile bounds (or ``timeout_s``), memoised: translation
+    alone can take minutes (a 100k-value enum, an enum candidate checked against a
+    backtracking ``pattern``)."""
     try:
         key = (json.dumps(schema, sort_keys=True), whitespace)
     except (TypeError, ValueError) as e:  # sets, NaN keys, objects: not a JSON document
@@ -212,20 +213,24 @@ def translate_schema(schema: dict, whitespace: str = "") -> str:
         ) from None
     if key not in _translated:
         _translated[key] = run_bounded(
-            lambda: schema_to_regex(schema, whitespace), "translating the schema"
+            lambda: schema_to_regex(schema, whitespace), "translating the schema", timeout_s
         )
     return _translated[key]
 
 
 def compile_regex(
-    regex: str, vocab: TokenVocabulary, vocab_size: int, cache_dir: Path | None = None
+    regex: str,
+    vocab: TokenVocabulary,
+    vocab_size: int,
+    cache_dir: Path | None = None,
+    timeout_s: float | None = None,
 ) -> Constraint:
-    """Compile ``regex`` for this vocabulary; cached in memory and (if ``cache_dir``) on disk."""
+    """Compile ``regex`` for this vocabulary; cached in memory and (if ``cache_dir``) on disk.
+    The index build runs under the compile bounds, or ``timeout_s``."""
     key = (regex, vocab.fingerprint, vocab_size)
     if key not in _compiled:
-        _compiled[key] = Constraint(
-            _load_or_build_index(regex, vocab, cache_dir), vocab, vocab_size, regex
-        )
+        index = _load_or_build_index(regex, vocab, cache_dir, timeout_s)
+        _compiled[key] = Constraint(index, vocab, vocab_size, regex)
     return _compiled[key]
 
 
@@ -320,7 +325,9 @@ def _write_entry(path: Path, key_digest: str, index: Index) -> None:
             Path(tmp).unlink(missing_ok=True)
 
 
-def _load_or_build_index(regex: str, vocab: TokenVocabulary, cache_dir: Path | None) -> Index:
+def _load_or_build_index(
+    regex: str, vocab: TokenVocabulary, cache_dir: Path | None, timeout_s: float | None = None
+) -> Index:
     path = None
     if cache_dir is not None:
         key = f"{_OUTLINES_VERSION}\0{vocab.fingerprint}\0{regex}"
@@ -330,7 +337,7 @@ def _load_or_build_index(regex: str, vocab: TokenVocabulary, cache_dir: Path | N
         if index is not None:
             return index
     outlines_vocab = _outlines_vocabulary(vocab)  # built here, shared with the child by fork
-    index = _build_index(regex, lambda pattern: Index(pattern, outlines_vocab))
+    index = _build_index(regex, lambda pattern: Index(pattern, outlines_vocab), timeout_s)
     if path is not None:
         _write_entry(path, key_digest, index)
     return index
@@ -344,25 +351,37 @@ DEFAULT_COMPILE_TIMEOUT_S = 60.0
 DEFAULT_COMPILE_MEMORY_GB = 8.0
 
 
+# engine="auto" gives the regex engine this long (translation and index build together) for a
+# schema llguidance cannot compile: a request, or a server's next ones, never waits a minute on
+# it. CONSTRAINED_SPEC_FALLBACK_TIMEOUT (seconds; 0 = only the compile bounds above) sets it.
+DEFAULT_FALLBACK_TIMEOUT_S = 2.0
+
+
 def compile_limits() -> tuple[float, float]:
     """(timeout in s, memory in GB) from the environment; SettingError names a bad value."""
-    limits = []
-    for name, default in (
-        ("CONSTRAINED_SPEC_COMPILE_TIMEOUT", DEFAULT_COMPILE_TIMEOUT_S),
-        ("CONSTRAINED_SPEC_COMPILE_MEMORY_GB", DEFAULT_COMPILE_MEMORY_GB),
-    ):
-        text = os.environ.get(name, "").strip()
-        try:
-            value = float(text) if text else default
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value >= 0):
-            raise SettingError(
-                f"{name}={text!r} is not a limit: set a finite number >= 0 (0 = no limit), "
-                f"or unset it for the default {default:g}."
-            )
-        limits.append(value)
-    return limits[0], limits[1]
+    return (
+        _setting("CONSTRAINED_SPEC_COMPILE_TIMEOUT", DEFAULT_COMPILE_TIMEOUT_S),
+        _setting("CONSTRAINED_SPEC_COMPILE_MEMORY_GB", DEFAULT_COMPILE_MEMORY_GB),
+    )
+
+
+def fallback_timeout() -> float:
+    """Seconds engine="auto" gives the regex engine (0: the compile bounds alone)."""
+    return _setting("CONSTRAINED_SPEC_FALLBACK_TIMEOUT", DEFAULT_FALLBACK_TIMEOUT_S)
+
+
+def _setting(name: str, default: float) -> float:
+    text = os.environ.get(name, "").strip()
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise SettingError(
+            f"{name}={text!r} is not a limit: set a finite number >= 0 (0 = no limit), "
+            f"or unset it for the default {default:g}."
+        )
+    return value
 
 
 _warned: set[str] = set()
@@ -399,7 +418,8 @@ def run_bounded(fn, what: str, timeout_s: float | None = None, memory_gb: float 
             raise SchemaTooComplex(
                 f"{what} took longer than {timeout_s:g} s. Simplify the schema (fewer optional "
                 "properties, smaller maxLength/maxItems, shallower nesting) or raise the limit "
-                "with CONSTRAINED_SPEC_COMPILE_TIMEOUT=<seconds> (0 = no limit)."
+                "with CONSTRAINED_SPEC_COMPILE_TIMEOUT=<seconds> (0 = no limit).",
+                timed_out=True,
             )
         status, payload = pickle.loads(parent.recv_bytes())
     except EOFError:  # the child died without answering: killed for memory, or aborted

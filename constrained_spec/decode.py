@@ -332,12 +332,16 @@ class Generator:
         whitespace: str = "",
         cache_dir: str | Path | None = None,
         engine: str = "auto",
+        open_objects: bool = False,
     ):
         """``draft``: a transformers causal LM sharing the target's vocabulary, a trained
         DraftHead, a Drafter (``begin``, ``propose``, ``observe``, ``uses_features``), or None
         (masked baseline).
         ``whitespace``: regex allowed between JSON tokens; the default "" emits compact JSON.
-        ``engine``: what compiles constraints, one of guidance.ENGINES."""
+        ``engine``: what compiles constraints, one of guidance.ENGINES.
+        ``open_objects``: objects that declare properties may also have others where the
+        schema says nothing about them (JSON Schema's meaning; the default closes them: the
+        model then cannot invent keys, docs/schemas.md). The regex engine closes them always."""
         self.target, self.tokenizer = target.eval(), tokenizer
         self.vocab = token_vocabulary(tokenizer)
         self.width = logits_width(target)  # may be padded above len(tokenizer)
@@ -349,6 +353,7 @@ class Generator:
         self.drafter = _as_drafter(draft, target, len(tokenizer), self.width)
         self.whitespace = whitespace
         self.engine = check_engine(engine)  # an unknown one fails here, not at the first request
+        self.open_objects = open_objects
         self.context = getattr(target.config, "max_position_embeddings", None) or 2**31
         self.cache_dir = default_cache_dir(cache_dir)
         self._lock = threading.RLock()  # one request at a time: see the class docstring
@@ -415,6 +420,7 @@ class Generator:
             self.width,
             self.cache_dir,
             self.whitespace,
+            self.open_objects,
             schema=schema,
             regex=regex,
             grammar=grammar,

@@ -24,6 +24,10 @@ class UnsupportedSchemaError(ConstraintError):
 class SchemaTooComplex(ConstraintError):
     """Compiling the constraint exceeded the time or memory bound."""
 
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out  # the time bound (else the memory bound)
+
 
 class SettingError(ValueError):
     """A ``CONSTRAINED_SPEC_*`` environment setting has an unusable value."""

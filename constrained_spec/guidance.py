@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from functools import cache
 
@@ -27,7 +28,7 @@ import torch
 
 from . import guidance_schema
 from .compile import FINISHED, Constraint
-from .errors import ConstraintError, UnsupportedSchemaError
+from .errors import ConstraintError, SchemaTooComplex, UnsupportedSchemaError
 from .vocab import TokenVocabulary
 
 MASK_CACHE = 256  # masks kept per constraint (LRU): a 49k vocabulary's bool mask is 49 kB
@@ -247,22 +248,25 @@ def compile_grammar(
 NO_FORCING = '\n%llguidance {"no_forcing": true}\n'
 
 
-def schema_grammar(schema: dict, whitespace: str = "") -> str:
+def schema_grammar(schema: dict, whitespace: str = "", open_objects: bool = False) -> str:
     """llguidance's grammar for a JSON Schema: compact JSON (``whitespace`` = "") or ``whitespace``
-    (a regex) between tokens. A keyword it cannot honour is refused by name, never ignored."""
-    schema = guidance_schema._in_llguidance_terms(schema)
-    schema = guidance_schema._sound_for_llguidance(schema)
-    if guidance_schema._closable(schema):
-        schema = guidance_schema._close_objects(schema)
+    (a regex) between tokens; objects with declared properties closed to undeclared ones unless
+    ``open_objects`` (guidance_schema.for_llguidance). A keyword it cannot honour is refused by
+    name and JSON pointer, never ignored."""
+    sent = guidance_schema.for_llguidance(schema, open_objects)
     options = {"whitespace_flexible": False, "lenient": False}
     if whitespace:
         options |= {"whitespace_flexible": True, "whitespace_pattern": whitespace}
     try:
-        text = json.dumps(schema | {"x-guidance": options}, allow_nan=False)
+        text = json.dumps(sent | {"x-guidance": options}, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ConstraintError(f"the schema is not plain JSON: {e}") from None
     grammar = "start: %json " + text + NO_FORCING
-    _check(grammar, "the schema")
+    try:
+        _check(grammar, "the schema")
+    except UnsupportedSchemaError as e:  # llguidance names the keyword; we say where it is
+        where = e.pointer or guidance_schema.pointer_of(schema, e.keyword, sent)
+        raise UnsupportedSchemaError(e.keyword, where, e.hint) from None
     return grammar
 
 
@@ -294,16 +298,23 @@ _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[\"?([^\]\"]+)")
 _NOT_SUPPORTED = re.compile(r"(\w+) constraints are not supported")  # oneOf
 _UNKNOWN_FORMAT = re.compile(r"[Uu]nknown format: ?\"?([\w-]+)")
 _LOCATION = re.compile(r"(?:^|at )(\d+)\((\d+)\): ", re.M)  # "at 3(4): ": line 3, column 4
+_UNSAID = {
+    "": "llguidance does not implement it; engine='auto' (the default) or 'regex' hands the "
+    "schema to the regex engine.",
+    "oneOf": "llguidance has oneOf only as 'one branch and not the others', and these branches "
+    "could not be negated here (docs/schemas.md); engine='auto' (the default) or 'regex' hands "
+    "the schema to the regex engine.",
+    "not": "This negation could not be said in llguidance's keywords (docs/schemas.md); "
+    "engine='auto' (the default) or 'regex' hands the schema to the regex engine.",
+}
 
 
 def _check(grammar: str, what: str) -> None:
     error = llg.LLMatcher.validate_grammar(grammar)  # without a tokenizer: syntax and keywords
     if not error:
         return
-    if m := _UNIMPLEMENTED.search(error):
-        raise UnsupportedSchemaError(m.group(1), "", "llguidance does not implement it.")
-    if m := _NOT_SUPPORTED.search(error):
-        raise UnsupportedSchemaError(m.group(1), "", "llguidance does not implement it.")
+    if m := _UNIMPLEMENTED.search(error) or _NOT_SUPPORTED.search(error):
+        raise UnsupportedSchemaError(m.group(1), "", _UNSAID.get(m.group(1), _UNSAID[""]))
     if m := _UNKNOWN_FORMAT.search(error):
         raise UnsupportedSchemaError(f"format: {m.group(1)}", "", "No engine checks this format.")
     if m := _LOCATION.search(error):
@@ -338,15 +349,17 @@ def check_engine(engine: str) -> str:
 
 
 def translate(
-    engine: str, whitespace: str = "", schema=None, regex=None, grammar=None
+    engine: str, whitespace: str = "", open_objects: bool = False, **given
 ) -> tuple[str, str]:
-    """``(engine, text)``: the grammar (llguidance) or regex (regex engine) a request compiles to,
-    without a tokenizer: refusals and syntax errors surface here, before any model work. Under
-    "auto" a schema llguidance cannot compile goes to the regex engine's front end, which
-    compiles it exactly or refuses it naming the keyword and its JSON pointer."""
+    """``(engine, text)``: the grammar (llguidance) or regex (regex engine) a request compiles to
+    (``given``: one of schema=, regex=, grammar=), without a tokenizer: refusals and syntax
+    errors surface here, before any model work. Under "auto" a schema llguidance cannot compile
+    goes to the regex engine's front end, which compiles it exactly or refuses it naming the
+    keyword and its JSON pointer, within the fallback budget (``_fallback``)."""
     check_engine(engine)
-    if sum(x is not None for x in (schema, regex, grammar)) != 1:
+    if sum(x is not None for x in given.values()) != 1 or not given.keys() <= CONSTRAINTS:
         raise ConstraintError("pass exactly one of schema=, regex= or grammar=.")
+    schema, regex, grammar = (given.get(k) for k in ("schema", "regex", "grammar"))
     if grammar is not None:
         if engine == "regex":
             raise ConstraintError(
@@ -356,30 +369,74 @@ def translate(
         return "llguidance", lark_grammar(grammar)
     if regex is not None:
         return ("regex", regex) if engine == "regex" else ("llguidance", regex_grammar(regex))
-    if engine != "regex":
-        try:
-            return "llguidance", schema_grammar(schema, whitespace)
-        except ConstraintError:
-            if engine == "llguidance":
-                raise
     from .compile import translate_schema  # the sound path (bounded) for what llguidance lacks
 
-    return "regex", translate_schema(schema, whitespace)
+    if engine == "regex":
+        return "regex", translate_schema(schema, whitespace)
+    try:
+        return "llguidance", schema_grammar(schema, whitespace, open_objects)
+    except ConstraintError as e:
+        if engine == "llguidance":
+            raise
+        why = e
+    step = lambda limit: translate_schema(schema, whitespace, limit)  # noqa: E731
+    return "regex", _fallback(step, why, time.monotonic())
+
+
+CONSTRAINTS = {"schema", "regex", "grammar"}
 
 
 def compile_constraint(
-    engine: str, vocab: TokenVocabulary, vocab_size: int, cache_dir=None, whitespace="", **given
+    engine: str,
+    vocab: TokenVocabulary,
+    vocab_size: int,
+    cache_dir=None,
+    whitespace="",
+    open_objects=False,
+    **given,
 ) -> Constraint:
     """The compiled constraint for ``given`` (one of schema=, regex=, grammar=) by ``engine``."""
-    from .compile import compile_regex
+    from .compile import compile_regex, translate_schema
 
-    chosen, text = translate(engine, whitespace, **given)
+    started = time.monotonic()
+    chosen, text = translate(engine, whitespace, open_objects, **given)
     if chosen == "llguidance":
         what = next(k for k in given if given[k] is not None)
         try:
             return compile_grammar(text, vocab, vocab_size, what)
-        except ConstraintError:
+        except ConstraintError as e:
             if engine != "auto" or what != "schema":
                 raise
-            chosen, text = translate("regex", whitespace, **given)  # e.g. a lexer limit hit
-    return compile_regex(text, vocab, vocab_size, cache_dir)
+            why = e  # e.g. a lexer limit hit
+            step = lambda limit: translate_schema(given["schema"], whitespace, limit)  # noqa: E731
+            text = _fallback(step, why, started)
+    if engine != "auto":
+        return compile_regex(text, vocab, vocab_size, cache_dir)
+    step = lambda limit: compile_regex(text, vocab, vocab_size, cache_dir, limit)  # noqa: E731
+    return _fallback(step, None, started)
+
+
+def _fallback(step, why, started: float):
+    """``step(limit)`` (translating or building for the regex engine) within what is left of
+    the seconds engine="auto" gives the regex engine since ``started``; past them an error
+    naming the fixes. ``why``: llguidance's refusal, if known."""
+    from .compile import compile_limits, fallback_timeout
+
+    budget, bound = fallback_timeout(), compile_limits()[0]
+    if budget <= 0:
+        return step(None)  # the compile bounds alone
+    left = max(budget - (time.monotonic() - started), 1e-3)
+    try:
+        return step(min(left, bound) if bound > 0 else left)
+    except SchemaTooComplex as e:
+        if not e.timed_out or (0 < bound <= left):
+            raise  # the compile bounds' own error
+        reason = f" ({why})" if why is not None else ""
+        raise SchemaTooComplex(
+            f"llguidance cannot compile this schema{reason}, and the regex engine needs longer "
+            f"than the {budget:g} s engine='auto' gives it. Compile it once with "
+            "engine='regex' (--engine regex): bounded by CONSTRAINED_SPEC_COMPILE_TIMEOUT, and "
+            "cached on disk, where later 'auto' compiles find it; or raise "
+            "CONSTRAINED_SPEC_FALLBACK_TIMEOUT=<seconds> (0: the compile bounds alone).",
+            timed_out=True,
+        ) from None

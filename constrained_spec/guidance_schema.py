@@ -38,6 +38,50 @@ NAME_MAPS = ("properties", "patternProperties", "definitions", "$defs", "depende
 DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
 
 
+def for_llguidance(schema, open_objects: bool = False):
+    """The schema as llguidance gets it: keywords it refuses said exactly in ones it implements
+    (``_in_llguidance_terms``), narrowed where it reads a keyword more loosely than jsonschema
+    (``_sound_for_llguidance``), then objects with declared properties closed to undeclared
+    ones where that only narrows, unless ``open_objects`` (``_close_objects``)."""
+    schema = _sound_for_llguidance(_in_llguidance_terms(schema))
+    return _close_objects(schema) if not open_objects and _closable(schema) else schema
+
+
+def pointer_of(schema, keyword: str, sent=None) -> str:
+    """The JSON pointer of the first subschema of ``schema`` using ``keyword`` ("format: x"
+    for a format), "" if none: the first in ``sent`` (what llguidance got), where ``schema``
+    has it at that place too, else the first in ``schema``."""
+    name, _, value = keyword.partition(": ")
+    has = lambda node: isinstance(node, dict) and name in node and value in ("", node[name])  # noqa: E731
+    for tree in (sent, schema) if sent is not None else (schema,):
+        for pointer in _pointers(tree, has):
+            if has(_pointed(schema, "#" + pointer)):
+                return pointer
+    return ""
+
+
+def _pointers(node, has, pointer: str = ""):
+    """The JSON pointers of the subschemas ``has`` holds for, in document order."""
+    if has(node):
+        yield pointer
+    items = (
+        enumerate(node)
+        if isinstance(node, list)
+        else node.items()
+        if isinstance(node, dict)
+        else ()
+    )
+    for k, v in items:
+        if k in VALUES and isinstance(node, dict):
+            continue
+        here = f"{pointer}/{str(k).replace('~', '~0').replace('/', '~1')}"
+        if k in (*NAME_MAPS, *DEPENDENCIES) and isinstance(v, dict):
+            for n, sub in v.items():
+                yield from _pointers(sub, has, f"{here}/{n.replace('~', '~0').replace('/', '~1')}")
+        else:
+            yield from _pointers(v, has, here)
+
+
 def _rewrite(node, change):
     """``change(node, copy)`` applied bottom up to every subschema, where ``copy`` is the node
     with its subschemas already changed; JSON values and property names are left alone."""

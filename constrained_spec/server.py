@@ -48,6 +48,7 @@ class ServerConfig:
     draft: str = "auto"  # decode.DRAFTS
     weights: str = "auto"  # models.WEIGHTS
     engine: str = "auto"  # guidance.ENGINES: the constraint engine (schemas checked by it too)
+    open_objects: bool = False  # Generator's: undeclared properties allowed where unspecified
     api_key: str | None = None  # None: no key needed
     max_body_bytes: int = 1 << 20  # 413 above this
     max_schema_bytes: int = 64 << 10  # a schema (or regex) longer than this as JSON text: 400
@@ -287,7 +288,7 @@ def _schema_constraint(schema: dict, config: ServerConfig, param: str) -> dict:
     _check_size(schema, config, param)
     try:
         schema = load_schema(schema)
-        translate(config.engine, schema=schema)
+        translate(config.engine, open_objects=config.open_objects, schema=schema)
     except ConstraintError as e:  # UnsupportedSchemaError names the keyword and its place
         code = "unsupported_schema" if hasattr(e, "keyword") else "invalid_schema"
         raise APIError(400, str(e), code, param) from None
@@ -585,7 +586,11 @@ def _load(config: ServerConfig):
     if config.threads is not None:  # on a shared CPU one thread can be many times faster
         torch.set_num_threads(config.threads)
     return Generator.from_pretrained(
-        config.model, draft=config.draft, weights=config.weights, engine=config.engine
+        config.model,
+        draft=config.draft,
+        weights=config.weights,
+        engine=config.engine,
+        open_objects=config.open_objects,
     )
 
 

@@ -20,6 +20,7 @@ FLAGS = [
     "--regex",
     "--grammar",
     "--engine",
+    "--open-objects",
     "--raw-prompt",
     "--system",
     "--model",

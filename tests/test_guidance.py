@@ -10,6 +10,8 @@ import pytest
 from constrained_spec import (
     ConstraintError,
     Generator,
+    SchemaTooComplex,
+    SettingError,
     UnsupportedSchemaError,
     guidance,
     guidance_schema,
@@ -245,6 +247,32 @@ def test_what_llguidance_cannot_be_told_exactly_is_refused_by_name(schema, keywo
         guidance.schema_grammar(schema)
 
 
+def test_a_refusal_names_the_place_of_the_keyword():
+    schema = {"properties": {"a/b": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}
+    with pytest.raises(UnsupportedSchemaError, match="'oneOf' at /properties/a~1b:") as e:
+        guidance.schema_grammar(schema)
+    assert e.value.pointer == "/properties/a~1b" and "engine='auto'" in str(e.value)
+
+
+def test_auto_gives_the_regex_engine_a_bounded_time(tiny_target, tiny_tokenizer, monkeypatch):
+    """Past CONSTRAINED_SPEC_FALLBACK_TIMEOUT the error names the fixes; engine='regex' (or 0)
+    compiles the same schema under the compile bounds alone."""
+    schema = {"not": {"type": "integer"}, "title": "not seen before"}  # (no translation cached)
+    gen = lambda engine="auto": Generator(
+        tiny_target, tiny_tokenizer, cache_dir=None, engine=engine
+    )  # noqa: E731
+    monkeypatch.setenv("CONSTRAINED_SPEC_FALLBACK_TIMEOUT", "0.001")
+    with pytest.raises(SchemaTooComplex, match="engine='regex'") as e:
+        gen().compile(schema=schema)
+    assert "'not' at /" in str(e.value) and "CONSTRAINED_SPEC_FALLBACK_TIMEOUT" in str(e.value)
+    assert gen("regex").compile(schema=schema).accepts('"a"')
+    monkeypatch.setenv("CONSTRAINED_SPEC_FALLBACK_TIMEOUT", "0")
+    assert gen().compile(schema=schema | {"title": "nor this"}).accepts('"a"')
+    monkeypatch.setenv("CONSTRAINED_SPEC_FALLBACK_TIMEOUT", "soon")
+    with pytest.raises(SettingError, match="CONSTRAINED_SPEC_FALLBACK_TIMEOUT"):
+        gen().compile(schema=schema | {"title": "a third"})
+
+
 def test_fractional_multiple_of_is_refused_by_name(tiny_target, tiny_tokenizer):
     """llguidance checks multipleOf in exact decimals, jsonschema in floats: "8.62" is no
     multiple of 0.01 for jsonschema. Refused; auto hands it to the regex engine, which refuses
@@ -277,6 +305,20 @@ def test_objects_with_declared_properties_get_no_undeclared_ones(tiny_tokenizer)
     assert not compiled(either).accepts('{"id":"a","win":1,"lose":2}')
     assert compiled(PERSON | {"additionalProperties": True}).accepts(extra)
     assert compiled({"type": "object"}).accepts('{"x":1}')  # none declared: free-form
+
+
+def test_open_objects_have_undeclared_properties_where_the_schema_allows(
+    tiny_target, tiny_tokenizer
+):
+    person, extra = '{"name":"a","age":1,"ok":true}', '{"name":"a","age":1,"ok":true,"x":1}'
+    closed, opened = (
+        Generator(tiny_target, tiny_tokenizer, cache_dir=None, open_objects=o).compile(schema=s)
+        for o, s in ((False, PERSON), (True, PERSON))
+    )
+    assert closed.accepts(person) and not closed.accepts(extra)
+    assert opened.accepts(person) and opened.accepts(extra)
+    shut = Generator(tiny_target, tiny_tokenizer, cache_dir=None, open_objects=True)
+    assert not shut.compile(schema=PERSON | {"additionalProperties": False}).accepts(extra)
 
 
 KIND_A = {"type": "object", "properties": {"kind": {"const": "a"}, "x": {"type": "integer"}}}
