@@ -301,7 +301,9 @@ class TimedProcessor:
 class Bench:
     def __init__(self, args, model, tokenizer, configs):
         self.args, self.model, self.tokenizer = args, model, tokenizer
-        self.gen = Generator(model, tokenizer, draft=None, engine=args.engine)
+        self.gen = Generator(
+            model, tokenizer, draft=None, engine=args.engine, open_objects=args.open_objects
+        )
         self.float_gen = self._float_gen(args) if any(c.float_target for c in configs) else None
         self.eos = self.gen.vocab.eos_id
         self._outlines = None  # outlines Transformers model, or the exception it raised
@@ -339,7 +341,9 @@ class Bench:
             if args.quick
             else load_model(args.model, weights="float")[0]
         )
-        return Generator(model, self.tokenizer, draft=None, engine=args.engine)
+        return Generator(
+            model, self.tokenizer, draft=None, engine=args.engine, open_objects=args.open_objects
+        )
 
     def _head(self, args, model):
         if args.quick:  # the tiny model has no trained head: a random one exercises the path
@@ -963,6 +967,12 @@ def parse_args(argv=None):
     p.add_argument("--configs", default="default", help="comma-separated names/patterns/groups")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--engine", choices=list(ENGINES), default="auto", help="constraint engine")
+    p.add_argument(
+        "--open-objects",
+        action="store_true",
+        help="Generator(open_objects=True): undeclared properties where the schema allows them "
+        "(requests are selected with the same setting; the verdict cache may carry them over)",
+    )
     p.add_argument(
         "--weights",
         default="auto",
