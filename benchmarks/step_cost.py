@@ -8,7 +8,7 @@ torch.compile (inductor, dynamic shapes) — the "cheaper target steps" probe of
 Modes: "eager" or "compile", with "-skinny" for models.skinny_matmul (the library default):
 prints, for n = 1, 2, 5, 1, the median of 10 timed steps and the first (compiling) step.
 "phases": the built-in model with weights="int4" (its layers fused and in Python) and "float",
-n = 1, 4, 8, 9, 17 and prefills of 100, 300 and 1000 tokens: wall ms (median of 10); for int4
+n = 1, 4, 8, 9, 17 (per way of running its layers and 4-bit kernel) and prefills of 100, 300 and 1000 tokens: wall ms (median of 10); for int4
 also the forward without logits, with the LM head at wide or narrow positions, the head alone
 against a float32 one, and for the Python layers the profiler's split of the forward without the
 head into the 4-bit matmuls, attention and everything else (op dispatch, norms, rotary, cache).
@@ -44,12 +44,14 @@ def phases() -> None:
             skinny_matmul(model)
         for layers, n in [(k, n) for k in layer_kernels(model) for n in (1, 4, 8, 9, 17)]:
             if layers:
-                model.use_layers(layers)
+                way, matmul = layers.split("/")
+                model.use_matmul(matmul)
+                model.use_layers(way)
             median = statistics.median(forward_ms(model, context, n, reps=10)[1:])
             line = f"{weights}{f' {layers} layers' if layers else ''} n={n}: {median:.1f} ms"
             if weights == "int4":
                 line += head_split(model, context, n)
-            if layers == "python":
+            if layers == "python/torch":  # the profiler splits torch's ops, not ours
                 cache = kv.new_cache(model)
                 kv.forward(model, cache, context, "cpu")
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -74,10 +76,13 @@ def phases() -> None:
 
 
 def layer_kernels(model) -> list:
-    """The ways this model can run its layers (kernels.LAYER_KERNELS), [None] for a float one."""
+    """The ways this model can run its layers (kernels.LAYER_KERNELS) with each 4-bit kernel
+    (kernels.INT4_KERNELS), "fused/avx512-bf16" and so on; [None] for a float one."""
     if getattr(model, "weights", "float") == "float":
         return [None]
-    return [k for k in kernels.LAYER_KERNELS if k == "python" or not kernels.fused_missing()]
+    ways = [k for k in kernels.LAYER_KERNELS if k == "python" or not kernels.fused_missing()]
+    matmuls = [k for k in kernels.INT4_KERNELS if not kernels.int4_kernel_missing(k)]
+    return [f"{way}/{matmul}" for way in ways for matmul in matmuls]
 
 
 def head_split(model, context: list[int], n: int, reps: int = 20) -> str:

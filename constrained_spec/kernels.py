@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import WeightsError
+
 GROUP = 32
 SKINNY_MAX = 32  # up to this many rows, W·xᵀ streams the weight once where x·Wᵀ packs it
 # A prompt's prefill (one request's input of this many tokens or more: verify passes feed at most
@@ -114,10 +116,8 @@ class Int4Linear(nn.Module):
         n, k = q.shape
         assert k % GROUP == 0, f"int4 groups need inputs in multiples of {GROUP}, got {k}"
         self.copies = copies  # the input is repeated this many times along K (see from_q8_0)
-        self.register_buffer(
-            "packed",
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 8),
-        )  # (N, K/2) uint8
+        self.kernel = "torch"  # which of INT4_KERNELS multiplies (use_kernel)
+        self.register_buffer("packed", _torch_pack(q))  # (N, K/2) uint8: the kernel's weights
         scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1)  # (K/32, N, 2)
         self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
         # for the bf16 prefill kernel: q in plain nibble order, and W = q·scale + (zero − 8·scale)
@@ -158,9 +158,44 @@ class Int4Linear(nn.Module):
             x = x.repeat(1, self.copies)  # (n, copies·K)
         if prefill and self.dense is not None:
             return F.linear(x, self.dense).float()
+        if self.kernel == "avx512-bf16":
+            return fused_build()[0].int4_mm(x.contiguous(), self.packed, self.scale_zero).float()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, GROUP, self.scale_zero
         ).float()
+
+    def use_kernel(self, kernel: str) -> None:
+        """Which of INT4_KERNELS multiplies: ``packed`` and ``scale_zero`` are rebuilt from the
+        nibbles and scales in that kernel's layout (the same bf16 scales and zeros either way),
+        the other layout dropped."""
+        assert kernel in INT4_KERNELS, kernel
+        if kernel == self.kernel:
+            return
+        if why := int4_kernel_missing(kernel):
+            raise WeightsError(f"the {kernel!r} 4-bit kernel cannot run here: {why}")
+        q = self.dequantized_nibbles()
+        scale, zero = self.scale_and_zero()
+        if kernel == "avx512-bf16":
+            self.packed, self.scale_zero = _tile_pack(q, scale, zero)
+        else:
+            self.packed = _torch_pack(q)
+            self.scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+        self.kernel = kernel
+
+    def dequantized_nibbles(self) -> torch.Tensor:
+        """q (N, copies·K) uint8 in 0..15."""
+        return torch.stack((self.nibbles & 0x0F, self.nibbles >> 4), dim=-1).view(
+            self.nibbles.shape[0], -1
+        )
+
+    def scale_and_zero(self):
+        """The kernels' scale and zero (N, copies·K/32) bf16, w = (q − 8)·scale + zero, read
+        from the current kernel's layout."""
+        if self.kernel == "torch":
+            return self.scale_zero[..., 0].T, self.scale_zero[..., 1].T  # from (K/32, N, 2)
+        blocks, groups = self.scale_zero.shape[:2]  # (N/16, K/32, 2, 16)
+        both = self.scale_zero.permute(2, 0, 3, 1).reshape(2, 16 * blocks, groups)
+        return both[0], both[1]
 
     def use_prefill(self, kernel: str) -> None:
         """The kernel of a prompt's prefill: "bf16" keeps a bf16 copy of the weight (2 bytes
@@ -180,6 +215,47 @@ class Int4Linear(nn.Module):
         q = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).view(n, -1, GROUP)
         w = q.to(dtype) * scale[..., None].to(dtype) + offset[..., None].to(dtype)
         return w.view(n, -1)
+
+
+def _torch_pack(q: torch.Tensor) -> torch.Tensor:
+    """q (N, K) in 0..15 → torch's int4 pack (N, K/2) uint8."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 8)
+
+
+def _tile_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+    """q (N, K) in 0..15 and bf16 scale, zero (N, K/32) → our kernel's tiles (N/16, K/8, 16)
+    int32 and scales (N/16, K/32, 2, 16) bf16 (csrc/fused_layers.cpp, int4_mm)."""
+    n, k = q.shape
+    q = q.to(torch.int64).view(n // 16, 16, k // 8, 4, 2)  # (block, row, 8 inputs, pair m, half h)
+    shifts = 4 * torch.arange(4)[:, None] + 16 * torch.arange(2)[None, :]  # bit 4m + 16h
+    lanes = (q << shifts).sum((-1, -2))  # (N/16, 16, K/8) in 0 .. 2³² − 1
+    lanes = torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32)
+    scales = torch.stack((scale, zero)).to(torch.bfloat16).view(2, n // 16, 16, k // GROUP)
+    return lanes.transpose(1, 2).contiguous(), scales.permute(1, 3, 0, 2).contiguous()
+
+
+# The 4-bit matmul of a model's linears (steps, verify passes, batch rows, and prompts through
+# the "int4" prefill kernel): "avx512-bf16" (ours, csrc/fused_layers.cpp: AVX-512 BF16 dot
+# products over the weights repacked for them; CPUs with avx512_bf16, where torch's kernel runs
+# at 21–24 GB/s a core, compute-bound) or "torch" (torch's int4 weight-only kernel). Both
+# multiply the same bf16 inputs by the same weights, sum in float32 and round once to bf16;
+# they sum in different orders (one bf16 ulp apart on ~0.1% of outputs). One of them runs for a
+# model's whole life (models.choose_layers measures them), so the baseline and speculation
+# compute the same function.
+INT4_KERNELS = ("avx512-bf16", "torch")
+
+
+def int4_kernel_missing(kernel: str) -> str | None:
+    """Why ``kernel`` (one of INT4_KERNELS) cannot run here, or None if it can. (Every 4-bit
+    linear is built through torch's pack, so both need torch's int4 ops.)"""
+    if kernel == "torch" or int4_missing():
+        return int4_missing()
+    module, why = fused_build()
+    if module is None:
+        return f"it is compiled with the fused layers, which cannot be built here ({why})"
+    if not module.avx512_bf16():
+        return "this CPU has no AVX-512 BF16 instructions (avx512_bf16)"
+    return None
 
 
 BF16_ROUNDOFF = 2.0**-8  # unit roundoff of bf16 (8 significant bits)
@@ -257,15 +333,20 @@ def int4_missing() -> str | None:
 
 
 def measure_prefill(shapes: list[tuple[int, int]], rows: int = 128, repeats: int = 3) -> dict:
-    """Milliseconds for one pass over ``shapes`` with ``rows`` input rows, per PREFILL_KERNELS."""
+    """Milliseconds for one pass over ``shapes`` with ``rows`` input rows: through the bf16
+    prefill copy ("bf16") and through each of INT4_KERNELS (the "int4" prefill kernel is the
+    4-bit kernel the model's linears run); inf where a kernel cannot run here."""
+    result = dict.fromkeys(("bf16", *INT4_KERNELS), float("inf"))
     if int4_missing():
-        return {"int4": 0.0, "bf16": float("inf")}  # nothing to choose: the model runs float
+        return result  # nothing to choose: the model runs float
     layers = [Int4Linear.from_q4_1(*quantize_q4_1(torch.randn(n, k) * 0.02)) for n, k in shapes]
     xs = {k: torch.randn(rows, k) for _, k in shapes}
-    result = {}
-    for kernel in PREFILL_KERNELS:
-        for layer in layers:
-            layer.use_prefill(kernel)  # the bf16 copy is made once per load, not timed
+    for kernel in result:
+        if kernel != "bf16" and int4_kernel_missing(kernel):
+            continue
+        for layer in layers:  # the bf16 copy is made once per load, not timed
+            layer.use_kernel("torch" if kernel == "bf16" else kernel)
+            layer.use_prefill("bf16" if kernel == "bf16" else "int4")
         one_pass = functools.partial(_one_pass, layers, shapes, xs, prefill=True)
         result[kernel] = best_ms(one_pass, repeats)
     return result
@@ -297,14 +378,22 @@ def measure_linears(
     shapes: list[tuple[int, int]], rows: tuple[int, ...] = (1, 5), repeats: int = 5
 ) -> dict[str, float]:
     """Milliseconds for one pass over ``shapes`` ((N, K) weights, random, distinct so that they
-    are read from memory as a model's are), per kernel, summed over inputs of ``rows`` rows:
-    a one-token step and a typical verify pass."""
-    makers = {"int4": lambda w: Int4Linear.from_q4_1(*quantize_q4_1(w)), "float": DenseLinear}
-    result = {"int4": float("inf")} if int4_missing() else {}  # never chosen then
-    for name, make in makers.items():
-        if name in result:
+    are read from memory as a model's are), summed over inputs of ``rows`` rows (a one-token
+    step and a typical verify pass): in float32 ("float") and through each of INT4_KERNELS;
+    inf where a kernel cannot run here."""
+    result = {}
+    for name in ("float", *INT4_KERNELS):
+        if name != "float" and int4_kernel_missing(name):
+            result[name] = float("inf")  # never chosen
             continue
-        layers = [make(torch.randn(n, k) * 0.02) for n, k in shapes]
+        layers = []
+        for n, k in shapes:
+            w = torch.randn(n, k) * 0.02
+            if name == "float":
+                layers.append(DenseLinear(w))
+                continue
+            layers.append(Int4Linear.from_q4_1(*quantize_q4_1(w)))
+            layers[-1].use_kernel(name)
         total = 0.0
         for m in rows:
             xs = {k: torch.randn(m, k) for _, k in shapes}
