@@ -28,6 +28,17 @@ needs_fused = pytest.mark.skipif(
 )
 
 
+def int4_kernel(name: str):
+    """The parameter of a test run on each 4-bit kernel; one this machine lacks skips."""
+    missing = kernels.int4_kernel_missing(name)
+    return pytest.param(
+        name, marks=pytest.mark.skipif(missing is not None, reason=f"{name}: {missing}")
+    )
+
+
+INT4_KERNELS = [int4_kernel(name) for name in kernels.INT4_KERNELS]
+
+
 def logits_of(model, ids, cache=None):
     """(n, V) logits of ``ids`` after what ``cache`` holds (a fresh cache when None)."""
     return kv.forward(model, model.new_cache() if cache is None else cache, ids, "cpu")
@@ -85,12 +96,16 @@ def test_crop_then_refeed_equals_a_fresh_forward_past_the_initial_capacity(tiny_
 
 
 @needs_fused
-def test_fused_layers_crop_refeed_and_growth_compute_what_a_fresh_cache_does(tiny_tokenizer):
+@pytest.mark.parametrize("matmul", INT4_KERNELS)
+def test_fused_layers_crop_refeed_and_growth_compute_what_a_fresh_cache_does(
+    tiny_tokenizer, matmul
+):
     """The fused layers write the cache themselves: after a growth (copying what it holds), a
     rejected draft and a crop, refeeding gives bit for bit what a fresh cache fed the same
     tokens gives, whatever the chunks (each token's values depend on its own inputs only)."""
     model = testing.tiny_model(tiny_tokenizer, seed=0, max_positions=1024)
     compact = llama.from_transformers(model, "int4")
+    compact.use_matmul(matmul)
     compact.use_layers("fused")
     ids = (tiny_tokenizer.encode(TEXTS[-1]) * 8)[:300]
     other = tiny_tokenizer.encode("yes no yes no abba")
@@ -136,11 +151,11 @@ def test_fused_layers_compute_what_the_python_layers_do(tiny_tokenizer):
     assert rel < 0.01, f"relative logit difference {rel:.4f}"
 
 
-def test_a_verify_pass_and_batch_rows_compute_what_one_token_steps_do(tiny_int4_target):
+def test_a_verify_pass_and_batch_rows_compute_what_one_token_steps_do(every_int4_target):
     """Greedy speculation commits the baseline's tokens because every token of a verify pass,
-    and every row of a batch, gets bit for bit the logits a one-token step gives it: on both
-    ways of running the layers (the fixture's parameter)."""
-    model = tiny_int4_target
+    and every row of a batch, gets bit for bit the logits a one-token step gives it: on every
+    way of running the layers and their 4-bit matmuls (the fixture's parameter)."""
+    model = every_int4_target
     context, new = list(range(5, 45)), [7, 3, 11, 2, 9, 30, 4]
     prefilled = model.new_cache()
     logits_of(model, context, prefilled)
@@ -222,17 +237,6 @@ def kernel_cases():
         "q4_1": (kernels.Int4Linear.from_q4_1(q, d, m), kernels.dequantize_q4_1(q, d, m), q4_bound),
         "q8_0": (kernels.Int4Linear.from_q8_0(q8, d8), kernels.dequantize_q8_0(q8, d8), q8_bound),
     }
-
-
-def int4_kernel(name: str):
-    """The parameter of a test run on each 4-bit kernel; one this machine lacks skips."""
-    missing = kernels.int4_kernel_missing(name)
-    return pytest.param(
-        name, marks=pytest.mark.skipif(missing is not None, reason=f"{name}: {missing}")
-    )
-
-
-INT4_KERNELS = [int4_kernel(name) for name in kernels.INT4_KERNELS]
 
 
 @pytest.mark.parametrize("matmul", INT4_KERNELS)
