@@ -4,6 +4,7 @@ torch.compile (inductor, dynamic shapes) — the "cheaper target steps" probe of
     python benchmarks/step_cost.py eager-skinny
     python benchmarks/step_cost.py compile-skinny     # first call compiles (minutes on 2 cores)
     python benchmarks/step_cost.py phases              # the int4 compact forward, per phase
+    python benchmarks/step_cost.py bandwidth           # its one-token step against the bandwidth
 
 Modes: "eager" or "compile", with "-skinny" for models.skinny_matmul (the library default):
 prints, for n = 1, 2, 5, 1, the median of 10 timed steps and the first (compiling) step.
@@ -117,9 +118,39 @@ def head_split(model, context: list[int], n: int, reps: int = 20) -> str:
     )
 
 
+def bandwidth(rounds: int = 41) -> None:
+    """The one-token step against the bandwidth limit (run.bandwidth_limit) over ``rounds``
+    rounds of one 1 GiB sum and 10 steps each, for each 4-bit kernel that runs here, the kernels
+    alternating: the per-round ratios' median and quartiles (a shared machine's bandwidth and
+    compute move from minute to minute, so one short measurement says little)."""
+    from run import bandwidth_limit
+
+    model, _ = load_model(DEFAULT_MODEL, weights="int4")
+    chosen, context = model.matmul, list(range(1000, 1300))
+    matmuls = [k for k in kernels.INT4_KERNELS if not kernels.int4_kernel_missing(k)]
+    ratios = {k: [] for k in matmuls}
+    for _ in range(rounds):
+        for matmul in matmuls:
+            model.use_matmul(matmul)
+            step = lambda: statistics.median(forward_ms(model, context, 1, reps=10)[1:])
+            ratios[matmul].append(bandwidth_limit(model, step, rounds=1)["step_over_limit"])
+    model.use_matmul(chosen)
+    measured = bandwidth_limit(model, lambda: statistics.median(forward_ms(model, context, 1, 10)))
+    print(f"the chosen kernel: {chosen}; a step reads {measured['weight_bytes'] / 1e6:.0f} MB")
+    for matmul, values in ratios.items():
+        q1, q2, q3 = statistics.quantiles(values, n=4)
+        print(
+            f"{matmul}: one-token step / bandwidth limit over {rounds} rounds: median {q2:.2f}×, "
+            f"quartiles {q1:.2f}–{q3:.2f}×, range {min(values):.2f}–{max(values):.2f}×",
+            flush=True,
+        )
+
+
 def main(mode: str) -> None:
     if mode == "phases":
         return phases()
+    if mode == "bandwidth":
+        return bandwidth()
     model, _ = load_model(DEFAULT_MODEL)
     model.eval()
     if "skinny" in mode:
