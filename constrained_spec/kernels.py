@@ -263,7 +263,7 @@ BF16_ROUNDOFF = 2.0**-8  # unit roundoff of bf16 (8 significant bits)
 
 class Q8Head(nn.Module):
     """The LM head over Q8_0 blocks (w = d·q per block of 32 weights, q int8): every logit from
-    the blocks through the 4-bit kernel (two 4-bit halves, bf16 scales and inputs: 35 MB read
+    the blocks through a 4-bit kernel (two 4-bit halves, bf16 scales and inputs: 35 MB read
     where float32 streams 113 MB), each with a bound on its distance from the float32 logit;
     the logits that could be the largest legal one are then recomputed in float32 from their
     rows. So the largest legal logit and its token are the float32 head's (greedy picks what a
@@ -271,11 +271,14 @@ class Q8Head(nn.Module):
     on its own input and mask only (the kernel's rows are independent), so a step, a verify
     pass and a batch row compute the same.
 
-    The kernel returns bf16(x̃·w̃) (checked against float64: the products of its inputs, float32
-    accumulation, one bf16 rounding), x̃ = bf16(x), w̃ = d̃·q with d̃ the bf16 scale. So per
-    position x and token t, |approx − x·w_t| ≤ ‖x‖·slack_t + ‖x − x̃‖·‖w̃_t‖ + u/(1−u)·|approx|,
-    with slack_t = ‖w̃_t − w_t‖ + 2γ·‖|hi_t| + |lo_t|‖ (the halves' accumulation, γ = 2K·2⁻²⁴)
-    and u the bf16 roundoff. Tests check the bound on random and real features."""
+    Either kernel returns bf16 of a float32 sum of x̃·w̃ (x̃ = bf16(x), denormals flushed to 0 as
+    our kernel's instructions do; w̃ = d̃·q with d̃ the bf16 scale). Per position x and token t,
+    |approx − x·w_t| ≤ ‖x‖·slack_t + ‖x − x̃‖·‖w̃_t‖ + u/(1−u)·|approx| + the sum's rounding:
+    torch's kernel (products exact, checked against float64) sums 2K products,
+    ≤ 2γ·‖|hi_t| + |lo_t|‖·‖x‖ with γ = 2K·2⁻²⁴ (in slack_t, with ‖w̃_t − w_t‖); ours
+    (``ours_bound``) sums (128 + q)·x̃ and Σx̃ per group and combines them, ≤ Σ_g S_g·c_{t,g},
+    S_g = Σ|x̃| over group g. u: the bf16 roundoff. Tests check the bound on random and real
+    features, on both kernels."""
 
     def __init__(self, weight: torch.Tensor, blocks: tuple | None = None):
         """``weight`` (V, d): Q8_0 values in float32; ``blocks``: its (q, d), where at hand (a
@@ -295,19 +298,33 @@ class Q8Head(nn.Module):
             slack.append((w - self.weight[rows]).norm(dim=1) + 2 * gamma * spread)
         self.register_buffer("slack", torch.cat(slack))  # (V,), times ‖x‖
         self.register_buffer("norms", torch.cat(norms))  # (V,), times ‖x − x̃‖
+        self.register_buffer("ours_bound", None)  # (K/32, V): c_{t,g}, while ours runs
 
-    def bound(self, x: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
-        """(n, V): how far each of ``approx`` = the kernel's logits of x may be from float32's."""
-        rounded = (x - x.to(torch.bfloat16).float()).norm(dim=1, keepdim=True)
+    def use_kernel(self, kernel: str) -> None:
+        """Which of INT4_KERNELS runs the blocks; the bound follows it."""
+        self.blocks.use_kernel(kernel)
+        vocab = self.weight.shape[0]  # the blocks' rows are padded to a multiple of 16
+        ours = kernel == "avx512-bf16"
+        self.ours_bound = _group_error(self.blocks)[:, :vocab].contiguous() if ours else None
+
+    def approximate(self, x: torch.Tensor):
+        """The kernel's logits of x (n, d), (n, V) float32 holding bf16 values, and how far
+        each may be from float32's."""
+        rounded = x.to(torch.bfloat16)
+        rounded = rounded.masked_fill(rounded.abs() < 2.0**-126, 0).float()  # DAZ: flushed
+        approx = self.blocks(rounded)[:, : self.weight.shape[0]]
         bound = approx.abs().mul_(BF16_ROUNDOFF / (1 - BF16_ROUNDOFF))
         bound.addcmul_(x.norm(dim=1, keepdim=True), self.slack)
-        return bound.addcmul_(rounded, self.norms)
+        bound.addcmul_((x - rounded).norm(dim=1, keepdim=True), self.norms)
+        if self.ours_bound is not None:
+            sums = rounded.abs().view(x.shape[0], -1, GROUP).sum(-1)  # (n, K/32): S_g
+            bound.addmm_(sums, self.ours_bound).add_(2.0**-100)  # + flushed intermediates
+        return approx, bound
 
     def forward(self, x: torch.Tensor, legal: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (n, V) of x (n, d); ``legal`` (n, V) bool limits the float32 recomputation to
         the tokens that could be the largest legal logit (all tokens when None)."""
-        approx = self.blocks(x)[:, : self.weight.shape[0]]  # (n, V) float32 holding bf16 values
-        bound = self.bound(x, approx)
+        approx, bound = self.approximate(x)
         low = approx - bound
         if legal is not None:
             low.masked_fill_(~legal, float("-inf"))
@@ -318,6 +335,25 @@ class Q8Head(nn.Module):
             ids = row.nonzero().squeeze(1)
             approx[i, ids] = self.weight[ids] @ x[i]
         return approx
+
+
+def _group_error(blocks: Int4Linear) -> torch.Tensor:
+    """Our kernel's float32 error on a Q8_0 head's halves, per unit of S_g = Σ|x̃| over input
+    group g: (K/32, V) c_{t,g} = A·(|s_hi| + |s_lo|) + B·(|z_hi| + |z_lo|), from its sums
+    (csrc int4_mm): a = Σ(128 + q)·x̃ in 4 chains of 4 dot-product instructions (≤ 2 roundings
+    each) and 2 adds, |q| ≤ 15: ≤ γ(10)·143·S_g; X = Σx̃ in order: ≤ γ(31)·S_g; t = a − 136·X
+    rounded once, |t| ≤ 8·S_g; the total, 2 fused multiply-adds a group over G groups:
+    ≤ γ(2G)·Σ_g (|s_g|·|t| + |z_g|·|X|). So A = 143γ(10) + 136γ(31) + 8u + 8γ(2G) and
+    B = γ(31) + γ(2G), u = 2⁻²⁴, γ(n) = nu/(1 − nu); 1% on top for the second-order terms."""
+    u = 2.0**-24
+    gamma = lambda n: n * u / (1 - n * u)
+    scale, zero = (t.float().abs() for t in blocks.scale_and_zero())  # (V, 2K/32) each
+    groups = scale.shape[1]
+    a = 1.01 * (143 * gamma(10) + 136 * gamma(31) + 8 * u + 8 * gamma(2 * groups))
+    b = 1.01 * (gamma(31) + gamma(2 * groups))
+    hi, lo = groups // 2, slice(groups // 2, None)  # the input is fed twice (copies = 2)
+    coef = a * (scale[:, :hi] + scale[:, lo]) + b * (zero[:, :hi] + zero[:, lo])
+    return coef.T.contiguous()
 
 
 @functools.cache
@@ -359,19 +395,24 @@ HEAD_KERNELS = ("q8", "float")
 
 def measure_head(vocab: int, hidden: int, rows: tuple[int, ...] = (1, 4), repeats: int = 5):
     """Milliseconds of an LM head (vocab, hidden) of Q8_0 values, summed over inputs of ``rows``
-    rows: as a Q8Head ("q8") and in float32 ("float"). Inputs close to one token's row, as real
-    features are: a few logits to recompute, not thousands."""
+    rows: as a Q8Head ("q8", on the faster of INT4_KERNELS: the linears' kernel, which the head
+    shares, is chosen the same way) and in float32 ("float"). Inputs close to one token's row,
+    as real features are: a few logits to recompute, not thousands."""
     if int4_missing():
         return {"q8": float("inf"), "float": 0.0}
     weight = dequantize_q8_0(*quantize_q8_0(torch.randn(vocab, hidden) * 0.05))
-    heads = {"q8": Q8Head(weight), "float": DenseLinear(weight)}
+    heads = {"float": DenseLinear(weight)}
+    for kernel in INT4_KERNELS:
+        if not int4_kernel_missing(kernel):
+            heads[kernel] = Q8Head(weight)
+            heads[kernel].use_kernel(kernel)
     result = dict.fromkeys(heads, 0.0)
     for m in rows:
         x = weight[torch.randint(vocab, (m,))]
         x = 20 * x / x.norm(dim=1, keepdim=True)
         for name, head in heads.items():
             result[name] += best_ms(functools.partial(head, x), repeats)
-    return result
+    return {"q8": min(v for k, v in result.items() if k != "float"), "float": result["float"]}
 
 
 def measure_linears(

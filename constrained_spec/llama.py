@@ -147,12 +147,15 @@ class CompactLlama(nn.Module):
 
     def use_matmul(self, kernel: str) -> None:
         """Which of kernels.INT4_KERNELS runs the 4-bit linears (all of them: a step, a verify
-        pass, a batch row and a prompt through the "int4" prefill kernel multiply alike)."""
+        pass, a batch row and a prompt through the "int4" prefill kernel multiply alike) and
+        the Q8_0 LM head's blocks."""
         assert kernel in kernels.INT4_KERNELS, kernel
         if not all(isinstance(m, kernels.Int4Linear) for m in self.linears):
             raise WeightsError("a 4-bit kernel runs 4-bit linears only: these are float")
         for linear in self.linears:
             linear.use_kernel(kernel)
+        if isinstance(self.lm_head, kernels.Q8Head):  # its blocks too, the bound following
+            self.lm_head.use_kernel(kernel)
         self.use_layers(self.layer_kernel)  # the fused layers' arguments: the new packs
 
     @property
@@ -170,6 +173,8 @@ class CompactLlama(nn.Module):
             self.lm_head = kernels.DenseLinear(weight)
         elif kernel == "q8" and not isinstance(self.lm_head, kernels.Q8Head):
             self.lm_head = kernels.Q8Head(weight)
+            if self.matmul:
+                self.lm_head.use_kernel(self.matmul)
 
     def new_cache(self) -> CompactCache:
         s = self.shape

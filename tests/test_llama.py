@@ -575,10 +575,12 @@ def test_real_default_model_int4_is_its_gguf_blocks():
         # the Q8_0 head on real features: within its bound, float32's top token
         _, features = kv.forward(model, model.new_cache(), ids, "cpu", features=True)
         exact = features @ head.weight.T
-        approx = head.blocks(features)
-        bound = head.bound(features, approx.clone())
-        assert ((approx - exact).abs() <= bound).all(), "the Q8_0 head left its bound"
-        assert torch.equal(head(features).argmax(-1), exact.argmax(-1))
+        for matmul in kernels.INT4_KERNELS:  # each kernel that runs here, with its own bound
+            if kernels.int4_kernel_missing(matmul) is None:
+                head.use_kernel(matmul)
+                approx, bound = head.approximate(features)
+                assert ((approx - exact).abs() <= bound).all(), f"{matmul}: left its bound"
+                assert torch.equal(head(features).argmax(-1), exact.argmax(-1))
     rate = sum(agree) / len(agree)
     print(f"int4 vs float top-1 agreement: {rate:.3f} over {len(agree)} positions")
     assert len(agree) >= 90 and rate >= 0.9, f"top-1 agreement {rate:.3f} over {len(agree)}"
@@ -709,21 +711,23 @@ def test_the_head_computes_only_the_legal_logits_of_narrow_positions(tiny_int4_t
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_q8_head_is_float32_at_the_top_and_within_its_bound_elsewhere(seed):
+@pytest.mark.parametrize("matmul", INT4_KERNELS)
+def test_q8_head_is_float32_at_the_top_and_within_its_bound_elsewhere(seed, matmul):
     """The Q8_0 head: every logit within its stated bound of the float32 product, the largest
-    legal logit recomputed in float32 (greedy picks float32's token), whatever the mask."""
+    legal logit recomputed in float32 (greedy picks float32's token), whatever the mask, on
+    each 4-bit kernel (each with its own bound)."""
     torch.manual_seed(seed)
     vocab, d = 1000, 128
     weight = kernels.dequantize_q8_0(*kernels.quantize_q8_0(torch.randn(vocab, d) * 0.05))
     head = kernels.Q8Head(weight)
+    head.use_kernel(matmul)
     x = torch.randn(64, d) * torch.logspace(-1, 1.5, 64)[:, None]  # flat to peaked logits
+    x[::7, ::5] = torch.randn(10, 26) * 1e-40  # a few denormals: flushed by our kernel
     legal = torch.rand(64, vocab) < torch.linspace(0.01, 1, 64)[:, None]
     legal[:, 0] = True
     exact = x.double() @ weight.double().T  # (n, V): the float32 head up to its rounding
     logits = head(x, legal).double()
-    approx = head.blocks(x)[:, :vocab]
-    bound = head.bound(x, approx.clone()).double()
-    approx = approx.double()
+    approx, bound = (t.double() for t in head.approximate(x))
     assert ((approx - exact).abs() <= bound).all(), "the kernel's logits left their bound"
     assert ((logits - exact).abs() <= bound).all()
     top = exact.masked_fill(~legal, float("-inf")).argmax(1)
