@@ -226,12 +226,16 @@ def _tile_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
     """q (N, K) in 0..15 and bf16 scale, zero (N, K/32) → our kernel's tiles (N/16, K/8, 16)
     int32 and scales (N/16, K/32, 2, 16) bf16 (csrc/fused_layers.cpp, int4_mm)."""
     n, k = q.shape
-    q = q.to(torch.int64).view(n // 16, 16, k // 8, 4, 2)  # (block, row, 8 inputs, pair m, half h)
     shifts = 4 * torch.arange(4)[:, None] + 16 * torch.arange(2)[None, :]  # bit 4m + 16h
-    lanes = (q << shifts).sum((-1, -2))  # (N/16, 16, K/8) in 0 .. 2³² − 1
-    lanes = torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32)
+    tiles = torch.empty(n // 16, k // 8, 16, dtype=torch.int32)
+    for start in range(0, n, 1024):  # in slices: int64 lanes of a whole LM head take ~1 GB
+        part = q[start : start + 1024].to(torch.int64)
+        part = part.view(-1, 16, k // 8, 4, 2)  # (block, row, 8 inputs, pair m, half h)
+        lanes = (part << shifts).sum((-1, -2))  # (blocks, 16, K/8) in 0 .. 2³² − 1
+        lanes = torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32)
+        tiles[start // 16 : (start + 1024) // 16] = lanes.transpose(1, 2)
     scales = torch.stack((scale, zero)).to(torch.bfloat16).view(2, n // 16, 16, k // GROUP)
-    return lanes.transpose(1, 2).contiguous(), scales.permute(1, 3, 0, 2).contiguous()
+    return tiles, scales.permute(1, 3, 0, 2).contiguous()
 
 
 # The 4-bit matmul of a model's linears (steps, verify passes, batch rows, and prompts through
