@@ -25,6 +25,8 @@ Configurations (``--configs`` takes names, shell patterns such as 'int8*', or gr
     head+lookup/k8/c0.3/after-lookup   ablation: the head drafts after a lookup copy too
                                  (by default it does not)
     ...@t0.7                     the same at temperature 0.7 (seeded per request)
+    baseline/torch-matmul, lookup/d3/torch-matmul   a 4-bit target on torch's int4 kernel
+                                 instead of the one chosen by measurement (ours, where it runs)
     outlines                     outlines Generator (transformers model, outlines-core processor)
     hf+outlines                  transformers generate with that logits processor
     hf-assisted-lookup+outlines  + prompt_lookup_num_tokens=10
@@ -40,6 +42,7 @@ results.json (everything, with the command line and machine), report.md, *.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import fnmatch
 import gc
@@ -99,6 +102,7 @@ class Config:
     after_lookup: bool = False  # engine: CompositeDrafter.model_after_lookup (an ablation)
     float_target: bool = False  # engine: the float32 transformers target, whatever --weights
     max_draft: int | None = None  # engine: CompositeDrafter.max_draft (None: its default)
+    matmul: str | None = None  # engine: a 4-bit target's matmul kernel (None: the one chosen)
 
     @property
     def greedy(self) -> bool:
@@ -144,6 +148,11 @@ def all_configs() -> list[Config]:
             Config("head+lookup/k4/c0.3", "engine", "head+lookup", 4, min_confidence=0.3),
         )
     ]
+    # torch's 4-bit kernel in place of the one the calibration chose: the kernels side by side
+    torch_matmul = [
+        replace(c, name=f"{c.name}/torch-matmul", matmul="torch")
+        for c in (base, next(c for c in capped if c.name == "lookup/d3"))
+    ]
     peers = [
         Config("outlines", "outlines"),
         Config("hf+outlines", "hf"),
@@ -164,6 +173,7 @@ def all_configs() -> list[Config]:
             *model["head+lookup"],
         ]
         + capped
+        + torch_matmul
         + [hot(c) for c in capped]
         + [
             hot(base),
@@ -405,8 +415,26 @@ class Bench:
 
     def run_engine(self, config, request, seed, max_new_tokens) -> dict:
         drafter = self.drafter(config)
-        speculative = drafter is not None
         gen = self.float_gen if config.float_target else self.gen
+        with self.matmul(config.matmul):
+            return self._timed_generate(gen, config, request, seed, max_new_tokens, drafter)
+
+    @contextlib.contextmanager
+    def matmul(self, kernel: str | None):
+        """The 4-bit target on ``kernel`` (kernels.INT4_KERNELS) for one run (repacked outside
+        the clock), then back on the chosen one; None leaves it as chosen."""
+        chosen = getattr(self.model, "matmul", None)
+        if kernel is None or chosen is None:
+            yield
+            return
+        self.model.use_matmul(kernel)
+        try:
+            yield
+        finally:
+            self.model.use_matmul(chosen)
+
+    def _timed_generate(self, gen, config, request, seed, max_new_tokens, drafter) -> dict:
+        speculative = drafter is not None
         self.meter.reset()
         t0 = time.perf_counter()
         result = gen.generate(
@@ -688,7 +716,7 @@ def calibrate(target, draft, context: list[int], reps: int = 10) -> dict:
     out = {
         "context_tokens": len(context),
         "target_ms": {n: step_ms(target, n) for n in (1, 2, 3, 4, 5, 8, 9, 17)},
-        **bandwidth_limit(target),
+        **bandwidth_limit(target, lambda: step_ms(target, 1)),
     }
     if draft is not None:
         out["draft_step_ms"] = step_ms(draft, 1)
@@ -702,11 +730,13 @@ def calibrate(target, draft, context: list[int], reps: int = 10) -> dict:
 PREFILL_ONLY = ("nibbles", "scale_rows", "offset_rows")  # kernels.Int4Linear's prefill buffers
 
 
-def bandwidth_limit(target) -> dict:
+def bandwidth_limit(target, step_ms=None, rounds: int = 7) -> dict:
     """The one-token step's floor on this machine: the bytes of weights a step reads (every
     parameter and buffer but the input embedding's rows, which are looked up, and the 4-bit
-    linears' prefill-only buffers) over the memory read bandwidth, the median of 7 sums of a
-    1 GiB tensor."""
+    linears' prefill-only buffers) over the memory read bandwidth (summing a 1 GiB tensor).
+    With ``step_ms`` (the median ms of a one-token step), ``rounds`` rounds of one sum and one
+    step measurement each, so that both see the same machine (a shared one's bandwidth moves
+    by a fifth from minute to minute): the medians of the bandwidth, the step and their ratio."""
     embed = target.get_input_embeddings().weight
     named = [*target.named_parameters(), *target.named_buffers()]
     tensors = {t.data_ptr(): t for name, t in named if not name.endswith(PREFILL_ONLY)}
@@ -718,18 +748,26 @@ def bandwidth_limit(target) -> dict:
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     big = torch.ones(2**28)  # 1 GiB of float32
     big.sum()  # the first sum also faults the pages in
-    seconds = []
-    for _ in range(7):
+    limits, steps = [], []
+    for _ in range(rounds):
         t = time.perf_counter()
         big.sum()
-        seconds.append(time.perf_counter() - t)
-    # the median: the best of a few once read 81 GB/s on a machine whose sums read 48-50
-    read_gb_s = big.numel() * 4 / statistics.median(seconds) / 1e9
-    return {
+        limits.append(weight_bytes / (big.numel() * 4) * (time.perf_counter() - t) * 1e3)
+        if step_ms is not None:
+            steps.append(step_ms())
+    del big
+    # medians: the best of a few sums once read 81 GB/s on a machine whose sums read 48-50
+    limit = statistics.median(limits)
+    out = {
         "weight_bytes": weight_bytes,
-        "read_gb_s": read_gb_s,
-        "bandwidth_limit_ms": weight_bytes / read_gb_s / 1e6,
+        "read_gb_s": weight_bytes / limit / 1e6,
+        "bandwidth_limit_ms": limit,
     }
+    if steps:
+        ratios = [step / floor for step, floor in zip(steps, limits)]
+        out |= {"step_ms": statistics.median(steps), "step_over_limit": statistics.median(ratios)}
+        out |= {"step_over_limit_range": [min(ratios), max(ratios)]}
+    return out
 
 
 # --- correctness fields ------------------------------------------------------------------------

@@ -4,11 +4,12 @@ torch.compile (inductor, dynamic shapes) — the "cheaper target steps" probe of
     python benchmarks/step_cost.py eager-skinny
     python benchmarks/step_cost.py compile-skinny     # first call compiles (minutes on 2 cores)
     python benchmarks/step_cost.py phases              # the int4 compact forward, per phase
+    python benchmarks/step_cost.py bandwidth           # its one-token step against the bandwidth
 
 Modes: "eager" or "compile", with "-skinny" for models.skinny_matmul (the library default):
 prints, for n = 1, 2, 5, 1, the median of 10 timed steps and the first (compiling) step.
 "phases": the built-in model with weights="int4" (its layers fused and in Python) and "float",
-n = 1, 4, 8, 9, 17 and prefills of 100, 300 and 1000 tokens: wall ms (median of 10); for int4
+n = 1, 4, 8, 9, 17 (per way of running its layers and 4-bit kernel) and prefills of 100, 300 and 1000 tokens: wall ms (median of 10); for int4
 also the forward without logits, with the LM head at wide or narrow positions, the head alone
 against a float32 one, and for the Python layers the profiler's split of the forward without the
 head into the 4-bit matmuls, attention and everything else (op dispatch, norms, rotary, cache).
@@ -44,12 +45,14 @@ def phases() -> None:
             skinny_matmul(model)
         for layers, n in [(k, n) for k in layer_kernels(model) for n in (1, 4, 8, 9, 17)]:
             if layers:
-                model.use_layers(layers)
+                way, matmul = layers.split("/")
+                model.use_matmul(matmul)
+                model.use_layers(way)
             median = statistics.median(forward_ms(model, context, n, reps=10)[1:])
             line = f"{weights}{f' {layers} layers' if layers else ''} n={n}: {median:.1f} ms"
             if weights == "int4":
                 line += head_split(model, context, n)
-            if layers == "python":
+            if layers == "python/torch":  # the profiler splits torch's ops, not ours
                 cache = kv.new_cache(model)
                 kv.forward(model, cache, context, "cpu")
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -74,10 +77,13 @@ def phases() -> None:
 
 
 def layer_kernels(model) -> list:
-    """The ways this model can run its layers (kernels.LAYER_KERNELS), [None] for a float one."""
+    """The ways this model can run its layers (kernels.LAYER_KERNELS) with each 4-bit kernel
+    (kernels.INT4_KERNELS), "fused/avx512-bf16" and so on; [None] for a float one."""
     if getattr(model, "weights", "float") == "float":
         return [None]
-    return [k for k in kernels.LAYER_KERNELS if k == "python" or not kernels.fused_missing()]
+    ways = [k for k in kernels.LAYER_KERNELS if k == "python" or not kernels.fused_missing()]
+    matmuls = [k for k in kernels.INT4_KERNELS if not kernels.int4_kernel_missing(k)]
+    return [f"{way}/{matmul}" for way in ways for matmul in matmuls]
 
 
 def head_split(model, context: list[int], n: int, reps: int = 20) -> str:
@@ -112,9 +118,39 @@ def head_split(model, context: list[int], n: int, reps: int = 20) -> str:
     )
 
 
+def bandwidth(rounds: int = 41) -> None:
+    """The one-token step against the bandwidth limit (run.bandwidth_limit) over ``rounds``
+    rounds of one 1 GiB sum and 10 steps each, for each 4-bit kernel that runs here, the kernels
+    alternating: the per-round ratios' median and quartiles (a shared machine's bandwidth and
+    compute move from minute to minute, so one short measurement says little)."""
+    from run import bandwidth_limit
+
+    model, _ = load_model(DEFAULT_MODEL, weights="int4")
+    chosen, context = model.matmul, list(range(1000, 1300))
+    matmuls = [k for k in kernels.INT4_KERNELS if not kernels.int4_kernel_missing(k)]
+    ratios = {k: [] for k in matmuls}
+    for _ in range(rounds):
+        for matmul in matmuls:
+            model.use_matmul(matmul)
+            step = lambda: statistics.median(forward_ms(model, context, 1, reps=10)[1:])
+            ratios[matmul].append(bandwidth_limit(model, step, rounds=1)["step_over_limit"])
+    model.use_matmul(chosen)
+    measured = bandwidth_limit(model, lambda: statistics.median(forward_ms(model, context, 1, 10)))
+    print(f"the chosen kernel: {chosen}; a step reads {measured['weight_bytes'] / 1e6:.0f} MB")
+    for matmul, values in ratios.items():
+        q1, q2, q3 = statistics.quantiles(values, n=4)
+        print(
+            f"{matmul}: one-token step / bandwidth limit over {rounds} rounds: median {q2:.2f}×, "
+            f"quartiles {q1:.2f}–{q3:.2f}×, range {min(values):.2f}–{max(values):.2f}×",
+            flush=True,
+        )
+
+
 def main(mode: str) -> None:
     if mode == "phases":
         return phases()
+    if mode == "bandwidth":
+        return bandwidth()
     model, _ = load_model(DEFAULT_MODEL)
     model.eval()
     if "skinny" in mode:

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import WeightsError
+
 GROUP = 32
 SKINNY_MAX = 32  # up to this many rows, W·xᵀ streams the weight once where x·Wᵀ packs it
 # A prompt's prefill (one request's input of this many tokens or more: verify passes feed at most
@@ -114,10 +116,8 @@ class Int4Linear(nn.Module):
         n, k = q.shape
         assert k % GROUP == 0, f"int4 groups need inputs in multiples of {GROUP}, got {k}"
         self.copies = copies  # the input is repeated this many times along K (see from_q8_0)
-        self.register_buffer(
-            "packed",
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 8),
-        )  # (N, K/2) uint8
+        self.kernel = "torch"  # which of INT4_KERNELS multiplies (use_kernel)
+        self.register_buffer("packed", _torch_pack(q))  # (N, K/2) uint8: the kernel's weights
         scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1)  # (K/32, N, 2)
         self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
         # for the bf16 prefill kernel: q in plain nibble order, and W = q·scale + (zero − 8·scale)
@@ -158,9 +158,44 @@ class Int4Linear(nn.Module):
             x = x.repeat(1, self.copies)  # (n, copies·K)
         if prefill and self.dense is not None:
             return F.linear(x, self.dense).float()
+        if self.kernel == "avx512-bf16":
+            return fused_build()[0].int4_mm(x.contiguous(), self.packed, self.scale_zero).float()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, GROUP, self.scale_zero
         ).float()
+
+    def use_kernel(self, kernel: str) -> None:
+        """Which of INT4_KERNELS multiplies: ``packed`` and ``scale_zero`` are rebuilt from the
+        nibbles and scales in that kernel's layout (the same bf16 scales and zeros either way),
+        the other layout dropped."""
+        assert kernel in INT4_KERNELS, kernel
+        if kernel == self.kernel:
+            return
+        if why := int4_kernel_missing(kernel):
+            raise WeightsError(f"the {kernel!r} 4-bit kernel cannot run here: {why}")
+        q = self.dequantized_nibbles()
+        scale, zero = self.scale_and_zero()
+        if kernel == "avx512-bf16":
+            self.packed, self.scale_zero = _tile_pack(q, scale, zero)
+        else:
+            self.packed = _torch_pack(q)
+            self.scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+        self.kernel = kernel
+
+    def dequantized_nibbles(self) -> torch.Tensor:
+        """q (N, copies·K) uint8 in 0..15."""
+        return torch.stack((self.nibbles & 0x0F, self.nibbles >> 4), dim=-1).view(
+            self.nibbles.shape[0], -1
+        )
+
+    def scale_and_zero(self):
+        """The kernels' scale and zero (N, copies·K/32) bf16, w = (q − 8)·scale + zero, read
+        from the current kernel's layout."""
+        if self.kernel == "torch":
+            return self.scale_zero[..., 0].T, self.scale_zero[..., 1].T  # from (K/32, N, 2)
+        blocks, groups = self.scale_zero.shape[:2]  # (N/16, K/32, 2, 16)
+        both = self.scale_zero.permute(2, 0, 3, 1).reshape(2, 16 * blocks, groups)
+        return both[0], both[1]
 
     def use_prefill(self, kernel: str) -> None:
         """The kernel of a prompt's prefill: "bf16" keeps a bf16 copy of the weight (2 bytes
@@ -182,12 +217,57 @@ class Int4Linear(nn.Module):
         return w.view(n, -1)
 
 
+def _torch_pack(q: torch.Tensor) -> torch.Tensor:
+    """q (N, K) in 0..15 → torch's int4 pack (N, K/2) uint8."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 8)
+
+
+def _tile_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+    """q (N, K) in 0..15 and bf16 scale, zero (N, K/32) → our kernel's tiles (N/16, K/8, 16)
+    int32 and scales (N/16, K/32, 2, 16) bf16 (csrc/fused_layers.cpp, int4_mm)."""
+    n, k = q.shape
+    shifts = 4 * torch.arange(4)[:, None] + 16 * torch.arange(2)[None, :]  # bit 4m + 16h
+    tiles = torch.empty(n // 16, k // 8, 16, dtype=torch.int32)
+    for start in range(0, n, 1024):  # in slices: int64 lanes of a whole LM head take ~1 GB
+        part = q[start : start + 1024].to(torch.int64)
+        part = part.view(-1, 16, k // 8, 4, 2)  # (block, row, 8 inputs, pair m, half h)
+        lanes = (part << shifts).sum((-1, -2))  # (blocks, 16, K/8) in 0 .. 2³² − 1
+        lanes = torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32)
+        tiles[start // 16 : (start + 1024) // 16] = lanes.transpose(1, 2)
+    scales = torch.stack((scale, zero)).to(torch.bfloat16).view(2, n // 16, 16, k // GROUP)
+    return tiles, scales.permute(1, 3, 0, 2).contiguous()
+
+
+# The 4-bit matmul of a model's linears (steps, verify passes, batch rows, and prompts through
+# the "int4" prefill kernel): "avx512-bf16" (ours, csrc/fused_layers.cpp: AVX-512 BF16 dot
+# products over the weights repacked for them; CPUs with avx512_bf16, where torch's kernel runs
+# at 21–24 GB/s a core, compute-bound) or "torch" (torch's int4 weight-only kernel). Both
+# multiply the same bf16 inputs by the same weights, sum in float32 and round once to bf16;
+# they sum in different orders (one bf16 ulp apart on ~0.1% of outputs). One of them runs for a
+# model's whole life (models.choose_layers measures them), so the baseline and speculation
+# compute the same function.
+INT4_KERNELS = ("avx512-bf16", "torch")
+
+
+def int4_kernel_missing(kernel: str) -> str | None:
+    """Why ``kernel`` (one of INT4_KERNELS) cannot run here, or None if it can. (Every 4-bit
+    linear is built through torch's pack, so both need torch's int4 ops.)"""
+    if kernel == "torch" or int4_missing():
+        return int4_missing()
+    module, why = fused_build()
+    if module is None:
+        return f"it is compiled with the fused layers, which cannot be built here ({why})"
+    if not module.avx512_bf16():
+        return "this CPU has no AVX-512 BF16 instructions (avx512_bf16)"
+    return None
+
+
 BF16_ROUNDOFF = 2.0**-8  # unit roundoff of bf16 (8 significant bits)
 
 
 class Q8Head(nn.Module):
     """The LM head over Q8_0 blocks (w = d·q per block of 32 weights, q int8): every logit from
-    the blocks through the 4-bit kernel (two 4-bit halves, bf16 scales and inputs: 35 MB read
+    the blocks through a 4-bit kernel (two 4-bit halves, bf16 scales and inputs: 35 MB read
     where float32 streams 113 MB), each with a bound on its distance from the float32 logit;
     the logits that could be the largest legal one are then recomputed in float32 from their
     rows. So the largest legal logit and its token are the float32 head's (greedy picks what a
@@ -195,11 +275,14 @@ class Q8Head(nn.Module):
     on its own input and mask only (the kernel's rows are independent), so a step, a verify
     pass and a batch row compute the same.
 
-    The kernel returns bf16(x̃·w̃) (checked against float64: the products of its inputs, float32
-    accumulation, one bf16 rounding), x̃ = bf16(x), w̃ = d̃·q with d̃ the bf16 scale. So per
-    position x and token t, |approx − x·w_t| ≤ ‖x‖·slack_t + ‖x − x̃‖·‖w̃_t‖ + u/(1−u)·|approx|,
-    with slack_t = ‖w̃_t − w_t‖ + 2γ·‖|hi_t| + |lo_t|‖ (the halves' accumulation, γ = 2K·2⁻²⁴)
-    and u the bf16 roundoff. Tests check the bound on random and real features."""
+    Either kernel returns bf16 of a float32 sum of x̃·w̃ (x̃ = bf16(x), denormals flushed to 0 as
+    our kernel's instructions do; w̃ = d̃·q with d̃ the bf16 scale). Per position x and token t,
+    |approx − x·w_t| ≤ ‖x‖·slack_t + ‖x − x̃‖·‖w̃_t‖ + u/(1−u)·|approx| + the sum's rounding:
+    torch's kernel (products exact, checked against float64) sums 2K products,
+    ≤ 2γ·‖|hi_t| + |lo_t|‖·‖x‖ with γ = 2K·2⁻²⁴ (in slack_t, with ‖w̃_t − w_t‖); ours
+    (``ours_bound``) sums (128 + q)·x̃ and Σx̃ per group and combines them, ≤ Σ_g S_g·c_{t,g},
+    S_g = Σ|x̃| over group g. u: the bf16 roundoff. Tests check the bound on random and real
+    features, on both kernels."""
 
     def __init__(self, weight: torch.Tensor, blocks: tuple | None = None):
         """``weight`` (V, d): Q8_0 values in float32; ``blocks``: its (q, d), where at hand (a
@@ -219,19 +302,33 @@ class Q8Head(nn.Module):
             slack.append((w - self.weight[rows]).norm(dim=1) + 2 * gamma * spread)
         self.register_buffer("slack", torch.cat(slack))  # (V,), times ‖x‖
         self.register_buffer("norms", torch.cat(norms))  # (V,), times ‖x − x̃‖
+        self.register_buffer("ours_bound", None)  # (K/32, V): c_{t,g}, while ours runs
 
-    def bound(self, x: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
-        """(n, V): how far each of ``approx`` = the kernel's logits of x may be from float32's."""
-        rounded = (x - x.to(torch.bfloat16).float()).norm(dim=1, keepdim=True)
+    def use_kernel(self, kernel: str) -> None:
+        """Which of INT4_KERNELS runs the blocks; the bound follows it."""
+        self.blocks.use_kernel(kernel)
+        vocab = self.weight.shape[0]  # the blocks' rows are padded to a multiple of 16
+        ours = kernel == "avx512-bf16"
+        self.ours_bound = _group_error(self.blocks)[:, :vocab].contiguous() if ours else None
+
+    def approximate(self, x: torch.Tensor):
+        """The kernel's logits of x (n, d), (n, V) float32 holding bf16 values, and how far
+        each may be from float32's."""
+        rounded = x.to(torch.bfloat16)
+        rounded = rounded.masked_fill(rounded.abs() < 2.0**-126, 0).float()  # DAZ: flushed
+        approx = self.blocks(rounded)[:, : self.weight.shape[0]]
         bound = approx.abs().mul_(BF16_ROUNDOFF / (1 - BF16_ROUNDOFF))
         bound.addcmul_(x.norm(dim=1, keepdim=True), self.slack)
-        return bound.addcmul_(rounded, self.norms)
+        bound.addcmul_((x - rounded).norm(dim=1, keepdim=True), self.norms)
+        if self.ours_bound is not None:
+            sums = rounded.abs().view(x.shape[0], -1, GROUP).sum(-1)  # (n, K/32): S_g
+            bound.addmm_(sums, self.ours_bound).add_(2.0**-100)  # + flushed intermediates
+        return approx, bound
 
     def forward(self, x: torch.Tensor, legal: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (n, V) of x (n, d); ``legal`` (n, V) bool limits the float32 recomputation to
         the tokens that could be the largest legal logit (all tokens when None)."""
-        approx = self.blocks(x)[:, : self.weight.shape[0]]  # (n, V) float32 holding bf16 values
-        bound = self.bound(x, approx)
+        approx, bound = self.approximate(x)
         low = approx - bound
         if legal is not None:
             low.masked_fill_(~legal, float("-inf"))
@@ -242,6 +339,25 @@ class Q8Head(nn.Module):
             ids = row.nonzero().squeeze(1)
             approx[i, ids] = self.weight[ids] @ x[i]
         return approx
+
+
+def _group_error(blocks: Int4Linear) -> torch.Tensor:
+    """Our kernel's float32 error on a Q8_0 head's halves, per unit of S_g = Σ|x̃| over input
+    group g: (K/32, V) c_{t,g} = A·(|s_hi| + |s_lo|) + B·(|z_hi| + |z_lo|), from its sums
+    (csrc int4_mm): a = Σ(128 + q)·x̃ in 4 chains of 4 dot-product instructions (≤ 2 roundings
+    each) and 2 adds, |q| ≤ 15: ≤ γ(10)·143·S_g; X = Σx̃ in order: ≤ γ(31)·S_g; t = a − 136·X
+    rounded once, |t| ≤ 8·S_g; the total, 2 fused multiply-adds a group over G groups:
+    ≤ γ(2G)·Σ_g (|s_g|·|t| + |z_g|·|X|). So A = 143γ(10) + 136γ(31) + 8u + 8γ(2G) and
+    B = γ(31) + γ(2G), u = 2⁻²⁴, γ(n) = nu/(1 − nu); 1% on top for the second-order terms."""
+    u = 2.0**-24
+    gamma = lambda n: n * u / (1 - n * u)
+    scale, zero = (t.float().abs() for t in blocks.scale_and_zero())  # (V, 2K/32) each
+    groups = scale.shape[1]
+    a = 1.01 * (143 * gamma(10) + 136 * gamma(31) + 8 * u + 8 * gamma(2 * groups))
+    b = 1.01 * (gamma(31) + gamma(2 * groups))
+    hi, lo = groups // 2, slice(groups // 2, None)  # the input is fed twice (copies = 2)
+    coef = a * (scale[:, :hi] + scale[:, lo]) + b * (zero[:, :hi] + zero[:, lo])
+    return coef.T.contiguous()
 
 
 @functools.cache
@@ -257,15 +373,20 @@ def int4_missing() -> str | None:
 
 
 def measure_prefill(shapes: list[tuple[int, int]], rows: int = 128, repeats: int = 3) -> dict:
-    """Milliseconds for one pass over ``shapes`` with ``rows`` input rows, per PREFILL_KERNELS."""
+    """Milliseconds for one pass over ``shapes`` with ``rows`` input rows: through the bf16
+    prefill copy ("bf16") and through each of INT4_KERNELS (the "int4" prefill kernel is the
+    4-bit kernel the model's linears run); inf where a kernel cannot run here."""
+    result = dict.fromkeys(("bf16", *INT4_KERNELS), float("inf"))
     if int4_missing():
-        return {"int4": 0.0, "bf16": float("inf")}  # nothing to choose: the model runs float
+        return result  # nothing to choose: the model runs float
     layers = [Int4Linear.from_q4_1(*quantize_q4_1(torch.randn(n, k) * 0.02)) for n, k in shapes]
     xs = {k: torch.randn(rows, k) for _, k in shapes}
-    result = {}
-    for kernel in PREFILL_KERNELS:
-        for layer in layers:
-            layer.use_prefill(kernel)  # the bf16 copy is made once per load, not timed
+    for kernel in result:
+        if kernel != "bf16" and int4_kernel_missing(kernel):
+            continue
+        for layer in layers:  # the bf16 copy is made once per load, not timed
+            layer.use_kernel("torch" if kernel == "bf16" else kernel)
+            layer.use_prefill("bf16" if kernel == "bf16" else "int4")
         one_pass = functools.partial(_one_pass, layers, shapes, xs, prefill=True)
         result[kernel] = best_ms(one_pass, repeats)
     return result
@@ -278,33 +399,46 @@ HEAD_KERNELS = ("q8", "float")
 
 def measure_head(vocab: int, hidden: int, rows: tuple[int, ...] = (1, 4), repeats: int = 5):
     """Milliseconds of an LM head (vocab, hidden) of Q8_0 values, summed over inputs of ``rows``
-    rows: as a Q8Head ("q8") and in float32 ("float"). Inputs close to one token's row, as real
-    features are: a few logits to recompute, not thousands."""
+    rows: as a Q8Head ("q8", on the faster of INT4_KERNELS: the linears' kernel, which the head
+    shares, is chosen the same way) and in float32 ("float"). Inputs close to one token's row,
+    as real features are: a few logits to recompute, not thousands."""
     if int4_missing():
         return {"q8": float("inf"), "float": 0.0}
     weight = dequantize_q8_0(*quantize_q8_0(torch.randn(vocab, hidden) * 0.05))
-    heads = {"q8": Q8Head(weight), "float": DenseLinear(weight)}
+    heads = {"float": DenseLinear(weight)}
+    for kernel in INT4_KERNELS:
+        if not int4_kernel_missing(kernel):
+            heads[kernel] = Q8Head(weight)
+            heads[kernel].use_kernel(kernel)
     result = dict.fromkeys(heads, 0.0)
     for m in rows:
         x = weight[torch.randint(vocab, (m,))]
         x = 20 * x / x.norm(dim=1, keepdim=True)
         for name, head in heads.items():
             result[name] += best_ms(functools.partial(head, x), repeats)
-    return result
+    return {"q8": min(v for k, v in result.items() if k != "float"), "float": result["float"]}
 
 
 def measure_linears(
     shapes: list[tuple[int, int]], rows: tuple[int, ...] = (1, 5), repeats: int = 5
 ) -> dict[str, float]:
     """Milliseconds for one pass over ``shapes`` ((N, K) weights, random, distinct so that they
-    are read from memory as a model's are), per kernel, summed over inputs of ``rows`` rows:
-    a one-token step and a typical verify pass."""
-    makers = {"int4": lambda w: Int4Linear.from_q4_1(*quantize_q4_1(w)), "float": DenseLinear}
-    result = {"int4": float("inf")} if int4_missing() else {}  # never chosen then
-    for name, make in makers.items():
-        if name in result:
+    are read from memory as a model's are), summed over inputs of ``rows`` rows (a one-token
+    step and a typical verify pass): in float32 ("float") and through each of INT4_KERNELS;
+    inf where a kernel cannot run here."""
+    result = {}
+    for name in ("float", *INT4_KERNELS):
+        if name != "float" and int4_kernel_missing(name):
+            result[name] = float("inf")  # never chosen
             continue
-        layers = [make(torch.randn(n, k) * 0.02) for n, k in shapes]
+        layers = []
+        for n, k in shapes:
+            w = torch.randn(n, k) * 0.02
+            if name == "float":
+                layers.append(DenseLinear(w))
+                continue
+            layers.append(Int4Linear.from_q4_1(*quantize_q4_1(w)))
+            layers[-1].use_kernel(name)
         total = 0.0
         for m in rows:
             xs = {k: torch.randn(m, k) for _, k in shapes}

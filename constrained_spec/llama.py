@@ -145,6 +145,25 @@ class CompactLlama(nn.Module):
             )
         self.layer_kernel = kernel
 
+    def use_matmul(self, kernel: str) -> None:
+        """Which of kernels.INT4_KERNELS runs the 4-bit linears (all of them: a step, a verify
+        pass, a batch row and a prompt through the "int4" prefill kernel multiply alike) and
+        the Q8_0 LM head's blocks."""
+        assert kernel in kernels.INT4_KERNELS, kernel
+        if not all(isinstance(m, kernels.Int4Linear) for m in self.linears):
+            raise WeightsError("a 4-bit kernel runs 4-bit linears only: these are float")
+        for linear in self.linears:
+            linear.use_kernel(kernel)
+        if isinstance(self.lm_head, kernels.Q8Head):  # its blocks too, the bound following
+            self.lm_head.use_kernel(kernel)
+        self.use_layers(self.layer_kernel)  # the fused layers' arguments: the new packs
+
+    @property
+    def matmul(self) -> str | None:
+        """The 4-bit kernel of the linears (kernels.INT4_KERNELS), None for float ones."""
+        first = self.linears[0]
+        return first.kernel if isinstance(first, kernels.Int4Linear) else None
+
     def use_head(self, kernel: str) -> None:
         """The LM head of a 4-bit model: "q8" (its Q8_0 blocks, the top logits in float32) or
         "float" (float32 throughout); both give the same largest logit (kernels.Q8Head)."""
@@ -154,6 +173,8 @@ class CompactLlama(nn.Module):
             self.lm_head = kernels.DenseLinear(weight)
         elif kernel == "q8" and not isinstance(self.lm_head, kernels.Q8Head):
             self.lm_head = kernels.Q8Head(weight)
+            if self.matmul:
+                self.lm_head.use_kernel(self.matmul)
 
     def new_cache(self) -> CompactCache:
         s = self.shape
@@ -259,13 +280,17 @@ class CompactLlama(nn.Module):
 
 def measure_layers(model: CompactLlama, repeats: int = 5) -> dict[str, float]:
     """Milliseconds of a one-token step plus a 5-token verify pass after a 64-token context,
-    the layers alone (no logits), per kernels.LAYER_KERNELS that can run here (best of
-    ``repeats``). Leaves the model on the kernel it had."""
-    kept, result = model.layer_kernel, {}
+    the layers alone (no logits), per way of running them that works here: "fused" or "python"
+    (kernels.LAYER_KERNELS), with each of kernels.INT4_KERNELS for 4-bit linears ("fused/torch",
+    ...). Best of ``repeats``. Leaves the model as it was."""
+    kept, kept_matmul, result = model.layer_kernel, model.matmul, {}
     context = torch.arange(64) % model.embed.weight.shape[0]
-    for kernel in kernels.LAYER_KERNELS:
+    matmuls = kernels.INT4_KERNELS if kept_matmul else (None,)
+    for layers, matmul in [(a, b) for a in kernels.LAYER_KERNELS for b in matmuls]:
         try:
-            model.use_layers(kernel)
+            if matmul:
+                model.use_matmul(matmul)
+            model.use_layers(layers)
         except WeightsError:
             continue
         cache = model.new_cache()
@@ -276,7 +301,9 @@ def measure_layers(model: CompactLlama, repeats: int = 5) -> dict[str, float]:
                 model(context[:n], cache, logits=False)
                 cache.crop(64)
 
-        result[kernel] = kernels.best_ms(step_and_verify, repeats)
+        result["/".join(filter(None, (layers, matmul)))] = kernels.best_ms(step_and_verify, repeats)
+    if kept_matmul:
+        model.use_matmul(kept_matmul)
     model.use_layers(kept)
     return result
 

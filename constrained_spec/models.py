@@ -146,9 +146,9 @@ def load_model(
     if weights == "int4" and name_or_path in BUILTIN_MODELS:
         model, tokenizer = _load_builtin_int4(name_or_path)
         measured = calibration(name_or_path)
-        model.use_prefill(measured["prefill"])
-        model.use_head(measured["head"])
         choose_layers(name_or_path, model)
+        model.use_prefill(prefill_kernel(measured, model.matmul))
+        model.use_head(measured["head"])
         return model, tokenizer
     model, tokenizer = _load_float(name_or_path, dtype)
     if weights != "float":
@@ -177,7 +177,8 @@ def describe_weights(name: str, requested: str, used: str, model=None) -> str:
         return f"{used}{layers} ({why})"
     c = calibration(name)
     head = "8-bit LM head (top logits in float32)" if c["head"] == "q8" else "float32 LM head"
-    prefill = f", {head}, prompts through the {c['prefill']} kernel" if used == "int4" else ""
+    kernel = getattr(model, "prefill", None) or prefill_kernel(c, "torch")
+    prefill = f", {head}, prompts through the {kernel} kernel" if used == "int4" else ""
     return (
         f"{used}{prefill}{layers} (auto: linears {c['int4_ms']:.1f} ms in int4 vs "
         f"{c['float_ms']:.1f} ms in float32 on this CPU, {c['measured']})"
@@ -188,8 +189,13 @@ def _describe_layers(model) -> str:
     from . import kernels
 
     kernel = getattr(model, "layer_kernel", None)
+    matmul = {
+        "avx512-bf16": ", 4-bit matmuls ours (AVX-512 BF16)",
+        "torch": ", 4-bit matmuls torch's"
+        + (f" (ours: {why})" if (why := kernels.int4_kernel_missing("avx512-bf16")) else ""),
+    }.get(getattr(model, "matmul", None), "")
     if kernel == "fused":
-        return ", layers fused (one compiled call per step)"
+        return f", layers fused (one compiled call per step){matmul}"
     if kernel == "python":
         missing = (
             kernels.fused_missing()
@@ -198,12 +204,13 @@ def _describe_layers(model) -> str:
         )
         return (
             f", layers in Python ({'fused: ' + missing if missing else 'faster here than fused'})"
+            + matmul
         )
     return ""
 
 
 # Part of the calibration's cache key: a new measurement method invalidates the cached choices.
-CALIBRATION = "v3: the LM head measured too"
+CALIBRATION = "v5: each 4-bit matmul kernel measured, the head on each"
 
 
 def calibration(name: str) -> dict:
@@ -222,24 +229,33 @@ def _measure_kernels(name: str) -> dict:
     h, kv = config.num_attention_heads, config.num_key_value_heads
     layer = [((h + 2 * kv) * hd, d), (d, h * hd), (2 * i, d), (d, i)]
     timings = kernels.measure_linears(layer * 4)  # 4 layers: more than a CPU cache holds in fp32
+    int4 = min(timings[k] for k in kernels.INT4_KERNELS)
     prefill = kernels.measure_prefill(layer * 2)
     head = kernels.measure_head(config.vocab_size, d)
     return {
-        **{f"{k}_ms": round(v, 3) for k, v in timings.items()},
-        "choice": min(timings, key=timings.get),
+        "int4_ms": round(int4, 3),  # the faster 4-bit kernel
+        "float_ms": round(timings["float"], 3),
+        "choice": "int4" if int4 < timings["float"] else "float",
+        **{f"matmul_{k}_ms": round(timings[k], 3) for k in kernels.INT4_KERNELS},
         "measured": "linears of 4 layers, 1 + 5 rows",
         **{f"prefill_{k}_ms": round(v, 3) for k, v in prefill.items()},
-        "prefill": min(prefill, key=prefill.get),
         **{f"head_{k}_ms": round(v, 3) for k, v in head.items()},
         "head": min(head, key=head.get),
     }
 
 
+def prefill_kernel(measured: dict, matmul: str) -> str:
+    """A prompt's prefill kernel (kernels.PREFILL_KERNELS) for a model whose 4-bit linears run
+    ``matmul``: "bf16" (a dense copy) where it measured faster than that kernel, else "int4"."""
+    return "bf16" if measured["prefill_bf16_ms"] < measured[f"prefill_{matmul}_ms"] else "int4"
+
+
 def choose_layers(name: str, model) -> str:
-    """How a compact model runs its layers (kernels.LAYER_KERNELS): "fused" where they compile
-    here and run faster than the Python loop, else "python". Measured on the model itself (a
-    step and a verify pass, well under a second), once per model, CPU, torch version and thread
-    count, then cached; the model is left on the choice."""
+    """How a compact model runs its layers (kernels.LAYER_KERNELS: "fused" where they compile
+    here, else "python") and, for 4-bit linears, which of kernels.INT4_KERNELS multiplies: the
+    fastest way measured on the model itself (a step and a verify pass each, about a second),
+    once per model, CPU, torch version and thread count, then cached. The model is left on the
+    choice, which is returned ("fused/avx512-bf16", ...)."""
     from . import kernels, llama
 
     def measure() -> dict:
@@ -250,11 +266,16 @@ def choose_layers(name: str, model) -> str:
         }
 
     choice = _remembered(f"{name} | {model.weights} | {LAYERS_CALIBRATION}", measure)["layers"]
-    model.use_layers("python" if kernels.fused_missing() else choice)
-    return model.layer_kernel
+    layers, _, matmul = choice.partition("/")
+    if matmul and kernels.int4_kernel_missing(matmul):  # measured where it could run
+        matmul = "torch"
+    if matmul:
+        model.use_matmul(matmul)
+    model.use_layers("python" if kernels.fused_missing() else layers)
+    return "/".join(filter(None, (model.layer_kernel, model.matmul)))
 
 
-LAYERS_CALIBRATION = "layers v1"
+LAYERS_CALIBRATION = "layers v2: with the 4-bit matmul kernel"
 
 
 def _remembered(what: str, measure) -> dict:

@@ -23,18 +23,41 @@ def tiny_draft(tiny_tokenizer):
     return testing.tiny_model(tiny_tokenizer, seed=1, layers=1)
 
 
-@pytest.fixture(scope="session", params=["fused", "python"])
-def tiny_int4_target(request, tiny_tokenizer):
+def int4_target(tokenizer, way: str):
     """The tiny target's weights quantized as the default model ships (Q4_1 linears, Q8_0 LM
-    head), in the compact forward; every test taking it runs on both ways of running its layers
-    (the fused ones skip, saying why, where they cannot be compiled)."""
+    head), in the compact forward, its layers and 4-bit matmuls run ``way`` ("fused/torch", ...);
+    a way that cannot run here skips, saying why."""
     from constrained_spec import kernels, llama
 
-    if request.param == "fused" and (missing := kernels.fused_missing()):
+    layers, matmul = way.split("/")
+    if layers == "fused" and (missing := kernels.fused_missing()):
         pytest.skip(f"the fused layers cannot be compiled here: {missing}")
-    model = llama.from_transformers(testing.tiny_model(tiny_tokenizer, seed=0), "int4")
-    model.use_layers(request.param)
+    if missing := kernels.int4_kernel_missing(matmul):
+        pytest.skip(f"the {matmul} 4-bit kernel cannot run here: {missing}")
+    model = llama.from_transformers(testing.tiny_model(tokenizer, seed=0), "int4")
+    model.use_matmul(matmul)
+    model.use_layers(layers)
     return model
+
+
+@pytest.fixture(scope="session", params=["fused", "python"])
+def tiny_int4_target(request, tiny_tokenizer):
+    """The 4-bit tiny target (int4_target); every test taking it runs on the fused layers with
+    the faster 4-bit kernel a CPU like this one picks (ours where it has avx512_bf16) and on the
+    Python loop with torch's kernel (a machine without a compiler). The fused layers with torch's
+    kernel (a CPU without avx512_bf16) run in the kernel-level tests (tests/test_llama.py)."""
+    from constrained_spec import kernels
+
+    if request.param == "python":
+        return int4_target(tiny_tokenizer, "python/torch")
+    ours = kernels.int4_kernel_missing("avx512-bf16") is None
+    return int4_target(tiny_tokenizer, "fused/avx512-bf16" if ours else "fused/torch")
+
+
+@pytest.fixture(scope="session", params=["fused/avx512-bf16", "fused/torch", "python/torch"])
+def every_int4_target(request, tiny_tokenizer):
+    """The 4-bit tiny target on every way of running it (int4_target)."""
+    return int4_target(tiny_tokenizer, request.param)
 
 
 @pytest.fixture(params=["llguidance", "regex"])

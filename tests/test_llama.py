@@ -28,6 +28,17 @@ needs_fused = pytest.mark.skipif(
 )
 
 
+def int4_kernel(name: str):
+    """The parameter of a test run on each 4-bit kernel; one this machine lacks skips."""
+    missing = kernels.int4_kernel_missing(name)
+    return pytest.param(
+        name, marks=pytest.mark.skipif(missing is not None, reason=f"{name}: {missing}")
+    )
+
+
+INT4_KERNELS = [int4_kernel(name) for name in kernels.INT4_KERNELS]
+
+
 def logits_of(model, ids, cache=None):
     """(n, V) logits of ``ids`` after what ``cache`` holds (a fresh cache when None)."""
     return kv.forward(model, model.new_cache() if cache is None else cache, ids, "cpu")
@@ -85,12 +96,16 @@ def test_crop_then_refeed_equals_a_fresh_forward_past_the_initial_capacity(tiny_
 
 
 @needs_fused
-def test_fused_layers_crop_refeed_and_growth_compute_what_a_fresh_cache_does(tiny_tokenizer):
+@pytest.mark.parametrize("matmul", INT4_KERNELS)
+def test_fused_layers_crop_refeed_and_growth_compute_what_a_fresh_cache_does(
+    tiny_tokenizer, matmul
+):
     """The fused layers write the cache themselves: after a growth (copying what it holds), a
     rejected draft and a crop, refeeding gives bit for bit what a fresh cache fed the same
     tokens gives, whatever the chunks (each token's values depend on its own inputs only)."""
     model = testing.tiny_model(tiny_tokenizer, seed=0, max_positions=1024)
     compact = llama.from_transformers(model, "int4")
+    compact.use_matmul(matmul)
     compact.use_layers("fused")
     ids = (tiny_tokenizer.encode(TEXTS[-1]) * 8)[:300]
     other = tiny_tokenizer.encode("yes no yes no abba")
@@ -136,11 +151,11 @@ def test_fused_layers_compute_what_the_python_layers_do(tiny_tokenizer):
     assert rel < 0.01, f"relative logit difference {rel:.4f}"
 
 
-def test_a_verify_pass_and_batch_rows_compute_what_one_token_steps_do(tiny_int4_target):
+def test_a_verify_pass_and_batch_rows_compute_what_one_token_steps_do(every_int4_target):
     """Greedy speculation commits the baseline's tokens because every token of a verify pass,
-    and every row of a batch, gets bit for bit the logits a one-token step gives it: on both
-    ways of running the layers (the fixture's parameter)."""
-    model = tiny_int4_target
+    and every row of a batch, gets bit for bit the logits a one-token step gives it: on every
+    way of running the layers and their 4-bit matmuls (the fixture's parameter)."""
+    model = every_int4_target
     context, new = list(range(5, 45)), [7, 3, 11, 2, 9, 30, 4]
     prefilled = model.new_cache()
     logits_of(model, context, prefilled)
@@ -224,11 +239,13 @@ def kernel_cases():
     }
 
 
+@pytest.mark.parametrize("matmul", INT4_KERNELS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_int4_linear_computes_x_times_the_dequantized_weights(kind):
+def test_int4_linear_computes_x_times_the_dequantized_weights(kind, matmul):
     """x·Wᵀ up to the kernel's roundings: x to bf16 (done in the reference too), scales and zeros
     to bf16 (bounded per weight), the output to bf16 (relative BF16)."""
     layer, w, weight_bound = kernel_cases()[kind]
+    layer.use_kernel(matmul)
     x = torch.randn(9, w.shape[1], generator=torch.Generator().manual_seed(1))
     xb = x.bfloat16().float()
     expected = xb @ w.T  # (9, N)
@@ -239,15 +256,44 @@ def test_int4_linear_computes_x_times_the_dequantized_weights(kind):
     assert bound.max() < 0.02 * expected.abs().max(), "a bound this loose checks little"
 
 
+@pytest.mark.parametrize("matmul", INT4_KERNELS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_int4_linear_rows_do_not_depend_on_how_many_are_fed(kind):
-    """A verify pass of M tokens must give each token the logits a one-token step gives it:
-    that is what keeps greedy speculative decoding identical to the baseline."""
+def test_int4_linear_rows_do_not_depend_on_how_many_are_fed(kind, matmul):
+    """A verify pass of M tokens must give each token, bit for bit, the logits a one-token
+    step gives it: that is what keeps greedy speculative decoding identical to the baseline.
+    (Our kernel takes rows 4 at a time, then the rest: every remainder is fed.)"""
     layer, w, _ = kernel_cases()[kind]
+    layer.use_kernel(matmul)
     x = torch.randn(25, w.shape[1], generator=torch.Generator().manual_seed(2))
     alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
     for m in [*range(1, 10), 25]:  # 25: the longest verify pass (max_draft 24 + 1)
-        torch.testing.assert_close(layer(x[:m]), alone[:m], atol=1e-5, rtol=0)
+        assert torch.equal(layer(x[:m]), alone[:m]), f"{m} rows"
+        assert torch.equal(layer(x[m - 1 :]), alone[m - 1 :]), f"rows {m - 1}.."
+
+
+@pytest.mark.skipif(
+    kernels.int4_kernel_missing("avx512-bf16") is not None,
+    reason=f"our 4-bit kernel cannot run here: {kernels.int4_kernel_missing('avx512-bf16')}",
+)
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_our_4bit_kernel_multiplies_what_torchs_does(kind):
+    """The same bf16 inputs, weights, scales and zeros, summed in float32 in another order and
+    rounded once to bf16: at most one bf16 unit apart from torch's kernel (on a few outputs),
+    and switching back restores torch's pack exactly."""
+    layer, w, _ = kernel_cases()[kind]
+    layer.use_kernel("torch")
+    packed, scale_zero = layer.packed.clone(), layer.scale_zero.clone()
+    x = torch.randn(13, w.shape[1], generator=torch.Generator().manual_seed(3))
+    theirs = layer(x)
+    layer.use_kernel("avx512-bf16")
+    assert layer.packed.dtype == torch.int32, "still torch's pack"
+    ours = layer(x)
+    ulp = theirs.abs() * BF16 * 2 + 1e-30  # one bf16 unit (2⁻⁷ relative) at the output's size
+    assert ((ours - theirs).abs() <= ulp).all(), (ours - theirs).abs().max()
+    assert (ours != theirs).float().mean() < 0.05, "mostly different: not the same sums"
+    layer.use_kernel("torch")
+    assert torch.equal(layer.packed, packed) and torch.equal(layer.scale_zero, scale_zero)
+    assert torch.equal(layer(x), theirs)
 
 
 # --- loading helpers ------------------------------------------------------------------------------
@@ -410,9 +456,13 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
     monkeypatch.setattr(
         kernels,
         "measure_linears",
-        lambda shapes: calls.append(shapes) or {"int4": 1.0, "float": 2.0},
+        lambda shapes: calls.append(shapes) or {"float": 2.0, "avx512-bf16": 1.0, "torch": 1.5},
     )
-    monkeypatch.setattr(kernels, "measure_prefill", lambda shapes: {"int4": 4.0, "bf16": 3.0})
+    monkeypatch.setattr(
+        kernels,
+        "measure_prefill",
+        lambda shapes: {"bf16": 3.0, "avx512-bf16": 2.5, "torch": 4.0},
+    )
     monkeypatch.setattr(kernels, "measure_head", lambda vocab, d: {"q8": 1.5, "float": 2.5})
     name, path = models.DEFAULT_MODEL, tmp_path / "calibration.json"
 
@@ -421,18 +471,23 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
     assert calls == [layer * 4]
     (stored,) = json.loads(path.read_text()).values()
     assert stored == {
-        "int4_ms": 1.0,
+        "int4_ms": 1.0,  # the faster 4-bit kernel's
         "float_ms": 2.0,
         "choice": "int4",
+        "matmul_avx512-bf16_ms": 1.0,
+        "matmul_torch_ms": 1.5,
         "measured": "linears of 4 layers, 1 + 5 rows",
-        "prefill_int4_ms": 4.0,
         "prefill_bf16_ms": 3.0,
-        "prefill": "bf16",
+        "prefill_avx512-bf16_ms": 2.5,
+        "prefill_torch_ms": 4.0,
         "head_q8_ms": 1.5,
         "head_float_ms": 2.5,
         "head": "q8",
     }
     assert models.calibration(name) == stored and models.choose_weights(name) == "int4"
+    # a prompt's prefill: the bf16 copy only where it beats the 4-bit kernel the linears run
+    assert models.prefill_kernel(stored, "avx512-bf16") == "int4"
+    assert models.prefill_kernel(stored, "torch") == "bf16"
     described = models.describe_weights(name, "auto", "int4")
     assert "1.0 ms in int4 vs 2.0 ms" in described and "through the bf16 kernel" in described
     assert "8-bit LM head" in described
@@ -520,10 +575,12 @@ def test_real_default_model_int4_is_its_gguf_blocks():
         # the Q8_0 head on real features: within its bound, float32's top token
         _, features = kv.forward(model, model.new_cache(), ids, "cpu", features=True)
         exact = features @ head.weight.T
-        approx = head.blocks(features)
-        bound = head.bound(features, approx.clone())
-        assert ((approx - exact).abs() <= bound).all(), "the Q8_0 head left its bound"
-        assert torch.equal(head(features).argmax(-1), exact.argmax(-1))
+        for matmul in kernels.INT4_KERNELS:  # each kernel that runs here, with its own bound
+            if kernels.int4_kernel_missing(matmul) is None:
+                head.use_kernel(matmul)
+                approx, bound = head.approximate(features)
+                assert ((approx - exact).abs() <= bound).all(), f"{matmul}: left its bound"
+                assert torch.equal(head(features).argmax(-1), exact.argmax(-1))
     rate = sum(agree) / len(agree)
     print(f"int4 vs float top-1 agreement: {rate:.3f} over {len(agree)} positions")
     assert len(agree) >= 90 and rate >= 0.9, f"top-1 agreement {rate:.3f} over {len(agree)}"
@@ -571,39 +628,57 @@ def test_a_missing_int4_kernel_is_named_and_auto_falls_back(monkeypatch):
         with pytest.raises(WeightsError, match="no int4 op.*weights='float'"):
             models.load_model(models.DEFAULT_MODEL, weights=weights)
     timings = kernels.measure_linears([(64, 64)], repeats=1)
-    assert timings["int4"] == float("inf") and timings["float"] < float("inf")
-    assert kernels.measure_prefill([(64, 64)])["bf16"] == float("inf")
+    assert timings["torch"] == float("inf") and timings["float"] < float("inf")
+    assert set(kernels.measure_prefill([(64, 64)]).values()) == {float("inf")}
 
 
 def test_the_layers_are_chosen_by_measurement_once_and_a_missing_compiler_is_named(
     tmp_path, monkeypatch, tiny_target
 ):
-    """choose_layers measures the loaded model once per machine and keeps the faster way; where
-    the fused layers cannot be built, the model runs the Python loop and the --stats line says
-    why (asking for them anyway is a WeightsError naming the compiler's complaint)."""
+    """choose_layers measures the loaded model once per machine and keeps the faster way of
+    running its layers and 4-bit matmuls; where the fused layers cannot be built, the model runs
+    the Python loop on torch's kernel and the --stats line says why (asking for them anyway is a
+    WeightsError naming the compiler's complaint)."""
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
     compact = llama.from_transformers(tiny_target, "int4")
     calls = []
-    monkeypatch.setattr(
-        llama, "measure_layers", lambda m: calls.append(m) or {"fused": 2.0, "python": 1.0}
-    )
+    measured = {"fused/avx512-bf16": 3.0, "fused/torch": 2.0, "python/torch": 1.0}
+    monkeypatch.setattr(llama, "measure_layers", lambda m: calls.append(m) or measured)
     if kernels.fused_missing() is None:
-        assert models.choose_layers("tiny", compact) == "python"  # the faster, as measured
-        assert models.choose_layers("tiny", compact) == "python" and len(calls) == 1
+        assert models.choose_layers("tiny", compact) == "python/torch"  # the faster, as measured
+        assert models.choose_layers("tiny", compact) == "python/torch" and len(calls) == 1
         stored = json.loads((tmp_path / "calibration.json").read_text())
-        assert [v["layers"] for v in stored.values()] == ["python"]
-        assert "layers in Python (faster here than fused)" in models.describe_weights(
-            "tiny", "int4", "int4", compact
-        )
+        assert [v["layers"] for v in stored.values()] == ["python/torch"]
+        described = models.describe_weights("tiny", "int4", "int4", compact)
+        assert "layers in Python (faster here than fused), 4-bit matmuls torch's" in described
     monkeypatch.setattr(kernels, "fused_build", lambda: (None, "RuntimeError: no c++ here"))
-    # a choice of "fused" cached on a machine that could build them, this one cannot
-    monkeypatch.setattr(llama, "measure_layers", lambda m: {"fused": 1.0, "python": 2.0})
-    assert models.choose_layers("other", compact) == "python"
-    assert "fused: RuntimeError: no c++ here" in models.describe_weights(
-        "other", "int4", "int4", compact
-    )
+    # a choice cached on a machine that could build the fused layers; this one cannot
+    measured = {"fused/avx512-bf16": 1.0, "fused/torch": 2.0, "python/torch": 3.0}
+    assert models.choose_layers("other", compact) == "python/torch"
+    described = models.describe_weights("other", "int4", "int4", compact)
+    assert "fused: RuntimeError: no c++ here" in described
+    assert "4-bit matmuls torch's (ours: it is compiled with the fused layers" in described
     with pytest.raises(WeightsError, match="fused layers cannot run here: RuntimeError: no c"):
         compact.use_layers("fused")
+    with pytest.raises(WeightsError, match="'avx512-bf16' 4-bit kernel cannot run here"):
+        compact.use_matmul("avx512-bf16")
+
+
+@pytest.mark.skipif(
+    kernels.int4_kernel_missing("avx512-bf16") is not None,
+    reason=f"our 4-bit kernel cannot run here: {kernels.int4_kernel_missing('avx512-bf16')}",
+)
+def test_the_measurement_picks_our_kernel_where_it_is_faster(tmp_path, monkeypatch, tiny_target):
+    """The real measurement (no stand-in): every way that runs here is timed, and the choice is
+    left on the model, our kernel's packs in place of torch's."""
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    compact = llama.from_transformers(tiny_target, "int4")
+    timings = llama.measure_layers(compact, repeats=1)
+    assert set(timings) == {f"{a}/{b}" for a in kernels.LAYER_KERNELS for b in kernels.INT4_KERNELS}
+    assert compact.matmul == "torch" and compact.layer_kernel == "python", "not left as it was"
+    monkeypatch.setattr(llama, "measure_layers", lambda m: {**timings, "fused/avx512-bf16": 0.0})
+    assert models.choose_layers("tiny", compact) == "fused/avx512-bf16"
+    assert all(m.packed.dtype == torch.int32 for m in compact.linears)  # our tiles, not torch's
 
 
 # --- the mask-aware LM head -----------------------------------------------------------------------
@@ -636,21 +711,23 @@ def test_the_head_computes_only_the_legal_logits_of_narrow_positions(tiny_int4_t
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_q8_head_is_float32_at_the_top_and_within_its_bound_elsewhere(seed):
+@pytest.mark.parametrize("matmul", INT4_KERNELS)
+def test_q8_head_is_float32_at_the_top_and_within_its_bound_elsewhere(seed, matmul):
     """The Q8_0 head: every logit within its stated bound of the float32 product, the largest
-    legal logit recomputed in float32 (greedy picks float32's token), whatever the mask."""
+    legal logit recomputed in float32 (greedy picks float32's token), whatever the mask, on
+    each 4-bit kernel (each with its own bound)."""
     torch.manual_seed(seed)
     vocab, d = 1000, 128
     weight = kernels.dequantize_q8_0(*kernels.quantize_q8_0(torch.randn(vocab, d) * 0.05))
     head = kernels.Q8Head(weight)
+    head.use_kernel(matmul)
     x = torch.randn(64, d) * torch.logspace(-1, 1.5, 64)[:, None]  # flat to peaked logits
+    x[::7, ::5] = torch.randn(10, 26) * 1e-40  # a few denormals: flushed by our kernel
     legal = torch.rand(64, vocab) < torch.linspace(0.01, 1, 64)[:, None]
     legal[:, 0] = True
     exact = x.double() @ weight.double().T  # (n, V): the float32 head up to its rounding
     logits = head(x, legal).double()
-    approx = head.blocks(x)[:, :vocab]
-    bound = head.bound(x, approx.clone()).double()
-    approx = approx.double()
+    approx, bound = (t.double() for t in head.approximate(x))
     assert ((approx - exact).abs() <= bound).all(), "the kernel's logits left their bound"
     assert ((logits - exact).abs() <= bound).all()
     top = exact.masked_fill(~legal, float("-inf")).argmax(1)

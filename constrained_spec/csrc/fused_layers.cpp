@@ -1,8 +1,9 @@
 // The compact Llama forward's layers for a few new tokens (a one-token step, a verify pass, a
 // batch's rows), fused into one call: llama.py's Python loop spends more time dispatching its
 // ~35 small ops per layer than the 4-bit matmuls take (docs/measurements.md). The matmuls are
-// still torch's int4 weight-only kernel (the same values as the Python loop's); norms, rotary,
-// attention and the MLP's gate are plain loops here.
+// torch's int4 weight-only kernel or our own (int4_mm, AVX-512 BF16), whichever the linears run
+// (the same values as the Python loop's); norms, rotary, attention and the MLP's gate are plain
+// loops here.
 //
 // Every token's values depend on its own inputs and its own cache only, computed by the same
 // code in the same order whatever the number of tokens or rows: a verify pass computes bit for
@@ -22,6 +23,8 @@
 #define CPU_CAPABILITY DEFAULT
 #endif
 #include <ATen/cpu/vec/vec.h>
+
+#include <immintrin.h>
 
 #include <cmath>
 #include <vector>
@@ -135,9 +138,119 @@ void rms_norm(const float* x, const float* weight, BFloat16* out, int64_t n, int
   }
 }
 
+#if defined(__AVX512BF16__)
+constexpr bool HAVE_AVX512_BF16 = true;
+
+// R ≤ 4 rows of x times one tile column of the 4-bit weight (16 outputs). A nibble q becomes
+// the bf16 number 128 + q by OR-ing 0x4300 into its 16-bit half (128 + q has 8 significant
+// bits), so vdpbf16ps sums (128 + q)·x in float32; each group's epilogue takes 136·Σx away:
+// w = (q − 8)·scale + zero. A row sums a group's 32 products in 4 chains of 8 (one per vector
+// of tiles: a single chain would wait on each dot product's latency), added as (0 + 1) + (2 + 3).
+// Each row runs the same instructions in the same order whatever R, so its outputs do not
+// depend on the rows computed beside it.
+template <int64_t R>
+void int4_tile(const int32_t* tile, const BFloat16* scales, const uint32_t* x, int64_t row_pairs,
+               const float* sums, int64_t groups, BFloat16* out, int64_t out_stride) {
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
+  const __m512 offset = _mm512_set1_ps(136.f);
+  __m512 total[R];
+  for (auto& t : total) t = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[R][4];
+    for (int64_t c = 0; c < 4; ++c) {  // 8 inputs a vector: 4 pairs, nibbles 4m and 16 + 4m
+      const __m512i v = _mm512_loadu_si512(tile + (g * 4 + c) * 16);
+      for (int64_t r = 0; r < R; ++r) acc[r][c] = _mm512_setzero_ps();
+      for (int m = 0; m < 4; ++m) {
+        const __m512i w = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 4 * m), nibbles, bias,
+                                                    0xEA);  // (v >> 4m) & nibbles | bias
+        const int64_t pair = g * 16 + c * 4 + m;
+        for (int64_t r = 0; r < R; ++r)
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)w,
+                                       (__m512bh)_mm512_set1_epi32(x[r * row_pairs + pair]));
+      }
+    }
+    const __m512i sz = _mm512_loadu_si512(scales + g * 32);  // 16 scales, then 16 zeros
+    const __m512 s = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(sz)), 16));
+    const __m512 z = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(sz, 1)), 16));
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 X = _mm512_set1_ps(sums[r * groups + g]);
+      const __m512 a = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),
+                                     _mm512_add_ps(acc[r][2], acc[r][3]));
+      total[r] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(offset, X, a), total[r]);
+      total[r] = _mm512_fmadd_ps(z, X, total[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride),
+                        (__m256i)_mm512_cvtneps_pbh(total[r]));
+}
+#else
+constexpr bool HAVE_AVX512_BF16 = false;
+#endif
+
+}  // namespace
+
+// x (n, K) bf16 times a 4-bit weight (N, K) packed by kernels.Int4Linear.use_kernel: tiles
+// (N/16, K/8, 16) int32, lane i of tile (b, c) holding row 16b + i's inputs 8c..8c+7 as nibbles
+// (input 8c + 2m at bits 4m, 8c + 2m + 1 at bits 16 + 4m); scales (N/16, K/32, 2, 16) bf16, the
+// scale then the zero of rows 16b.. in group g. Returns (n, N) bf16: float32 sums, rounded once,
+// as torch's kernel does. Rows go up to 4 at a time through each tile column, which is read
+// from memory once for all of them.
+Tensor int4_mm(const Tensor& x, const Tensor& tiles, const Tensor& scales) {
+  TORCH_CHECK(HAVE_AVX512_BF16, "this build has no AVX-512 BF16 instructions (CPU without avx512_bf16)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: (n, K) bf16");
+  TORCH_CHECK(tiles.scalar_type() == at::kInt && tiles.dim() == 3 && tiles.size(2) == 16 &&
+                  tiles.size(1) * 8 == x.size(1) && tiles.is_contiguous(),
+              "tiles: (N/16, K/8, 16) int32");
+  const int64_t n = x.size(0), K = x.size(1), blocks = tiles.size(0), groups = K / 32;
+  TORCH_CHECK(K % 32 == 0 && scales.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
+                  scales.numel() == blocks * groups * 32,
+              "scales: (N/16, K/32, 2, 16) bf16");
+  Tensor out = at::empty({n, blocks * 16}, x.options());
+#if defined(__AVX512BF16__)
+  const BFloat16* X = x.data_ptr<BFloat16>();
+  std::vector<float> sums(n * groups);  // Σx per row and group, in order
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t k = 0; k < 32; ++k) s += static_cast<float>(X[r * K + g * 32 + k]);
+      sums[r * groups + g] = s;
+    }
+  const auto* pairs = reinterpret_cast<const uint32_t*>(X);
+  const int32_t* T = tiles.data_ptr<int32_t>();
+  const BFloat16* S = scales.data_ptr<BFloat16>();
+  BFloat16* O = out.data_ptr<BFloat16>();
+  const int64_t N = blocks * 16, pairs_per_row = K / 2;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int32_t* tile = T + b * (K / 8) * 16;
+      const BFloat16* scale = S + b * groups * 32;
+      for (int64_t r = 0; r < n;) {
+        const uint32_t* xr = pairs + r * pairs_per_row;
+        const float* sr = sums.data() + r * groups;
+        BFloat16* o = O + r * N + b * 16;
+        switch (std::min<int64_t>(n - r, 4)) {  // the tile column stays in cache for the next
+          case 4: int4_tile<4>(tile, scale, xr, pairs_per_row, sr, groups, o, N), r += 4; break;
+          case 3: int4_tile<3>(tile, scale, xr, pairs_per_row, sr, groups, o, N), r += 3; break;
+          case 2: int4_tile<2>(tile, scale, xr, pairs_per_row, sr, groups, o, N), r += 2; break;
+          default: int4_tile<1>(tile, scale, xr, pairs_per_row, sr, groups, o, N), r += 1;
+        }
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+namespace {
+
+// torch's int4 weight-only kernel for its own pack (uint8), ours (int4_mm) for our tiles (int32)
 Tensor int4_matmul(const Tensor& x, const Tensor& packed, const Tensor& scale_zero, int64_t copies) {
-  return at::_weight_int4pack_mm_for_cpu(copies > 1 ? x.repeat({1, copies}) : x, packed, 32,
-                                         scale_zero);
+  const Tensor input = copies > 1 ? x.repeat({1, copies}) : x;
+  if (packed.scalar_type() == at::kInt) return int4_mm(input, packed, scale_zero);
+  return at::_weight_int4pack_mm_for_cpu(input, packed, 32, scale_zero);
 }
 
 void add_bf16(float* x, const Tensor& y) {  // x += y (bf16)
@@ -263,4 +376,6 @@ Tensor fused_layers(Tensor x, const Tensor& cos, const Tensor& sin,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_layers", &fused_layers, "The compact Llama's layers for a few new tokens");
+  m.def("int4_mm", &int4_mm, "x (n, K) bf16 times a 4-bit weight in our tiles: (n, N) bf16");
+  m.def("avx512_bf16", [] { return HAVE_AVX512_BF16; }, "whether int4_mm was compiled in");
 }
