@@ -580,8 +580,9 @@ def _phase_section(summary: dict) -> list[str]:
         "setup = generate() outside the decode loop (chat template, tokenizing, schema → "
         "regex, compiled-constraint lookup); prefill = the prompt's forward; draft = drafter "
         "propose calls; verify = target forward + acceptance + commit + KV crop; other = the "
-        "rest of the loop. Mask time is time inside `Constraint.mask` (lookups and first-time "
-        "builds; applying the mask is part of verify). Peers: prefill ≈ time to first "
+        "rest of the loop. Mask time is time in the constraint's per-state work (masks "
+        "for the target and for the drafters, forced text; lookups and first-time builds; "
+        "applying the mask is part of verify). Peers: prefill ≈ time to first "
         "processor call, the rest unsplit; their mask share is time inside the outlines "
         "processor.",
         "",

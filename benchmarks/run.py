@@ -71,7 +71,7 @@ from constrained_spec import Generator, kernels  # noqa: E402
 from constrained_spec.compile import Constraint, run_bounded  # noqa: E402
 from constrained_spec.guidance import ENGINES, GuidanceConstraint  # noqa: E402
 
-ENGINE_CLASSES = (Constraint, GuidanceConstraint)  # each defines its own mask: meter both
+ENGINE_CLASSES = (Constraint, GuidanceConstraint)  # each defines its own per-state work
 from constrained_spec.draft import CompositeDrafter, DraftModel, logits_width, model_drafter  # noqa: E402
 from constrained_spec.head import DraftHead, HeadDraft, load_head, shipped_head  # noqa: E402
 from constrained_spec.llama import CompactLlama, from_transformers  # noqa: E402
@@ -226,43 +226,57 @@ def select_configs(spec: str) -> list[Config]:
 
 
 class Meter:
-    """Counters shared by every run: target forwards (a hook) and time in Constraint.mask."""
+    """Counters shared by every run: target forwards (a hook) and time in the constraint's
+    per-state work (METERED: masks for the target, the masks and forced text the drafters ask
+    for; a call inside another metered call counts once)."""
 
     current: Meter | None = None
 
     def __init__(self, target):
-        self.forwards, self.mask_s, self.mask_calls = 0, 0.0, 0
+        self.forwards, self.mask_s, self.mask_calls, self.depth = 0, 0.0, 0, 0
         self.hook = target.register_forward_pre_hook(self._count)
         Meter.current = self
-        for cls in ENGINE_CLASSES:  # a wrapper here, not a library change
-            if "_unmetered_mask" not in cls.__dict__:
-                cls._unmetered_mask = cls.mask
-                cls.mask = _metered_mask
+        for cls in ENGINE_CLASSES:  # wrappers here, not a library change
+            for name in METERED:
+                if name in cls.__dict__ and f"_unmetered{name}" not in cls.__dict__:
+                    setattr(cls, f"_unmetered{name}", cls.__dict__[name])
+                    setattr(cls, name, _metered(cls.__dict__[name], name == "mask"))
 
     def close(self) -> None:
         self.hook.remove()
         Meter.current = None
         for cls in ENGINE_CLASSES:
-            if "_unmetered_mask" in cls.__dict__:
-                cls.mask = cls._unmetered_mask
-                del cls._unmetered_mask
+            for name in METERED:
+                if f"_unmetered{name}" in cls.__dict__:
+                    setattr(cls, name, cls.__dict__[f"_unmetered{name}"])
+                    delattr(cls, f"_unmetered{name}")
 
     def _count(self, module, args):
         self.forwards += 1
 
     def reset(self) -> None:
-        self.forwards, self.mask_s, self.mask_calls = 0, 0.0, 0
+        self.forwards, self.mask_s, self.mask_calls, self.depth = 0, 0.0, 0, 0
         _reset_peak_rss()
 
 
-def _metered_mask(constraint, state, device="cpu"):
-    t = time.perf_counter()
-    try:
-        return type(constraint)._unmetered_mask(constraint, state, device)
-    finally:
-        if Meter.current is not None:
-            Meter.current.mask_s += time.perf_counter() - t
-            Meter.current.mask_calls += 1
+METERED = ("mask", "_legal_mask", "_legal", "forced_text")
+
+
+def _metered(method, counts_call: bool):
+    def metered(constraint, *args, **kwargs):
+        meter = Meter.current
+        if meter is None or meter.depth:
+            return method(constraint, *args, **kwargs)
+        meter.depth += 1
+        t = time.perf_counter()
+        try:
+            return method(constraint, *args, **kwargs)
+        finally:
+            meter.depth -= 1
+            meter.mask_s += time.perf_counter() - t
+            meter.mask_calls += counts_call
+
+    return metered
 
 
 def _reset_peak_rss() -> None:
