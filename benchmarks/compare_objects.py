@@ -61,6 +61,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     lines = [
+        "# Closed objects against open_objects=True, the same requests",
+        "",
+        "Command: `bash benchmarks/results/open-objects/run.sh` (greedy masked baseline, the "
+        "default model; an invented key: one no `properties` in the schema declares).",
+        "",
         "| workload | objects | requests | exact match | valid | with an invented key | "
         "output tokens | cut at max_new_tokens |",
         "|---|---|---|---|---|---|---|---|",
