@@ -23,7 +23,7 @@ import torch
 
 from . import cache as kv
 from .compile import FINISHED, Constraint
-from .sample import SamplingConfig, one_hot, policy
+from .sample import SamplingConfig, draw, one_hot, policy
 
 UNTEMPERED = SamplingConfig(temperature=1.0)  # a greedy draft's confidence: its softmax at T = 1
 
@@ -227,9 +227,7 @@ class CompositeDrafter:
         top = float(probs.max())  # host sync: so is the draw, which the automaton needs next
         if chance * top < self.min_confidence:
             return None
-        pick = int(
-            probs.argmax() if sampling.greedy else torch.multinomial(probs, 1, generator=generator)
-        )
+        pick = int(probs.argmax() if sampling.greedy else draw(probs, generator))
         token = pick if ids is None else int(ids[pick])
         if sampling.greedy:
             return token, None, chance * top

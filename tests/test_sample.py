@@ -6,6 +6,8 @@ import torch
 from constrained_spec.sample import (
     SamplingConfig,
     acceptance_probs,
+    draw,
+    first_above,
     one_hot,
     policy,
     residual,
@@ -78,6 +80,22 @@ def test_verify_sampled_matches_the_exact_output_distribution():
         n, token = verify_sampled(p, q, draft, gen)
         counts[draft[0] if n == 1 else token] += 1
     assert (counts / counts.sum() - p[0]).abs().max() < 0.015  # 4+ standard errors at n=20000
+
+
+def test_draw_follows_the_distribution_and_never_draws_a_zero():
+    """Chi-square against the row (zeros first, between and last, where an off-by-one in the
+    CDF inversion would land), and the rounding edge: a uniform draw times the total that
+    rounds up to the total still picks the last token of positive mass."""
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.stack([draw(probs, gen) for _ in range(20000)]), minlength=7)
+    assert counts[probs == 0].sum() == 0
+    expected = 20000 * probs[probs > 0]
+    chi2 = float(((counts[probs > 0] - expected) ** 2 / expected).sum())
+    assert chi2 < 13.8  # 2 degrees of freedom, p = 0.001
+    cdf = torch.cumsum(probs.double(), 0)
+    assert first_above(cdf, cdf[-1:].clone()) == 4
+    assert first_above(cdf, torch.zeros(1, dtype=torch.float64)) == 1
 
 
 def test_verify_greedy_accepts_the_argmax_prefix_and_corrects():

@@ -44,8 +44,10 @@ def test_each_piece_is_the_text_of_committed_tokens(tiny_target, tiny_draft, tin
     for item in gen.stream("hello", schema=PERSON, temperature=1.0, seed=3, on_round=on_round):
         if isinstance(item, str):
             pieces.append(item)
-            # never ahead of what was committed: no draft that a later round could reject
-            assert "".join(pieces) == gen.vocab.decode(committed)
+            # never ahead of what was committed: no draft that a later round could reject; only
+            # a character split across tokens waits for its last bytes
+            done, text = gen.vocab.output_bytes(committed), "".join(pieces).encode()
+            assert done.startswith(text) and len(done) - len(text) < 4
     assert len(pieces) > 1
 
 
