@@ -369,18 +369,16 @@ def translate(
         return "llguidance", lark_grammar(grammar)
     if regex is not None:
         return ("regex", regex) if engine == "regex" else ("llguidance", regex_grammar(regex))
-    from .compile import translate_schema  # the sound path (bounded) for what llguidance lacks
-
     if engine == "regex":
+        from .compile import translate_schema  # the sound path (bounded)
+
         return "regex", translate_schema(schema, whitespace)
     try:
         return "llguidance", schema_grammar(schema, whitespace, open_objects)
     except ConstraintError as e:
         if engine == "llguidance":
             raise
-        why = e
-    step = lambda limit: translate_schema(schema, whitespace, limit)  # noqa: E731
-    return "regex", _fallback(step, why, time.monotonic())
+        return "regex", _regex_fallback(schema, whitespace, e, time.monotonic())
 
 
 CONSTRAINTS = {"schema", "regex", "grammar"}
@@ -396,7 +394,7 @@ def compile_constraint(
     **given,
 ) -> Constraint:
     """The compiled constraint for ``given`` (one of schema=, regex=, grammar=) by ``engine``."""
-    from .compile import compile_regex, translate_schema
+    from .compile import compile_regex
 
     started = time.monotonic()
     chosen, text = translate(engine, whitespace, open_objects, **given)
@@ -404,16 +402,21 @@ def compile_constraint(
         what = next(k for k in given if given[k] is not None)
         try:
             return compile_grammar(text, vocab, vocab_size, what)
-        except ConstraintError as e:
+        except ConstraintError as e:  # e.g. a lexer limit hit
             if engine != "auto" or what != "schema":
                 raise
-            why = e  # e.g. a lexer limit hit
-            step = lambda limit: translate_schema(given["schema"], whitespace, limit)  # noqa: E731
-            text = _fallback(step, why, started)
+            text = _regex_fallback(given["schema"], whitespace, e, started)
     if engine != "auto":
         return compile_regex(text, vocab, vocab_size, cache_dir)
     step = lambda limit: compile_regex(text, vocab, vocab_size, cache_dir, limit)  # noqa: E731
     return _fallback(step, None, started)
+
+
+def _regex_fallback(schema, whitespace: str, why, started: float) -> str:
+    """The regex engine's translation of ``schema`` for engine="auto", within its budget."""
+    from .compile import translate_schema
+
+    return _fallback(lambda limit: translate_schema(schema, whitespace, limit), why, started)
 
 
 def _fallback(step, why, started: float):

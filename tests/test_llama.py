@@ -26,6 +26,10 @@ needs_fused = pytest.mark.skipif(
     kernels.fused_missing() is not None,
     reason=f"the fused layers cannot be compiled here: {kernels.fused_missing()}",
 )
+needs_ours = pytest.mark.skipif(
+    kernels.int4_kernel_missing("avx512-bf16") is not None,
+    reason=f"our 4-bit kernel cannot run here: {kernels.int4_kernel_missing('avx512-bf16')}",
+)
 
 
 def int4_kernel(name: str):
@@ -271,10 +275,7 @@ def test_int4_linear_rows_do_not_depend_on_how_many_are_fed(kind, matmul):
         assert torch.equal(layer(x[m - 1 :]), alone[m - 1 :]), f"rows {m - 1}.."
 
 
-@pytest.mark.skipif(
-    kernels.int4_kernel_missing("avx512-bf16") is not None,
-    reason=f"our 4-bit kernel cannot run here: {kernels.int4_kernel_missing('avx512-bf16')}",
-)
+@needs_ours
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_our_4bit_kernel_multiplies_what_torchs_does(kind):
     """The same bf16 inputs, weights, scales and zeros, summed in float32 in another order and
@@ -664,10 +665,7 @@ def test_the_layers_are_chosen_by_measurement_once_and_a_missing_compiler_is_nam
         compact.use_matmul("avx512-bf16")
 
 
-@pytest.mark.skipif(
-    kernels.int4_kernel_missing("avx512-bf16") is not None,
-    reason=f"our 4-bit kernel cannot run here: {kernels.int4_kernel_missing('avx512-bf16')}",
-)
+@needs_ours
 def test_the_measurement_picks_our_kernel_where_it_is_faster(tmp_path, monkeypatch, tiny_target):
     """The real measurement (no stand-in): every way that runs here is timed, and the choice is
     left on the model, our kernel's packs in place of torch's."""
