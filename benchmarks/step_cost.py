@@ -5,6 +5,7 @@ torch.compile (inductor, dynamic shapes) — the "cheaper target steps" probe of
     python benchmarks/step_cost.py compile-skinny     # first call compiles (minutes on 2 cores)
     python benchmarks/step_cost.py phases              # the int4 compact forward, per phase
     python benchmarks/step_cost.py bandwidth           # its one-token step against the bandwidth
+    python benchmarks/step_cost.py draw                # one sampled draw from a vocabulary's row
 
 Modes: "eager" or "compile", with "-skinny" for models.skinny_matmul (the library default):
 prints, for n = 1, 2, 5, 1, the median of 10 timed steps and the first (compiling) step.
@@ -146,11 +147,30 @@ def bandwidth(rounds: int = 41) -> None:
         )
 
 
+def draw(reps: int = 200) -> None:
+    """µs of one sampled draw from a softmax row as wide as the default model's vocabulary:
+    torch.multinomial against sample.draw (CDF inversion), best of 5 runs of ``reps``."""
+    import timeit
+
+    from constrained_spec.sample import draw as inverted
+
+    gen = torch.Generator().manual_seed(0)
+    row = torch.softmax(torch.randn(49_152, generator=gen) * 3, 0)
+    for name, fn in [
+        ("torch.multinomial", lambda: torch.multinomial(row, 1, generator=gen)),
+        ("sample.draw", lambda: inverted(row, gen)),
+    ]:
+        best = min(timeit.repeat(fn, number=reps, repeat=5)) / reps
+        print(f"{name}: {1e6 * best:.0f} µs a draw ({torch.get_num_threads()} threads)")
+
+
 def main(mode: str) -> None:
     if mode == "phases":
         return phases()
     if mode == "bandwidth":
         return bandwidth()
+    if mode == "draw":
+        return draw()
     model, _ = load_model(DEFAULT_MODEL)
     model.eval()
     if "skinny" in mode:

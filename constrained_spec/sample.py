@@ -86,8 +86,8 @@ def verify_sampled(
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One index from a probability row (V,) as a 0-d tensor, by inverting its CDF at a uniform
-    draw (in float64). On a CPU it costs a twentieth of torch.multinomial on a 49k-token row
-    (40 against 850 µs: a tenth of a sampled step on the 4-bit target)."""
+    draw (in float64): on a CPU a twentieth of torch.multinomial's cost on a 49k-token row
+    (`python benchmarks/step_cost.py draw`)."""
     cdf = torch.cumsum(probs.double(), dim=-1)
     u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
     return first_above(cdf, u * cdf[-1])
