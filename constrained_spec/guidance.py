@@ -437,9 +437,8 @@ def _fallback(step, why, started: float):
         reason = f" ({why})" if why is not None else ""
         raise SchemaTooComplex(
             f"llguidance cannot compile this schema{reason}, and the regex engine needs longer "
-            f"than the {budget:g} s engine='auto' gives it. Compile it once with "
-            "engine='regex' (--engine regex): bounded by CONSTRAINED_SPEC_COMPILE_TIMEOUT, and "
-            "cached on disk, where later 'auto' compiles find it; or raise "
+            f"than the {budget:g} s engine='auto' gives it. Compile it with engine='regex' "
+            "(--engine regex), bounded by CONSTRAINED_SPEC_COMPILE_TIMEOUT instead, or raise "
             "CONSTRAINED_SPEC_FALLBACK_TIMEOUT=<seconds> (0: the compile bounds alone).",
             timed_out=True,
         ) from None
