@@ -1,11 +1,16 @@
 """Fixtures: the tiny tokenizer and models of constrained_spec.testing, built once a session."""
 
+import os
+
 import pytest
 import torch
 
 from constrained_spec import testing
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead, and CI has 2 cores
+# engine="auto" gives the regex engine 2 s, a time: on a loaded machine a schema the tests
+# expect compiled could pass it. The tests of the budget set their own (monkeypatch).
+os.environ.setdefault("CONSTRAINED_SPEC_FALLBACK_TIMEOUT", "0")
 
 
 @pytest.fixture(scope="session")
