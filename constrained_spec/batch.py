@@ -24,7 +24,7 @@ import torch
 
 from . import cache as kv
 from .compile import FINISHED, Constraint
-from .decode import Stats, commit, legal_masks, legal_states, verify
+from .decode import Stats, commit, legal_states, verify
 from .draft import EMPTY_DRAFT, CompositeDrafter, Draft, Drafter
 from .sample import SamplingConfig
 
@@ -105,7 +105,7 @@ def batch_round(target, rows: list[Row]) -> None:
     drafted = time.perf_counter()
     device = next(target.parameters()).device
     fed = [[row.tokens[-1]] + draft.tokens for row, draft in zip(rows, drafts)]
-    masks = [legal_masks(row.constraint, at, device) for row, at in zip(rows, states)]
+    masks = [row.constraint.masks(at, device) for row, at in zip(rows, states)]
     logits = kv.forward_rows(target, [row.cache for row in rows], fed, device, masks)
     outcomes = torch.stack(
         [

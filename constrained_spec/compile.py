@@ -144,6 +144,8 @@ class Constraint:
                 token = self.vocab.ids_by_bytes.get(data[pos:end])
                 if token is not None and (after := self.step(state, token)) is not None:
                     candidates.append((token, after, end))
+                    if not prefer or token in prefer:
+                        break  # the one chosen below: shorter ones would cost steps for nothing
             if not candidates:
                 break  # no legal token spells the next bytes
             token, state, pos = next((c for c in candidates if c[0] in prefer), candidates[0])
@@ -165,6 +167,10 @@ class Constraint:
             m[legal] = True  # numpy scatter: ~50x faster than torch index_put on CPU here
             self._masks[key] = torch.from_numpy(m).to(device)
         return self._masks[key]
+
+    def masks(self, states: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+        """The masks of ``states`` stacked, (len(states), V) bool: a pass's legal tokens."""
+        return torch.stack([self.mask(s, device) for s in states])
 
     def clear_caches(self) -> None:
         """Drop the per-state legal ids and masks (~50k entries per free-text state): a process

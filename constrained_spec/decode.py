@@ -122,7 +122,7 @@ def speculative_step(
     must come from a masked q, since cutting an unmasked sampled draft would bias the output)."""
     draft, states = legal_states(constraint, state, draft)
     device = next(target.parameters()).device
-    masks = legal_masks(constraint, states, device)  # (k+1, V)
+    masks = constraint.masks(states, device)  # (k+1, V): the legal tokens at each position
     out = kv.forward(target, cache, [tokens[-1]] + draft.tokens, device, features, masks)
     logits, hidden = out if features else (out, None)  # (k+1, V), (k+1, d)
     n, token = torch.stack(verify(logits, masks, draft, sampling, generator)).tolist()
@@ -151,12 +151,6 @@ def legal_states(constraint: Constraint, state: int, draft: Draft) -> tuple[Draf
             return draft.truncate(len(states) - 1), states
         states.append(after)
     return draft, states
-
-
-def legal_masks(constraint: Constraint, states: list[int], device) -> torch.Tensor:
-    """The legal tokens at each position of a pass, (k+1, V) bool: the states before each
-    draft token and after the last."""
-    return torch.stack([constraint.mask(s, device) for s in states])
 
 
 def verify(

@@ -57,10 +57,13 @@ class GuidanceConstraint(Constraint):
         self._parent, self._token, self._depth = [-1], [-1], [0]  # the trie, by state
         self._children: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()  # one matcher, shared by the requests using this constraint
-        self._legal_masks: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._bits: OrderedDict[int, bytes] = OrderedDict()  # legal ids by state, see _legal_bits
         self._masks: OrderedDict[tuple[int, torch.device], torch.Tensor] = OrderedDict()
         self._accepting: dict[int, bool] = {}
         self._byte_ids, self._plain = _vocab_tables(vocab)
+        self._width = (vocab_size + 7) // 8  # bytes in a state's bitmask
+        self._plain_bits = int.from_bytes(np.packbits(self._plain, bitorder="little"), "little")
+        self._none_legal = bytes(self._width)
 
     def _goto(self, state: int) -> None:
         """Put the matcher on ``state``'s path (callers hold the lock): from the matcher where it
@@ -85,32 +88,40 @@ class GuidanceConstraint(Constraint):
         if len(self._snapshots) > SNAPSHOTS:
             self._snapshots.popitem(last=False)
 
-    def _legal_mask(self, state: int) -> np.ndarray:
-        """Legal ids as a bool array (V,), EOS included iff accepting; cached (LRU)."""
-        if state in self._legal_masks:
-            self._legal_masks.move_to_end(state)
-            return self._legal_masks[state]
-        m = np.zeros(self.vocab_size, dtype=bool)
+    def _legal_bits(self, state: int) -> bytes:
+        """The legal ids as a bitmask (bit t of byte t // 8, V bits), EOS included iff accepting;
+        cached (LRU). Bytes rather than an array because in decoding every numpy or torch call
+        right after a forward costs 10–35 µs (the forward's weights evict their code and data
+        from the caches; benchmarks/mask_eviction.py): a step tests one bit in plain Python, a
+        round's masks become tensors in one conversion (``masks``)."""
+        bits = self._bits.get(state)
+        if bits is not None:
+            self._bits.move_to_end(state)
+            return bits
         if state == FINISHED:  # only EOS "continues": a harmless row for drafts ending in EOS
-            m[self.eos_id] = True
+            legal = 1 << self.eos_id
         else:
             with self._lock:
                 self._goto(state)
-                bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+                raw = self._matcher.compute_bitmask()
                 if self._matcher.is_error():  # a limit hit (compile_grammar then builds anew)
                     raise ConstraintError(f"llguidance: {self._matcher.get_error()[:500]}")
                 self._accepting[state] = self._matcher.is_accepting()
                 self._snapshot()
-            n = len(self.vocab.token_bytes)
-            m[:n] = np.unpackbits(bits, bitorder="little")[:n].astype(bool) & self._plain
-            m[self.eos_id] = self._accepting[state]  # EOS exactly where the text is complete
-        self._legal_masks[state] = m
-        if len(self._legal_masks) > MASK_CACHE:
-            self._legal_masks.popitem(last=False)
-        return m
+            legal = int.from_bytes(raw, "little") & self._plain_bits  # no special tokens, ...
+            legal |= self._accepting[state] << self.eos_id  # ... EOS where the text is complete
+        bits = self._bits[state] = legal.to_bytes(self._width, "little")
+        if len(self._bits) > MASK_CACHE:
+            self._bits.popitem(last=False)
+        return bits
 
     def _legal(self, state: int) -> np.ndarray:
-        return np.flatnonzero(self._legal_mask(state))
+        return np.flatnonzero(self._unpack([self._legal_bits(state)])[0])
+
+    def _unpack(self, rows: list[bytes]) -> np.ndarray:
+        """Bitmasks → a bool array (len(rows), V)."""
+        packed = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(len(rows), self._width)
+        return np.unpackbits(packed, axis=1, count=self.vocab_size, bitorder="little").view(bool)
 
     def step(self, state: int, token: int) -> int | None:
         """The state after ``token``, ``FINISHED`` after a legal EOS, ``None`` if illegal."""
@@ -118,7 +129,9 @@ class GuidanceConstraint(Constraint):
             return None
         if token == self.eos_id:
             return FINISHED if self.accepting(state) else None
-        if not 0 <= token < self.vocab_size or not self._legal_mask(state)[token]:
+        if not 0 <= token < self.vocab_size:
+            return None
+        if not self._legal_bits(state)[token >> 3] >> (token & 7) & 1:
             return None
         child = self._children.get((state, token))
         if child is None:
@@ -134,13 +147,13 @@ class GuidanceConstraint(Constraint):
         if state == FINISHED:
             return False
         if state not in self._accepting:
-            self._legal_mask(state)  # computes it with the mask, from the same matcher position
+            self._legal_bits(state)  # computes it with the mask, from the same matcher position
         return self._accepting[state]
 
     def forced(self, state: int) -> int | None:
         """The only legal token, if exactly one (its probability is 1 under any policy)."""
-        legal = self._legal(state)
-        return int(legal[0]) if len(legal) == 1 else None
+        legal = int.from_bytes(self._legal_bits(state), "little")
+        return legal.bit_length() - 1 if legal.bit_count() == 1 else None
 
     def forced_text(self, state: int, limit: int = 64) -> bytes:
         """The bytes every continuation from ``state`` starts with (llguidance's fast-forward
@@ -157,16 +170,26 @@ class GuidanceConstraint(Constraint):
         if key in self._masks:
             self._masks.move_to_end(key)
             return self._masks[key]
-        legal = self._legal_mask(state)
-        if not legal.any():
-            raise ConstraintError(
-                f"state {state} has no legal token: the constraint cannot "
-                "be completed with this vocabulary."
-            )
-        self._masks[key] = torch.from_numpy(legal).to(key[1])
+        self._masks[key] = self._tensor([state], key[1])[0]
         if len(self._masks) > MASK_CACHE:
             self._masks.popitem(last=False)
         return self._masks[key]
+
+    def masks(self, states: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+        """The masks of ``states`` stacked, (len(states), V) bool: a pass's legal tokens, in one
+        conversion (a single state's from the cache: a baseline step)."""
+        return (
+            self.mask(states[0], device)[None] if len(states) == 1 else self._tensor(states, device)
+        )
+
+    def _tensor(self, states: list[int], device) -> torch.Tensor:
+        rows = [self._legal_bits(s) for s in states]
+        if self._none_legal in rows:
+            raise ConstraintError(
+                f"state {states[rows.index(self._none_legal)]} has no legal token: the "
+                "constraint cannot be completed with this vocabulary."
+            )
+        return torch.from_numpy(self._unpack(rows)).to(device)
 
     def accepts_tokens(self, tokens: list[int]) -> bool:
         """True iff the tokens (optionally ending in EOS) form a complete accepted text; asked of
@@ -181,7 +204,7 @@ class GuidanceConstraint(Constraint):
 
     def clear_caches(self) -> None:
         """Drop the cached masks (states stay valid; masks rebuild on use)."""
-        self._legal_masks.clear()
+        self._bits.clear()
         self._masks.clear()
 
 

@@ -224,6 +224,47 @@ def test_constraint_queries(tiny_target, tiny_tokenizer, engine):
     assert c.mask(state)[c.eos_id] and c.mask(state).sum() == 1
 
 
+def test_tokenize_spells_with_the_longest_legal_token_preferring_the_given_ones(
+    tiny_target, tiny_tokenizer, engine
+):
+    """Against every legal candidate at each position (what ``tokenize`` chooses among): the
+    longest one in ``prefer``, else the longest; the spelling stops where none is legal."""
+    import random
+
+    c = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine).compile(
+        regex='\\{"(name|nap|no)":"[a-z ]{0,12}"\\}'
+    )
+    vocab, rng = c.vocab, random.Random(0)
+
+    def reference(state, data, limit, prefer):
+        tokens, pos = [], 0
+        while pos < len(data) and len(tokens) < limit:
+            spelled = [
+                (t, e)
+                for e in range(len(data), pos, -1)
+                if (t := vocab.ids_by_bytes.get(data[pos:e])) is not None
+            ]
+            legal = [(t, e) for t, e in spelled if c.step(state, t) is not None]
+            if not legal:
+                return tokens
+            t, pos = next(((t, e) for t, e in legal if t in prefer), legal[0])
+            tokens.append(t)
+            state = c.step(state, t)
+        return tokens
+
+    texts = [b'{"name":"ada lovelace"}', b'{"nap":"a b"}', b'{"no":"x"}X', b'{"na', b"nope"]
+    checked = 0
+    for text in texts:
+        ids = sorted({t for t, b in enumerate(vocab.token_bytes) if b and b in text})
+        for _ in range(6):
+            prefer = frozenset(rng.sample(ids, k=rng.randint(0, len(ids))))
+            for limit in (1, 3, 40):
+                got = c.tokenize(c.initial_state, text, limit, prefer)
+                assert got == reference(c.initial_state, text, limit, prefer), (text, limit)
+                checked += len(got)
+    assert checked > 200
+
+
 def test_non_ascii_values_are_generatable(tiny_target, tiny_tokenizer, engine):
     gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine)
     res = gen.generate("hello", regex="(Zoë|東京)", max_new_tokens=12)

@@ -6,6 +6,7 @@ import random
 
 import llguidance as llg
 import pytest
+import torch
 
 from constrained_spec import (
     ConstraintError,
@@ -76,6 +77,31 @@ def test_masks_are_exactly_the_byte_prefix_extensions(kind, source, tiny_tokeniz
         assert c.accepts_tokens(path) == c.accepting(state)
         checked += 1
     assert checked >= 20
+
+
+def test_a_pass_of_masks_its_steps_and_forced_tokens_say_the_same_legal_ids(tiny_tokenizer):
+    """A state's legal ids are kept as bits (``_legal_bits``); a pass's stacked masks (one
+    conversion), each state's own mask, its steps and its forced token must agree, EOS
+    included iff accepting, over logits wider than the tokenizer."""
+    vocab, width = token_vocabulary(tiny_tokenizer), len(tiny_tokenizer) + 6
+    grammar = guidance.schema_grammar(PERSON)
+    one, other = (guidance.GuidanceConstraint(grammar, vocab, width, "schema") for _ in "ab")
+    passes = 0
+    for _, path in walks(one, n_walks=8, length=12, seed=1):
+        states = [other.initial_state]  # the same path on a constraint with its own caches
+        for t in path:
+            states.append(other.step(states[-1], t))
+        stacked = other.masks(states + [FINISHED])
+        assert stacked.shape == (len(states) + 1, width) and stacked.dtype == torch.bool
+        assert stacked[-1].nonzero().flatten().tolist() == [vocab.eos_id]
+        for state, row in zip(states, stacked):
+            assert torch.equal(row, other.mask(state))
+            legal = row.nonzero().flatten().tolist()
+            assert [t for t in range(width) if other.step(state, t) is not None] == legal
+            assert other.forced(state) == (legal[0] if len(legal) == 1 else None)
+            assert row[vocab.eos_id] == other.accepting(state)
+        passes += 1
+    assert passes >= 40
 
 
 @pytest.mark.parametrize("regex", REGEXES)
@@ -705,7 +731,7 @@ def test_masks_after_rollbacks_equal_a_fresh_matchers():
         assert fresh.consume_tokens(path)
         bits = np.frombuffer(fresh.compute_bitmask(), dtype=np.uint8)
         expected = np.unpackbits(bits, bitorder="little")[:n].astype(bool) & c._plain
-        got = c._legal_mask(state)[:n].copy()
+        got = c.mask(state).numpy()[:n].copy()
         expected[vocab.eos_id] = got[vocab.eos_id] = False  # EOS: accepting(), checked elsewhere
         wrong = np.flatnonzero(got != expected)
         assert not len(wrong), f"at {vocab.decode(path)!r}: {[vocab.decode([t]) for t in wrong]}"
