@@ -89,7 +89,7 @@ def fuzz(c, oracle, n: int, max_len: int = 200) -> dict:
         for _ in range(max_len):
             if c.accepting(state) and rng.random() < 0.25:
                 break
-            legal = c._legal_mask(state)
+            legal = c._unpack([c._legal_bits(state)])[0]
             options = [(b, t) for b, t in byte_ids if legal[t]]
             if not options:
                 break

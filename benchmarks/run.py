@@ -234,13 +234,14 @@ class Meter:
 
     def __init__(self, target):
         self.forwards, self.mask_s, self.mask_calls, self.depth = 0, 0.0, 0, 0
+        self.mask_by: dict[str, float] = {}  # seconds by the outermost metered method
         self.hook = target.register_forward_pre_hook(self._count)
         Meter.current = self
         for cls in ENGINE_CLASSES:  # wrappers here, not a library change
             for name in METERED:
                 if name in cls.__dict__ and f"_unmetered{name}" not in cls.__dict__:
                     setattr(cls, f"_unmetered{name}", cls.__dict__[name])
-                    setattr(cls, name, _metered(cls.__dict__[name], name == "mask"))
+                    setattr(cls, name, _metered(cls.__dict__[name], name))
 
     def close(self) -> None:
         self.hook.remove()
@@ -256,13 +257,29 @@ class Meter:
 
     def reset(self) -> None:
         self.forwards, self.mask_s, self.mask_calls, self.depth = 0, 0.0, 0, 0
+        self.mask_by = {}
         _reset_peak_rss()
 
 
-METERED = ("mask", "_legal_mask", "_legal", "forced_text")
+# Every query of either engine's per-state work, and the internals they share (both engines'
+# names, and those of the code before the bitmask rows, so that one meter times old and new
+# alike): the masks, each step's legality test, forced tokens and text, spelling a copy.
+METERED = (
+    "mask",
+    "masks",
+    "step",
+    "accepting",
+    "forced",
+    "forced_text",
+    "tokenize",
+    "legal_prefix",
+    "_legal_bits",
+    "_legal_mask",
+    "_legal",
+)
 
 
-def _metered(method, counts_call: bool):
+def _metered(method, name: str):
     def metered(constraint, *args, **kwargs):
         meter = Meter.current
         if meter is None or meter.depth:
@@ -273,8 +290,11 @@ def _metered(method, counts_call: bool):
             return method(constraint, *args, **kwargs)
         finally:
             meter.depth -= 1
-            meter.mask_s += time.perf_counter() - t
-            meter.mask_calls += counts_call
+            spent = time.perf_counter() - t
+            meter.mask_s += spent
+            meter.mask_by[name] = meter.mask_by.get(name, 0.0) + spent
+            if name in ("mask", "masks"):  # masks made: one, or a pass's
+                meter.mask_calls += 1 if name == "mask" else len(args[0])
 
     return metered
 
@@ -478,6 +498,7 @@ class Bench:
             "draft_s": s.draft_s,
             "verify_s": s.verify_s,
             "mask_s": self.meter.mask_s,
+            "mask_by": dict(self.meter.mask_by),
             "mask_calls": self.meter.mask_calls,
             "target_calls": s.target_calls,
             "forward_calls": self.meter.forwards,
