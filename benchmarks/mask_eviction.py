@@ -2,8 +2,12 @@
 each request's expected answer (the engine-rewrites-e2e requests), cold (caches cleared), once
 with nothing between them and once after a 100 MB read between masks, as a 4-bit forward
 streams its weights between two masks; then the same states again (masks met before).
+``--calls``: each part of a fresh state's work alone after the same read (llguidance's calls,
+the numpy and torch calls that turned its bitmask into a mask before round 4, the integer
+operations and the one conversion per pass that do it since).
 
     python benchmarks/mask_eviction.py > benchmarks/results/engine-rewrites-e2e/mask-eviction.txt
+    python benchmarks/mask_eviction.py --calls > benchmarks/results/mask-bits/calls.txt
 """
 
 from __future__ import annotations
@@ -47,11 +51,57 @@ def fresh_masks(requests, tok, vocab, between, fresh: bool = True) -> list[float
     return times
 
 
+def calls(requests, tok, vocab, between) -> dict[str, list[float]]:
+    """Seconds of each part of a fresh state's work, each timed alone after ``between()``."""
+    import torch
+
+    times: dict[str, list[float]] = {}
+
+    def timed(name, call):
+        between()
+        t = time.perf_counter()
+        out = call()
+        times.setdefault(name, []).append(time.perf_counter() - t)
+        return out
+
+    for q in requests:
+        c = guidance.compile_constraint("auto", vocab, len(tok), schema=q["schema"])
+        n, width, matcher = len(vocab.token_bytes), c.vocab_size, c._root.deep_copy()
+        for token in tok.encode(json.dumps(q["expected"], separators=(",", ":"))):
+            raw = timed("llguidance compute_bitmask", matcher.compute_bitmask)
+            timed("llguidance deep_copy (a snapshot)", matcher.deep_copy)
+            bits = np.frombuffer(raw, dtype=np.uint8)
+            m = timed("before: np.zeros", lambda: np.zeros(width, dtype=bool))
+            u = timed("before: np.unpackbits", lambda: np.unpackbits(bits, bitorder="little"))
+            u = timed("before: astype(bool)", lambda: u[:n].astype(bool))
+            m[:n] = timed("before: & the text tokens", lambda: u & c._plain)
+            timed("before: torch.from_numpy", lambda: torch.from_numpy(m))
+            row = timed(
+                "now: the int operations of a state",
+                lambda: (int.from_bytes(raw, "little") & c._plain_bits).to_bytes(
+                    c._width, "little"
+                ),
+            )
+            timed("now: a 4-state pass's conversion", lambda: c._tensor([0] * 4, "cpu"))
+            timed("now: a step's bit test", lambda: row[token >> 3] >> (token & 7) & 1)
+            if not timed("llguidance consume_token", lambda: matcher.consume_token(token)):
+                break
+    return times
+
+
 def main() -> None:
     tok = load_tokenizer()
     vocab = token_vocabulary(tok)
     requests = json.loads(REQUESTS.read_text())["requests"][:8]
     weights = np.ones(100_000_000 // 4, dtype=np.float32)  # as much as a step's weights
+    if "--calls" in sys.argv:
+        print(
+            f"{len(requests)} extract requests of {REQUESTS.parent.name}: each call alone, "
+            "after a 100 MB read (median µs)"
+        )
+        for name, t in calls(requests, tok, vocab, weights.sum).items():
+            print(f"{name:>40}: {1e6 * np.median(t):6.1f}  ({len(t)} calls)")
+        return
     print(f"{len(requests)} extract requests of {REQUESTS.parent.name}, the default tokenizer")
     for name, between in [
         ("back to back", lambda: None),
