@@ -261,9 +261,9 @@ class Meter:
         _reset_peak_rss()
 
 
-# Every query of either engine's per-state work, and the internals they share (both engines'
-# names, and those of the code before the bitmask rows, so that one meter times old and new
-# alike): the masks, each step's legality test, forced tokens and text, spelling a copy.
+# Every query of either engine's per-state work (their internals only ever run inside these):
+# the masks, each step's legality test, forced tokens and text, spelling a copy. The same names
+# in the code before the bitmask rows, so one meter times old and new alike.
 METERED = (
     "mask",
     "masks",
@@ -273,9 +273,6 @@ METERED = (
     "forced_text",
     "tokenize",
     "legal_prefix",
-    "_legal_bits",
-    "_legal_mask",
-    "_legal",
 )
 
 

@@ -60,9 +60,8 @@ class GuidanceConstraint(Constraint):
         self._bits: OrderedDict[int, bytes] = OrderedDict()  # legal ids by state, see _legal_bits
         self._masks: OrderedDict[tuple[int, torch.device], torch.Tensor] = OrderedDict()
         self._accepting: dict[int, bool] = {}
-        self._byte_ids, self._plain = _vocab_tables(vocab)
+        self._byte_ids, self._plain, self._plain_bits = _vocab_tables(vocab)
         self._width = (vocab_size + 7) // 8  # bytes in a state's bitmask
-        self._plain_bits = int.from_bytes(np.packbits(self._plain, bitorder="little"), "little")
         self._none_legal = bytes(self._width)
 
     def _goto(self, state: int) -> None:
@@ -209,10 +208,12 @@ class GuidanceConstraint(Constraint):
 
 
 @cache
-def _vocab_tables(vocab: TokenVocabulary) -> tuple[dict[int, int], np.ndarray]:
-    """{byte: its single-byte token} (for ``accepts``) and which ids carry text, per vocabulary."""
+def _vocab_tables(vocab: TokenVocabulary) -> tuple[dict[int, int], np.ndarray, int]:
+    """{byte: its single-byte token} (for ``accepts``), which ids carry text, and the same as
+    an int's bits (bit t: id t), per vocabulary."""
     byte_ids = {b[0]: i for i, b in enumerate(vocab.token_bytes) if b and len(b) == 1}
-    return byte_ids, np.array([bool(b) for b in vocab.token_bytes])
+    plain = np.array([bool(b) for b in vocab.token_bytes])
+    return byte_ids, plain, int.from_bytes(np.packbits(plain, bitorder="little"), "little")
 
 
 @cache
