@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import workloads
-from run import machine_info
+from run import forget_prompts, machine_info
 
 from constrained_spec import Generator
 from constrained_spec.models import DEFAULT_MODEL
@@ -32,6 +32,7 @@ def measure(gen: Generator, requests: list[dict], sizes: list[int], say) -> list
     for speculative in (False, True):
         for b in sizes:
             todo = [{**r, "speculative": speculative} for r in requests]
+            forget_prompts(gen.target)  # each run starts cold (its rows share the template)
             start = time.perf_counter()
             results = gen.generate_batch(todo, batch_size=b)
             wall = time.perf_counter() - start

@@ -467,6 +467,7 @@ class Bench:
     def _timed_generate(self, gen, config, request, seed, max_new_tokens, drafter) -> dict:
         speculative = drafter is not None
         self.meter.reset()
+        forget_prompts(gen.target)  # configs run the same prompts: each one computes its own
         t0 = time.perf_counter()
         result = gen.generate(
             request.messages,
@@ -845,6 +846,13 @@ def judge(row: dict, request: Request, config: Config, reference: dict | None, g
 
 
 # --- the run -----------------------------------------------------------------------------------
+
+
+def forget_prompts(target) -> None:
+    """Empty the target's kept prompts (llama.PromptCache), where it keeps any: a timed request
+    then computes its whole prompt, as it would the first time."""
+    if getattr(target, "prompt_cache", None) is not None:
+        target.prompt_cache.clear()
 
 
 def machine_info(args) -> dict:

@@ -90,7 +90,10 @@ def admit(target, row: Row) -> None:
     row.started = time.perf_counter()
     row.cache = kv.new_cache(target)
     if len(row.prompt) > 1:
-        kv.prefill(target, row.cache, row.prompt[:-1], next(target.parameters()).device)
+        device = next(target.parameters()).device
+        row.stats.cached_prompt_tokens = kv.prefill(
+            target, row.cache, row.prompt[:-1], device
+        ).cached
     if row.drafter is not None:
         row.drafter.begin(row.prompt, None)
     row.tokens, row.state = list(row.prompt), row.constraint.initial_state

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 from functools import cache as memoize
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
@@ -34,20 +35,23 @@ def crop(cache: DynamicCache, length: int) -> None:
         cache.crop(-drop)
 
 
+class Prefilled(NamedTuple):
+    features: torch.Tensor | None  # the LM head's inputs over the prompt (n, d), where asked for
+    cached: int  # how many of its tokens came from a kept prompt (llama.PromptCache)
+
+
 @torch.inference_mode()
-def prefill(model, cache, input_ids: list[int], device, features: bool = False):
-    """Feed a prompt into an empty ``cache``; with ``features``, return the LM head's inputs
-    (n, d). No logits: the decode loop never reads the prompt's (the LM head over every prompt
-    position cost a fifth of a 300-token prefill)."""
+def prefill(model, cache, input_ids: list[int], device, features: bool = False) -> Prefilled:
+    """Feed a prompt into an empty ``cache``. No logits: the decode loop never reads the
+    prompt's (the LM head over every prompt position cost a fifth of a 300-token prefill). The
+    compact forward copies what it can from a kept prompt (``CompactLlama.feed_prompt``)."""
     if isinstance(model, CompactLlama):
-        return model(torch.tensor(input_ids, dtype=torch.long, device=device), cache, logits=False)[
-            1
-        ]
+        return Prefilled(*model.feed_prompt(input_ids, cache))
     if features:
-        return forward(model, cache, input_ids, device, features)[1]
+        return Prefilled(forward(model, cache, input_ids, device, features)[1], 0)
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # (1, n)
     model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_argument(type(model)): cache})
-    return None
+    return Prefilled(None, 0)
 
 
 @torch.inference_mode()

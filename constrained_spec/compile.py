@@ -366,17 +366,18 @@ DEFAULT_FALLBACK_TIMEOUT_S = 2.0
 def compile_limits() -> tuple[float, float]:
     """(timeout in s, memory in GB) from the environment; SettingError names a bad value."""
     return (
-        _setting("CONSTRAINED_SPEC_COMPILE_TIMEOUT", DEFAULT_COMPILE_TIMEOUT_S),
-        _setting("CONSTRAINED_SPEC_COMPILE_MEMORY_GB", DEFAULT_COMPILE_MEMORY_GB),
+        setting("CONSTRAINED_SPEC_COMPILE_TIMEOUT", DEFAULT_COMPILE_TIMEOUT_S),
+        setting("CONSTRAINED_SPEC_COMPILE_MEMORY_GB", DEFAULT_COMPILE_MEMORY_GB),
     )
 
 
 def fallback_timeout() -> float:
     """Seconds engine="auto" gives the regex engine (0: the compile bounds alone)."""
-    return _setting("CONSTRAINED_SPEC_FALLBACK_TIMEOUT", DEFAULT_FALLBACK_TIMEOUT_S)
+    return setting("CONSTRAINED_SPEC_FALLBACK_TIMEOUT", DEFAULT_FALLBACK_TIMEOUT_S)
 
 
-def _setting(name: str, default: float) -> float:
+def setting(name: str, default: float, zero: str = "no limit") -> float:
+    """A limit from the environment (``zero``: what 0 means); SettingError names a bad value."""
     text = os.environ.get(name, "").strip()
     try:
         value = float(text) if text else default
@@ -384,7 +385,7 @@ def _setting(name: str, default: float) -> float:
         value = math.nan
     if not (math.isfinite(value) and value >= 0):
         raise SettingError(
-            f"{name}={text!r} is not a limit: set a finite number >= 0 (0 = no limit), "
+            f"{name}={text!r} is not a limit: set a finite number >= 0 (0 = {zero}), "
             f"or unset it for the default {default:g}."
         )
     return value

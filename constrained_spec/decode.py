@@ -60,6 +60,7 @@ class Stats:
     drafted_by_position: list[int] = field(default_factory=list)
     drafted_by_source: dict[str, int] = field(default_factory=dict)  # forced/grammar/lookup/model
     accepted_by_source: dict[str, int] = field(default_factory=dict)
+    cached_prompt_tokens: int = 0  # prompt tokens copied from a kept prompt (llama.PromptCache)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -232,7 +233,9 @@ def decode_rounds(
     features = drafter is not None and drafter.uses_features  # a trained head reads the target's
     prefill = torch.empty(0, 0, device=device) if features else None
     if len(prompt) > 1:  # the last prompt token opens round 1
-        prefill = kv.prefill(target, cache, prompt[:-1], device, features)
+        prefill, stats.cached_prompt_tokens = kv.prefill(
+            target, cache, prompt[:-1], device, features
+        )
     if drafter is not None:
         drafter.begin(prompt, prefill)
     stats.prefill_s = time.perf_counter() - start

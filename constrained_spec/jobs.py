@@ -211,6 +211,7 @@ def _result_fields(result) -> dict:
             "target_calls": stats.target_calls,
             "drafted": stats.drafted,
             "accepted": stats.accepted,
+            "cached_prompt_tokens": stats.cached_prompt_tokens,
             "latency_s": round(stats.total_s, 4),
         },
     }

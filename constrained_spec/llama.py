@@ -16,6 +16,8 @@ linear layers quantized the same way as Q4_1 (group 32, affine) or kept as they 
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +69,97 @@ class CompactCache:
 
 
 @dataclass(frozen=True)
+class _Kept:
+    """A prompt fed before: its ids, and its keys, values and features at every position."""
+
+    ids: tuple[int, ...]
+    keys: torch.Tensor  # (L, KV, hd, n)
+    values: torch.Tensor  # (L, KV, n, hd)
+    features: torch.Tensor  # (n, d)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.features))
+
+
+# Kept prompts' keys, values and features take about 35 kB a token for the built-in model:
+# 128 MB holds ~3,700 tokens. CONSTRAINED_SPEC_PROMPT_CACHE_MB sets it; 0 keeps none.
+DEFAULT_PROMPT_CACHE_MB = 128.0
+
+
+def prompt_cache_limit() -> int:
+    """Bytes of kept prompts per model (PromptCache), from the environment."""
+    from .compile import setting
+
+    mb = setting("CONSTRAINED_SPEC_PROMPT_CACHE_MB", DEFAULT_PROMPT_CACHE_MB, zero="keep none")
+    return int(mb * 2**20)
+
+
+class PromptCache:
+    """Prompts fed before, with their keys, values and features, kept up to ``limit`` bytes (least
+    recently used first out): a prompt that starts with a kept one's tokens (a shared system
+    prompt, instructions, a schema) copies their entries instead of computing them. Exact: the
+    fused layers compute a token's entries from its own inputs and the entries before it only,
+    however a prompt is split into passes, so a copied entry is the one the forward would write
+    (CompactLlama keeps one only while its layers are fused; tests check it bit for bit)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._kept: OrderedDict[tuple[int, ...], _Kept] = OrderedDict()
+        self._lock = threading.Lock()  # a server's threads may share one model
+
+    @property
+    def nbytes(self) -> int:
+        return sum(kept.nbytes for kept in self._kept.values())
+
+    def longest(self, ids: list[int]) -> tuple[int, _Kept | None]:
+        """The kept prompt sharing the longest prefix with ``ids``, and that prefix's length."""
+        with self._lock:
+            best, found = 0, None
+            for kept in self._kept.values():
+                if (n := common_prefix(kept.ids, ids)) > best:
+                    best, found = n, kept
+            if found is not None:
+                self._kept.move_to_end(found.ids)
+            return best, found
+
+    def keep(self, ids: list[int], cache: CompactCache, features: torch.Tensor) -> None:
+        """Keep the prompt ``ids`` that ``cache`` holds, unless a kept one starts with it; kept
+        ones it starts with go (it holds them)."""
+        key, n = tuple(ids), len(ids)
+        with self._lock:
+            for kept in list(self._kept.values()):
+                if kept.ids[:n] == key:  # as long or longer: it holds this prompt already
+                    self._kept.move_to_end(kept.ids)
+                    return
+                if key[: len(kept.ids)] == kept.ids:
+                    del self._kept[kept.ids]
+            entry = _Kept(
+                key,
+                cache.keys[..., :n].clone(),
+                cache.values[:, :, :n].clone(),
+                features[:n].clone(),
+            )
+            if entry.nbytes > self.limit:
+                return
+            self._kept[key] = entry
+            while self.nbytes > self.limit:
+                self._kept.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+    def __deepcopy__(self, memo) -> PromptCache:
+        return PromptCache(self.limit)  # a copied model starts with nothing kept
+
+
+def common_prefix(a, b) -> int:
+    """How many leading items two sequences share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@dataclass(frozen=True)
 class Shape:
     layers: int
     hidden: int
@@ -104,6 +197,7 @@ class CompactLlama(nn.Module):
         self.prefill = "int4"  # the 4-bit linears' kernel for long inputs (use_prefill)
         self.layer_kernel = "python"  # how steps, verify passes and batches run (use_layers)
         self._fused = None  # the fused layers' arguments, where they run
+        self.prompt_cache: PromptCache | None = None  # kept prompts, while the layers are fused
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed
@@ -112,8 +206,10 @@ class CompactLlama(nn.Module):
         return self.lm_head
 
     def use_prefill(self, kernel: str) -> None:
-        """The 4-bit linears' kernel for a prompt's prefill (kernels.PREFILL_ROWS tokens or more), never a step or a verify pass, so the baseline and speculation still compute
-        the same function after it."""
+        """The 4-bit linears' kernel for a prompt's prefill (kernels.PREFILL_ROWS tokens or more)
+        through the Python layers (the fused layers take prompts like any other input), never a
+        step or a verify pass, so the baseline and speculation still compute the same function
+        after it."""
         assert kernel in kernels.PREFILL_KERNELS, kernel
         for linear in self.linears:
             if isinstance(linear, kernels.Int4Linear):
@@ -125,9 +221,10 @@ class CompactLlama(nn.Module):
         kernels.fused_build; 4-bit linears only) or "python" (a loop of torch ops). Both compute
         the same function up to float rounding, and each computes a token's values from its own
         inputs alone; one of them runs for a model's whole life (baseline and speculation share
-        it), so greedy speculation still commits the baseline's tokens."""
+        it), so greedy speculation still commits the baseline's tokens. The fused layers also
+        take prompts, keeping them for reuse (``prompt_cache``, up to prompt_cache_limit())."""
         assert kernel in kernels.LAYER_KERNELS, kernel
-        self._fused = None
+        self._fused = self.prompt_cache = None  # kept entries are the old layers' values
         if kernel == "fused":
             if missing := kernels.fused_missing():
                 raise WeightsError(f"the fused layers cannot run here: {missing}")
@@ -143,6 +240,8 @@ class CompactLlama(nn.Module):
                 [m.copies for m in linears],
                 list(self.norms)[:-1],
             )
+            if limit := prompt_cache_limit():
+                self.prompt_cache = PromptCache(limit)
         self.layer_kernel = kernel
 
     def use_matmul(self, kernel: str) -> None:
@@ -176,6 +275,25 @@ class CompactLlama(nn.Module):
             if self.matmul:
                 self.lm_head.use_kernel(self.matmul)
 
+    def feed_prompt(self, ids: list[int], cache: CompactCache) -> tuple[torch.Tensor, int]:
+        """Feed a prompt into an empty ``cache``: its features (n, d), and how many of its
+        tokens were copied from a kept prompt (``prompt_cache``) rather than computed."""
+        cached, kept = self.prompt_cache.longest(ids) if self.prompt_cache else (0, None)
+        features = []
+        if cached:
+            cache.reserve(cached)
+            cache.keys[..., :cached] = kept.keys[..., :cached]
+            cache.values[:, :, :cached] = kept.values[:, :, :cached]
+            cache.length = cached
+            features.append(kept.features[:cached])
+        if cached < len(ids):
+            fed = torch.tensor(ids[cached:], dtype=torch.long, device=self.embed.weight.device)
+            features.append(self(fed, cache, logits=False)[1])
+        features = torch.cat(features)
+        if self.prompt_cache is not None:
+            self.prompt_cache.keep(ids, cache, features)
+        return features, cached
+
     def new_cache(self) -> CompactCache:
         s = self.shape
         bf16 = isinstance(self.linears[0], kernels.Int4Linear)  # its outputs are bf16
@@ -199,7 +317,8 @@ class CompactLlama(nn.Module):
         what it would alone."""
         s, sizes = self.shape, [ids.shape[0] for ids in rows]
         starts = [cache.length for cache in caches]
-        long = len(rows) == 1 and sizes[0] >= kernels.PREFILL_ROWS  # a prompt's prefill
+        # a prompt's prefill through the Python layers (the fused ones take every input alike)
+        long = self._fused is None and len(rows) == 1 and sizes[0] >= kernels.PREFILL_ROWS
         for cache, n in zip(caches, sizes):
             cache.reserve(n)
         positions = torch.cat(
@@ -214,7 +333,7 @@ class CompactLlama(nn.Module):
             else None
         )
         x = self.embed(torch.cat(rows))  # (N, d)
-        if self._fused is not None and not long:
+        if self._fused is not None:
             keys, values = [c.keys for c in caches], [c.values for c in caches]
             x = kernels.fused_build()[0].fused_layers(
                 x, cos, sin, *self._fused, keys, values, starts, sizes, s.heads, s.kv_heads, s.eps

@@ -147,7 +147,8 @@ def load_model(
         model, tokenizer = _load_builtin_int4(name_or_path)
         measured = calibration(name_or_path)
         choose_layers(name_or_path, model)
-        model.use_prefill(prefill_kernel(measured, model.matmul))
+        if model.layer_kernel == "python":  # fused layers take prompts themselves
+            model.use_prefill(prefill_kernel(measured, model.matmul))
         model.use_head(measured["head"])
         return model, tokenizer
     model, tokenizer = _load_float(name_or_path, dtype)
@@ -178,7 +179,12 @@ def describe_weights(name: str, requested: str, used: str, model=None) -> str:
     c = calibration(name)
     head = "8-bit LM head (top logits in float32)" if c["head"] == "q8" else "float32 LM head"
     kernel = getattr(model, "prefill", None) or prefill_kernel(c, "torch")
-    prefill = f", {head}, prompts through the {kernel} kernel" if used == "int4" else ""
+    prompts = (
+        "prompts through the fused layers, kept for reuse"
+        if getattr(model, "layer_kernel", None) == "fused"
+        else f"prompts through the {kernel} kernel"
+    )
+    prefill = f", {head}, {prompts}" if used == "int4" else ""
     return (
         f"{used}{prefill}{layers} (auto: linears {c['int4_ms']:.1f} ms in int4 vs "
         f"{c['float_ms']:.1f} ms in float32 on this CPU, {c['measured']})"

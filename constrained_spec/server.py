@@ -492,6 +492,8 @@ def usage(prompt_tokens: int, result) -> dict:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": len(result.token_ids),
         "total_tokens": prompt_tokens + len(result.token_ids),
+        # OpenAI's field: prompt tokens whose keys and values came from an earlier prompt
+        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
         "speculation": {  # extension: how the reply was decoded
             "target_calls": s.target_calls,
             "drafted_tokens": s.drafted,
@@ -547,6 +549,8 @@ def create_app(config: ServerConfig, load: Callable[[], Any] | None = None) -> F
         status = "error" if worker.load_error else "ok" if worker.loaded.is_set() else "loading"
         code = {"ok": 200, "loading": 503, "error": 500}[status]
         body = {"status": status, "queue": worker.pending, **worker.counts}
+        if worker.gen is not None:  # whether prompts are kept for reuse (llama.PromptCache)
+            body["prompt_cache"] = getattr(worker.gen.target, "prompt_cache", None) is not None
         if worker.load_error:
             body["error"] = worker.load_error
         return JSONResponse(body, status_code=code)

@@ -15,7 +15,7 @@ from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
 from constrained_spec import cache as kv
 from constrained_spec import kernels, llama, models, testing
 from constrained_spec.decode import Generator
-from constrained_spec.errors import WeightsError
+from constrained_spec.errors import SettingError, WeightsError
 
 BF16 = 2.0**-8  # unit roundoff of bf16 (8 significant bits): relative error of one rounding
 # The tiny tokenizer's corpus, each text alone and all joined: 94 teacher-forced positions
@@ -175,6 +175,119 @@ def test_a_verify_pass_and_batch_rows_compute_what_one_token_steps_do(every_int4
     )
     assert torch.equal(rows[: len(new)], one_by_one), "a row depends on its neighbour"
     assert torch.equal(rows[len(new) :], alone), "a row depends on its neighbour"
+
+
+# --- kept prompts (llama.PromptCache) -------------------------------------------------------------
+
+
+def fused_tiny(tokenizer, matmul: str):
+    model = llama.from_transformers(
+        testing.tiny_model(tokenizer, seed=0, max_positions=512), "int4"
+    )
+    model.use_matmul(matmul)
+    model.use_layers("fused")
+    return model
+
+
+def held(cache, n: int):
+    return cache.keys[..., :n], cache.values[:, :, :n]
+
+
+def nan_cache(model):
+    """A new cache whose every entry is NaN until written: an entry left out never compares equal."""
+    cache = model.new_cache()
+    cache.keys.fill_(float("nan"))
+    cache.values.fill_(float("nan"))
+    return cache
+
+
+@needs_fused
+@pytest.mark.parametrize("matmul", INT4_KERNELS)
+def test_a_prompt_starting_with_a_kept_one_holds_what_its_steps_compute(tiny_tokenizer, matmul):
+    """A prompt that shares 50 tokens with a kept one copies their keys, values and features and
+    computes the rest: bit for bit what one-token steps over the whole prompt write, and what a
+    prefill with nothing kept gives (prompts longer than kernels.PREFILL_ROWS, in one pass)."""
+    model = fused_tiny(tiny_tokenizer, matmul)
+    first = (tiny_tokenizer.encode(TEXTS[-1]) * 3)[:90]
+    second = first[:50] + tiny_tokenizer.encode("yes no yes no abba yes no")
+    assert len(second) > kernels.PREFILL_ROWS
+    assert kv.prefill(model, model.new_cache(), first, "cpu").cached == 0
+    reused = nan_cache(model)
+    copied = kv.prefill(model, reused, second, "cpu")
+    assert copied.cached == 50
+    steps = nan_cache(model)
+    stepped = torch.cat([model(torch.tensor([t]), steps, logits=False)[1] for t in second])
+    model.prompt_cache.clear()
+    fresh = nan_cache(model)
+    computed = kv.prefill(model, fresh, second, "cpu")
+    assert computed.cached == 0
+    for cache in (steps, fresh):
+        assert all(map(torch.equal, held(reused, len(second)), held(cache, len(second))))
+    assert torch.equal(copied.features, computed.features)
+    assert torch.equal(copied.features, stepped)
+    again = kv.prefill(model, model.new_cache(), second, "cpu")  # all of it kept: nothing fed
+    assert again.cached == len(second) and torch.equal(again.features, stepped)
+
+
+@needs_fused
+def test_the_prompt_cache_keeps_the_longest_prompts_up_to_its_limit(tiny_tokenizer, monkeypatch):
+    """Longest shared prefix wins; a prompt extending a kept one replaces it, one a kept prompt
+    extends is not kept twice; past the limit the least recently used go; 0 keeps none; a bad
+    setting is named before any model work."""
+    model = fused_tiny(tiny_tokenizer, kernels.INT4_KERNELS[-1])
+    base = list(range(5, 65))
+
+    def prefill(ids):
+        return kv.prefill(model, model.new_cache(), ids, "cpu").cached
+
+    def kept():
+        return sorted(len(k) for k in model.prompt_cache._kept)
+
+    prefill(base[:40])
+    assert prefill(base) == 40 and kept() == [60], "the extended prompt replaces the shorter"
+    assert prefill(base[:30]) == 30 and kept() == [60], "a prefix of a kept prompt is kept once"
+    assert prefill(base[:20] + [3] * 30) == 20 and kept() == [50, 60]
+    assert prefill(base[:25] + [4] * 5) == 25 and kept() == [30, 50, 60], "the longest shared"
+    model.prompt_cache.limit = int(model.prompt_cache.nbytes / 140 * 100)  # 100 tokens' worth
+    prefill([9] * 40)  # over the limit: the least recently used go (the 50, then the 60)
+    assert kept() == [30, 40] and model.prompt_cache.nbytes <= model.prompt_cache.limit
+    assert prefill(base) == 25, "the 60 went: only what the 30 shares with it is left"
+    monkeypatch.setenv("CONSTRAINED_SPEC_PROMPT_CACHE_MB", "0")
+    model.use_layers("fused")
+    assert model.prompt_cache is None and prefill(base) == 0
+    monkeypatch.setenv("CONSTRAINED_SPEC_PROMPT_CACHE_MB", "lots")
+    with pytest.raises(SettingError, match="CONSTRAINED_SPEC_PROMPT_CACHE_MB='lots'.*keep none"):
+        model.use_layers("fused")
+
+
+def test_generation_after_a_kept_prompt_equals_a_cold_one(tiny_int4_target, tiny_tokenizer):
+    """Requests whose prompts share a prefix with earlier ones (the chat template, instructions)
+    commit what they would with nothing kept, greedy and sampled; stats count the copied
+    tokens. The Python layers keep nothing (a long prompt's prefill kernel is not row-exact)."""
+    target = copy.deepcopy(tiny_int4_target)
+    gen = Generator(target, tiny_tokenizer, cache_dir=None)
+    shared = tiny_tokenizer.encode('{"name": "Alice", "age": 30} yes no yes ' * 3)
+    prompts = [shared + tiny_tokenizer.encode(tail) for tail in (" abba", " yes yes", " no")]
+    settings = [dict(), dict(temperature=0.9, seed=3)]
+
+    def run():
+        return [
+            gen.generate(p, schema=testing.PERSON, max_new_tokens=40, **kw)
+            for p in prompts
+            for kw in settings
+        ]
+
+    warm = run()
+    fused = target.layer_kernel == "fused"
+    assert [r.stats.cached_prompt_tokens > 0 for r in warm] == [False] + [fused] * 5
+    for r in warm[2:]:
+        assert r.stats.cached_prompt_tokens >= fused * len(shared)
+    if fused:
+        target.prompt_cache.limit = 0  # keeps nothing from here on
+        target.prompt_cache.clear()
+    cold = run()
+    assert all(r.stats.cached_prompt_tokens == 0 for r in cold)
+    assert [r.token_ids for r in warm] == [r.token_ids for r in cold]
 
 
 # --- block formats: the gguf package's quantizer as the reference ------------------------------

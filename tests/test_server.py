@@ -127,7 +127,7 @@ def test_json_schema_reply_validates_and_reports_speculation(client):
     assert speculation["accepted_drafts"] <= speculation["drafted_tokens"]
 
 
-def test_stream_sends_the_same_text_as_a_plain_reply(client):
+def test_stream_sends_the_same_text_as_a_plain_reply(client, server):
     kwargs = dict(model="any", messages=ASK, response_format=json_format(PERSON), temperature=0)
     plain = client.chat.completions.create(max_tokens=48, **kwargs).choices[0]
     chunks = list(client.chat.completions.create(max_tokens=48, stream=True, **kwargs))
@@ -137,6 +137,9 @@ def test_stream_sends_the_same_text_as_a_plain_reply(client):
     assert [c.choices[0].finish_reason for c in chunks][-1] == plain.finish_reason == "stop"
     assert chunks[-1].usage.model_extra["speculation"]["target_calls"] >= 1
     jsonschema.validate(json.loads("".join(pieces)), PERSON)
+    kept = health(server[0])["prompt_cache"]  # the same prompt again: all of it kept
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1 if kept else 0)
 
 
 def test_sampled_replies_validate(server, client):
