@@ -823,15 +823,17 @@ def test_the_head_computes_only_the_legal_logits_of_narrow_positions(tiny_int4_t
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("matmul", INT4_KERNELS)
-def test_q8_head_is_float32_at_the_top_and_within_its_bound_elsewhere(seed, matmul):
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_fused), False])
+def test_q8_head_is_float32_at_the_top_and_within_its_bound_elsewhere(seed, matmul, fused):
     """The Q8_0 head: every logit within its stated bound of the float32 product, the largest
     legal logit recomputed in float32 (greedy picks float32's token), whatever the mask, on
-    each 4-bit kernel (each with its own bound)."""
+    each 4-bit kernel (each with its own bound), as one compiled call and as torch ops."""
     torch.manual_seed(seed)
     vocab, d = 1000, 128
     weight = kernels.dequantize_q8_0(*kernels.quantize_q8_0(torch.randn(vocab, d) * 0.05))
     head = kernels.Q8Head(weight)
     head.use_kernel(matmul)
+    head.fused = fused
     x = torch.randn(64, d) * torch.logspace(-1, 1.5, 64)[:, None]  # flat to peaked logits
     x[::7, ::5] = torch.randn(10, 26) * 1e-40  # a few denormals: flushed by our kernel
     legal = torch.rand(64, vocab) < torch.linspace(0.01, 1, 64)[:, None]
@@ -846,6 +848,14 @@ def test_q8_head_is_float32_at_the_top_and_within_its_bound_elsewhere(seed, matm
     at_top = logits.gather(1, top[:, None]), exact.gather(1, top[:, None])
     torch.testing.assert_close(*at_top, rtol=1e-6, atol=1e-5)  # float32 rounding only
     assert (logits != approx).any(1).all(), "no logit was recomputed in float32"
+    recomputed = logits != approx
+    assert (recomputed <= legal).all(), "an illegal logit was recomputed"
+    head.fused = not fused  # the other way: the same logits but where float32 was recomputed
+    other = head(x, legal).double()
+    assert torch.equal(recomputed, other != approx)
+    torch.testing.assert_close(logits, other, rtol=1e-6, atol=1e-5)
+    for i in range(0, 64, 9):  # a position's logits do not depend on the others'
+        assert torch.equal(head(x[i : i + 1], legal[i : i + 1])[0], head(x, legal)[i])
 
 
 def test_speculation_takes_the_narrow_head_and_still_equals_the_baseline(

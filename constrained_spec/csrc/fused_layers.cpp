@@ -374,8 +374,73 @@ Tensor fused_layers(Tensor x, const Tensor& cos, const Tensor& sin,
   return x;
 }
 
+// The Q8_0 LM head (kernels.Q8Head, which states the bound) in one call: x (n, d) float32 rounded
+// to bf16 (denormals flushed), fed twice through the head's 4-bit blocks (packed, scale_zero);
+// per position, each logit's bound u·|a| + ‖x‖·T0 + ‖x − x̃‖·T1 + ‖S‖·T2 + T3 from terms (V, 4);
+// then every legal logit whose upper end reaches the largest legal lower end is recomputed in
+// float32 from weight (V, d). legal: (n, V) bool, or empty (every token legal). Returns the
+// logits (n, V) float32: the blocks' values, float32's where recomputed.
+Tensor q8_head(const Tensor& x, const Tensor& packed, const Tensor& scale_zero, const Tensor& terms,
+               const Tensor& weight, const Tensor& legal, double roundoff) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: (n, d) float32");
+  const int64_t n = x.size(0), d = x.size(1), V = weight.size(0);
+  TORCH_CHECK(weight.is_contiguous() && weight.size(1) == d && terms.is_contiguous() &&
+                  terms.size(0) == V && terms.size(1) == 4 && d % 32 == 0,
+              "weight (V, d), terms (V, 4)");
+  const bool masked = legal.defined() && legal.numel() > 0;
+  TORCH_CHECK(!masked || (legal.scalar_type() == at::kBool && legal.is_contiguous() &&
+                          legal.size(0) == n && legal.size(1) == V),
+              "legal: (n, V) bool");
+  const float* X = x.data_ptr<float>();
+  Tensor fed = at::empty({n, 2 * d}, x.options().dtype(at::kBFloat16));
+  BFloat16* F = fed.data_ptr<BFloat16>();
+  std::vector<float> scales(n * 4);  // ‖x‖, ‖x − x̃‖, ‖S‖, 1
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = X + r * d;
+    float xx = 0.f, dd = 0.f, ss = 0.f, group = 0.f;
+    for (int64_t j = 0; j < d; ++j) {
+      BFloat16 b = static_cast<BFloat16>(row[j]);
+      float v = static_cast<float>(b);
+      if (std::fabs(v) < 0x1p-126f) v = 0.f, b = static_cast<BFloat16>(0.f);  // flushed
+      F[r * 2 * d + j] = F[r * 2 * d + d + j] = b;
+      xx += row[j] * row[j], dd += (row[j] - v) * (row[j] - v), group += std::fabs(v);
+      if (j % 32 == 31) ss += group * group, group = 0.f;
+    }
+    scales[r * 4 + 0] = std::sqrt(xx), scales[r * 4 + 1] = std::sqrt(dd);
+    scales[r * 4 + 2] = std::sqrt(ss), scales[r * 4 + 3] = 1.f;
+  }
+  const Tensor approx = int4_matmul(fed, packed, scale_zero, 1);  // (n, ≥ V) bf16
+  const BFloat16* A = approx.data_ptr<BFloat16>();
+  const int64_t stride = approx.size(1);
+  Tensor out = at::empty({n, V}, x.options());
+  float* O = out.data_ptr<float>();
+  const float* T = terms.data_ptr<float>();
+  const float* W = weight.data_ptr<float>();
+  const bool* L = masked ? legal.data_ptr<bool>() : nullptr;
+  const float u = static_cast<float>(roundoff);
+  std::vector<float> upper(V);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* s = &scales[r * 4];
+    const BFloat16* a = A + r * stride;
+    const bool* ok = masked ? L + r * V : nullptr;
+    float* o = O + r * V;
+    float best = -INFINITY;
+    for (int64_t t = 0; t < V; ++t) {
+      const float* c = T + t * 4;
+      const float v = static_cast<float>(a[t]);
+      const float bound = u * std::fabs(v) + s[0] * c[0] + s[1] * c[1] + s[2] * c[2] + s[3] * c[3];
+      o[t] = v, upper[t] = v + bound;
+      if (!ok || ok[t]) best = std::max(best, v - bound);
+    }
+    for (int64_t t = 0; t < V; ++t)
+      if ((!ok || ok[t]) && upper[t] >= best) o[t] = dot(W + t * d, X + r * d, d);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_layers", &fused_layers, "The compact Llama's layers for a few new tokens");
   m.def("int4_mm", &int4_mm, "x (n, K) bf16 times a 4-bit weight in our tiles: (n, N) bf16");
+  m.def("q8_head", &q8_head, "The Q8_0 LM head's logits, the top ones recomputed in float32");
   m.def("avx512_bf16", [] { return HAVE_AVX512_BF16; }, "whether int4_mm was compiled in");
 }
