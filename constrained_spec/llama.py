@@ -194,6 +194,7 @@ class CompactLlama(nn.Module):
         self.norms = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in norms)
         self.linears = nn.ModuleList(linears)  # per layer: qkv, o, gate_up, down
         self.rope = _rope_inverse_frequencies(self.shape)
+        self._cos = self._sin = None  # rotary factors by position (_rotary)
         self.prefill = "int4"  # the 4-bit linears' kernel for long inputs (use_prefill)
         self.layer_kernel = "python"  # how steps, verify passes and batches run (use_layers)
         self._fused = None  # the fused layers' arguments, where they run
@@ -321,29 +322,39 @@ class CompactLlama(nn.Module):
         long = self._fused is None and len(rows) == 1 and sizes[0] >= kernels.PREFILL_ROWS
         for cache, n in zip(caches, sizes):
             cache.reserve(n)
-        positions = torch.cat(
-            [torch.arange(a, a + n, dtype=torch.float32) for a, n in zip(starts, sizes)]
-        )
-        angles = positions[:, None] * self.rope[None, :]  # (N, hd/2)
-        cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)  # (N, hd)
-        # a new token sees every cached position and the new ones up to itself
-        mask = (
-            torch.ones(sizes[0], starts[0] + sizes[0], dtype=torch.bool).tril(starts[0])
-            if long
-            else None
-        )
-        x = self.embed(torch.cat(rows))  # (N, d)
+        cos, sin = self._rotary(max(a + n for a, n in zip(starts, sizes)))
+        ids = torch.cat(rows) if len(rows) > 1 else rows[0]
         if self._fused is not None:
             keys, values = [c.keys for c in caches], [c.values for c in caches]
-            x = kernels.fused_build()[0].fused_layers(
-                x, cos, sin, *self._fused, keys, values, starts, sizes, s.heads, s.kv_heads, s.eps
-            )
+            features = kernels.fused_build()[0].fused_layers(
+                ids, self.embed.weight, cos, sin, *self._fused, self.norms[-1], keys, values,
+                starts, sizes, s.heads, s.kv_heads, s.eps,
+            )  # fmt: skip
         else:
-            x = self._python_layers(x, caches, starts, sizes, cos, sin, long, mask)
+            at = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, sizes)])
+            # a new token sees every cached position and the new ones up to itself
+            mask = (
+                torch.ones(sizes[0], starts[0] + sizes[0], dtype=torch.bool).tril(starts[0])
+                if long
+                else None
+            )
+            x = self._python_layers(
+                self.embed(ids), caches, starts, sizes, cos[at], sin[at], long, mask
+            )
+            features = F.rms_norm(x, (s.hidden,), self.norms[-1], s.eps)  # (N, d)
         for cache, start, n in zip(caches, starts, sizes):
             cache.length = start + n
-        features = F.rms_norm(x, (s.hidden,), self.norms[-1], s.eps)  # (N, d)
         return (self.head(features, masks) if logits else None), features
+
+    def _rotary(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary factors cos, sin (P, hd) of positions 0..P-1, P ≥ ``positions``: computed
+        once (doubling as inputs reach further), not per call."""
+        if self._cos is None or self._cos.shape[0] < positions:
+            count = min(max(positions, 2 * (0 if self._cos is None else self._cos.shape[0]), 256),
+                        max(self.shape.context, positions))  # fmt: skip
+            angles = torch.arange(count, dtype=torch.float32)[:, None] * self.rope[None, :]
+            self._cos, self._sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+        return self._cos, self._sin
 
     def _python_layers(self, x, caches, starts, sizes, cos, sin, long, mask) -> torch.Tensor:
         s, total = self.shape, sum(sizes)

@@ -260,25 +260,33 @@ void add_bf16(float* x, const Tensor& y) {  // x += y (bf16)
 
 }  // namespace
 
-// x (N, d) float32: the new tokens' embeddings; rows r = 0.. take sizes[r] of them, at positions
-// starts[r].., into keys[r] ((L, KV, hd, capacity) float32: transposed) and values[r] ((L, KV,
-// capacity, hd) bf16: the q/k/v matmul's outputs are bf16, so nothing is rounded), room reserved. cos and sin
-// (N, hd): the rotary factors of each token's position. Per layer l, linears 4l..4l+3 are
-// q/k/v, o, gate/up, down (torch int4 packs: packed, scale_zero, copies of the input) and norms
-// 2l, 2l+1 its two RMSNorm weights. Returns the last layer's output (N, d), before the final norm;
-// the caches hold the new keys and values.
-Tensor fused_layers(Tensor x, const Tensor& cos, const Tensor& sin,
+// ids (N,) int64: the new tokens, embedded from embed (V, d) float32; rows r = 0.. take sizes[r]
+// of them, at positions starts[r].., into keys[r] ((L, KV, hd, capacity) float32: transposed) and
+// values[r] ((L, KV, capacity, hd) bf16: the q/k/v matmul's outputs are bf16, so nothing is
+// rounded), room reserved. cos and sin (P, hd): the rotary factors of positions 0..P-1. Per layer
+// l, linears 4l..4l+3 are q/k/v, o, gate/up, down (torch int4 packs: packed, scale_zero, copies of
+// the input) and norms 2l, 2l+1 its two RMSNorm weights; final_norm the last. Returns the
+// features (N, d): the last layer's output after the final norm; the caches hold the new keys
+// and values.
+Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, const Tensor& sin,
                     const std::vector<Tensor>& packed, const std::vector<Tensor>& scale_zero,
                     const std::vector<int64_t>& copies, const std::vector<Tensor>& norms,
-                    const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
-                    const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
-                    int64_t heads, int64_t kv_heads, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x: (N, d) float32");
-  x = x.contiguous().clone();
-  const int64_t N = x.size(0), d = x.size(1), layers = static_cast<int64_t>(norms.size()) / 2;
+                    const Tensor& final_norm, const std::vector<Tensor>& keys,
+                    const std::vector<Tensor>& values, const std::vector<int64_t>& starts,
+                    const std::vector<int64_t>& sizes, int64_t heads, int64_t kv_heads, double eps) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids: (N,) int64");
+  TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.dim() == 2 && embed.is_contiguous(),
+              "embed: (V, d) float32");
+  const int64_t N = ids.size(0), d = embed.size(1), layers = static_cast<int64_t>(norms.size()) / 2;
+  Tensor x = at::empty({N, d}, embed.options());
+  for (int64_t t = 0; t < N; ++t) {
+    const int64_t id = ids.data_ptr<int64_t>()[t];
+    TORCH_CHECK(0 <= id && id < embed.size(0), "a token id beyond the embedding");
+    std::copy_n(embed.data_ptr<float>() + id * d, d, x.data_ptr<float>() + t * d);
+  }
   const int64_t hd = cos.size(1), half = hd / 2, group = heads / kv_heads;
   const int64_t width = (heads + 2 * kv_heads) * hd;
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == N, "cos, sin: (N, hd)");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && sin.sizes() == cos.sizes(), "cos, sin: (P, hd)");
   const int64_t rows = static_cast<int64_t>(sizes.size());
   std::vector<int64_t> row(N), position(N), first(rows);
   for (int64_t r = 0, t = 0; r < rows; ++r) {
@@ -294,6 +302,7 @@ Tensor fused_layers(Tensor x, const Tensor& cos, const Tensor& sin,
                 "each row's cache: contiguous, with room for its new positions");
   int64_t longest = 0;
   for (int64_t p : position) longest = std::max(longest, p + 1);
+  TORCH_CHECK(longest <= cos.size(0), "positions beyond the rotary tables");
 
   float* X = x.data_ptr<float>();
   const float* C = cos.data_ptr<float>();
@@ -311,7 +320,7 @@ Tensor fused_layers(Tensor x, const Tensor& cos, const Tensor& sin,
     for (int64_t t = 0; t < N; ++t) {
       const Tensor &K = keys[row[t]], &V = values[row[t]];
       const int64_t capacity = V.size(2);
-      const float *c = C + t * hd, *s = S + t * hd;
+      const float *c = C + position[t] * hd, *s = S + position[t] * hd;
       for (int64_t head = 0; head < heads + 2 * kv_heads; ++head) {
         const BFloat16* in = H + t * width + head * hd;
         if (head >= heads + kv_heads) {  // a value: no rotary
@@ -370,6 +379,12 @@ Tensor fused_layers(Tensor x, const Tensor& cos, const Tensor& sin,
       at::vec::convert(g.data(), gated.data_ptr<BFloat16>() + t * I, I);
     }
     add_bf16(X, int4_matmul(gated, packed[4 * l + 3], scale_zero[4 * l + 3], copies[4 * l + 3]));
+  }
+  const float* weight = final_norm.data_ptr<float>();  // the final RMSNorm, in float32
+  for (int64_t t = 0; t < N; ++t) {
+    float* row = X + t * d;
+    const float inverse = 1.f / std::sqrt(dot(row, row, d) / d + eps);
+    for (int64_t j = 0; j < d; ++j) row[j] = row[j] * inverse * weight[j];
   }
   return x;
 }
