@@ -23,6 +23,7 @@ import torch
 
 from . import cache as kv
 from .compile import FINISHED, Constraint
+from .llama import common_prefix
 from .sample import SamplingConfig, draw, one_hot, policy
 
 UNTEMPERED = SamplingConfig(temperature=1.0)  # a greedy draft's confidence: its softmax at T = 1
@@ -107,13 +108,9 @@ class DraftModel:
 
     def _feed(self, context: list[int]) -> list[int]:
         """Crop the cache to its longest prefix still in ``context``; return what to feed."""
-        keep = len(self.cached_ids)
-        if context[:keep] != self.cached_ids:
-            keep = next(
-                (i for i, (a, b) in enumerate(zip(self.cached_ids, context)) if a != b),
-                min(keep, len(context)),
-            )
-        keep = min(keep, len(context) - 1)  # the last token is always fed: its logits are needed
+        keep = min(
+            common_prefix(self.cached_ids, context), len(context) - 1
+        )  # the last token is always fed: its logits are needed
         kv.crop(self.cache, keep)
         self.cached_ids = context[:]
         return context[keep:]

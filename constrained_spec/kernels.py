@@ -266,6 +266,9 @@ BF16_ROUNDOFF = 2.0**-8  # unit roundoff of bf16 (8 significant bits)
 HEAD_ROUNDOFF = BF16_ROUNDOFF / (1 - BF16_ROUNDOFF)  # the head's bf16 outputs: |a − ã| ≤ this·|ã|
 
 
+_EVERY_TOKEN = torch.empty(0, dtype=torch.bool)  # q8_head's "no mask"
+
+
 class Q8Head(nn.Module):
     """The LM head over Q8_0 blocks (w = d·q per block of 32 weights, q int8): every logit from
     the blocks through a 4-bit kernel (two 4-bit halves, bf16 scales and inputs: 35 MB read
@@ -338,8 +341,7 @@ class Q8Head(nn.Module):
         docs/measurements.md); both compute the same up to the bound's float rounding."""
         module = fused_build()[0] if self.fused and x.device.type == "cpu" else None
         if module is not None:
-            none = torch.empty(0, dtype=torch.bool)
-            legal = none if legal is None else legal.contiguous()
+            legal = _EVERY_TOKEN if legal is None else legal.contiguous()
             blocks = self.blocks
             return module.q8_head(
                 x.float().contiguous(),

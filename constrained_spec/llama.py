@@ -349,9 +349,9 @@ class CompactLlama(nn.Module):
     def _rotary(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary factors cos, sin (P, hd) of positions 0..P-1, P ≥ ``positions``: computed
         once (doubling as inputs reach further), not per call."""
-        if self._cos is None or self._cos.shape[0] < positions:
-            count = min(max(positions, 2 * (0 if self._cos is None else self._cos.shape[0]), 256),
-                        max(self.shape.context, positions))  # fmt: skip
+        have = 0 if self._cos is None else self._cos.shape[0]
+        if have < positions:
+            count = min(max(positions, 2 * have, 256), max(self.shape.context, positions))
             angles = torch.arange(count, dtype=torch.float32)[:, None] * self.rope[None, :]
             self._cos, self._sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
         return self._cos, self._sin

@@ -179,11 +179,10 @@ def describe_weights(name: str, requested: str, used: str, model=None) -> str:
     c = calibration(name)
     head = "8-bit LM head (top logits in float32)" if c["head"] == "q8" else "float32 LM head"
     kernel = getattr(model, "prefill", None) or prefill_kernel(c, "torch")
-    prompts = (
-        "prompts through the fused layers, kept for reuse"
-        if getattr(model, "layer_kernel", None) == "fused"
-        else f"prompts through the {kernel} kernel"
-    )
+    fused = getattr(model, "layer_kernel", None) == "fused"
+    prompts = f"prompts through the {'fused layers' if fused else kernel + ' kernel'}"
+    if getattr(model, "prompt_cache", None) is not None:
+        prompts += ", kept for reuse"
     prefill = f", {head}, {prompts}" if used == "int4" else ""
     return (
         f"{used}{prefill}{layers} (auto: linears {c['int4_ms']:.1f} ms in int4 vs "
