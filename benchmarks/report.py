@@ -198,6 +198,8 @@ def _engine_summary(ok: list, tokens: int) -> dict:
         parts["other"] = decode - parts["prefill"] - parts["draft"] - parts["verify"]
         s["phases_ms_per_token"] = {k: 1e3 * v / tokens for k, v in parts.items()}
         s["mask_share"] = _sum(ok, "mask_s") / wall if wall else None
+        loop = decode - parts["prefill"]  # the decode loop after the prompt: rounds only
+        s["mask_share_of_loop"] = _sum(ok, "mask_s") / loop if loop > 0 else None
     per_token = [1e6 * r["mask_s"] / r["committed_tokens"] for r in ok if r.get("committed_tokens")]
     s["mask_us_per_token_p50"] = statistics.median(per_token) if per_token else None
     return s
@@ -570,19 +572,23 @@ def _phase_section(summary: dict) -> list[str]:
                 _f(total, "{:.1f}"),
                 _f(s.get("mask_us_per_token_p50"), "{:.0f}"),
                 _f(s.get("mask_share"), "{:.1%}"),
+                _f(s.get("mask_share_of_loop"), "{:.1%}"),
             ]
         )
     return [
         "## Where the time goes (ms per output token)",
         "",
-        *_table(["config", *PHASES, "total", "mask µs/token p50", "mask share"], rows),
+        *_table(
+            ["config", *PHASES, "total", "mask µs/token p50", "mask share", "of the rounds"], rows
+        ),
         "",
         "setup = generate() outside the decode loop (chat template, tokenizing, schema → "
         "regex, compiled-constraint lookup); prefill = the prompt's forward; draft = drafter "
         "propose calls; verify = target forward + acceptance + commit + KV crop; other = the "
         "rest of the loop. Mask time is time in the constraint's per-state work (masks "
         "for the target and for the drafters, forced text; lookups and first-time builds; "
-        "applying the mask is part of verify). Peers: prefill ≈ time to first "
+        "applying the mask is part of verify); its share is of the whole request, and "
+        "'of the rounds' of the decode loop after the prompt's prefill. Peers: prefill ≈ time to first "
         "processor call, the rest unsplit; their mask share is time inside the outlines "
         "processor.",
         "",

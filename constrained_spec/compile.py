@@ -137,10 +137,10 @@ class Constraint:
         """Up to ``limit`` tokens spelling a prefix of ``data`` that the automaton accepts from
         ``state``: at each position the longest legal token in ``prefer`` (e.g. the tokens the
         model has chosen before), else the longest legal token."""
-        tokens, pos = [], 0
+        tokens, pos, longest = [], 0, self.vocab.longest_by_start
         while pos < len(data) and len(tokens) < limit:
             candidates = []  # (token, state after, end), longest first
-            for end in range(min(len(data), pos + self.vocab.max_token_bytes), pos, -1):
+            for end in range(min(len(data), pos + longest.get(data[pos : pos + 2], 1)), pos, -1):
                 token = self.vocab.ids_by_bytes.get(data[pos:end])
                 if token is not None and (after := self.step(state, token)) is not None:
                     candidates.append((token, after, end))

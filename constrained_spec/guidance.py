@@ -29,6 +29,7 @@ import torch
 from . import guidance_schema
 from .compile import FINISHED, Constraint
 from .errors import ConstraintError, SchemaTooComplex, UnsupportedSchemaError
+from .kernels import fused_if_built
 from .vocab import TokenVocabulary
 
 MASK_CACHE = 256  # masks kept per constraint (LRU): a 49k vocabulary's bool mask is 49 kB
@@ -188,6 +189,9 @@ class GuidanceConstraint(Constraint):
                 f"state {states[rows.index(self._none_legal)]} has no legal token: the "
                 "constraint cannot be completed with this vocabulary."
             )
+        compiled = fused_if_built()  # one call where a model built the fused layers
+        if compiled is not None:
+            return compiled.unpack_bits(rows, self.vocab_size).to(device)
         return torch.from_numpy(self._unpack(rows)).to(device)
 
     def accepts_tokens(self, tokens: list[int]) -> bool:

@@ -521,7 +521,18 @@ def fused_build():
     except Exception as err:  # no compiler, no ninja, an unsupported platform: the Python loop
         lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
         return None, f"{type(err).__name__}: {lines[-1][:200]}"
+    global _built
+    _built = module
     return module, None
+
+
+def fused_if_built():
+    """The compiled module where ``fused_build`` has already built or loaded it in this process,
+    else None (never compiles: a caller that only compiles constraints should not wait 20 s)."""
+    return _built
+
+
+_built = None  # set by fused_build once it has the module
 
 
 def fused_missing() -> str | None:

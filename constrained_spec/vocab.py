@@ -50,6 +50,17 @@ class TokenVocabulary:
     def max_token_bytes(self) -> int:
         return max(len(b) for b in self.ids_by_bytes)
 
+    @cached_property
+    def longest_by_start(self) -> dict[bytes, int]:
+        """{first two bytes: the longest token starting with them}: spelling text tries only
+        lengths some token has there (1 where no token of two bytes or more starts so), not up
+        to ``max_token_bytes`` (81 in SmolLM2's vocabulary, for a run of spaces) everywhere."""
+        longest: dict[bytes, int] = {}
+        for b in self.ids_by_bytes:
+            if len(b) >= 2:
+                longest[b[:2]] = max(longest.get(b[:2], 0), len(b))
+        return longest
+
     def text_bytes(self, ids: list[int]) -> bytes:
         """The bytes of a token sequence; special tokens become NUL, which never matches text."""
         return b"".join(self.token_bytes[i] or b"\x00" for i in ids)

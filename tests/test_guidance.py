@@ -5,6 +5,7 @@ regexes), int states survive any order of queries, grammars compile and report t
 import random
 
 import llguidance as llg
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from constrained_spec import (
     UnsupportedSchemaError,
     guidance,
     guidance_schema,
+    kernels,
 )
 from constrained_spec.compile import FINISHED
 from constrained_spec.testing import PERSON
@@ -79,11 +81,38 @@ def test_masks_are_exactly_the_byte_prefix_extensions(kind, source, tiny_tokeniz
     assert checked >= 20
 
 
-def test_a_pass_of_masks_its_steps_and_forced_tokens_say_the_same_legal_ids(tiny_tokenizer):
+@pytest.mark.parametrize("width", [1, 7, 8, 13, 64, 1001])
+def test_compiled_unpack_bits_reads_bit_t_of_byte_t_over_8(width):
+    """csrc's unpack_bits against numpy's little-endian unpacking, every bit of random rows
+    (widths not a multiple of 8 included: the last byte's bits below the width count)."""
+    if missing := kernels.fused_missing():
+        pytest.skip(f"the fused layers cannot be compiled here: {missing}")
+    rng = random.Random(width)
+    rows = [bytes(rng.randrange(256) for _ in range((width + 7) // 8)) for _ in range(3)]
+    packed = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(3, -1)
+    expected = np.unpackbits(packed, axis=1, count=width, bitorder="little").view(bool)
+    got = guidance.fused_if_built().unpack_bits(rows, width)
+    assert got.dtype == torch.bool and torch.equal(got, torch.from_numpy(expected))
+    with pytest.raises(RuntimeError, match="row 0 is not a bytes object"):
+        guidance.fused_if_built().unpack_bits([rows[0][:-1]], width)
+
+
+@pytest.mark.parametrize("unpack", ["compiled", "numpy"])
+def test_a_pass_of_masks_its_steps_and_forced_tokens_say_the_same_legal_ids(
+    unpack, tiny_tokenizer, monkeypatch
+):
     """A state's legal ids are kept as bits (``_legal_bits``); a pass's stacked masks (one
-    conversion), each state's own mask, its steps and its forced token must agree, EOS
-    included iff accepting, over logits wider than the tokenizer."""
+    conversion: csrc's unpack_bits where the fused layers are built, else numpy), each state's
+    own mask, its steps and its forced token must agree, EOS included iff accepting, over
+    logits wider than the tokenizer (and not a multiple of 8 wide)."""
+    if unpack == "compiled":
+        if missing := kernels.fused_missing():
+            pytest.skip(f"the fused layers cannot be compiled here: {missing}")
+        assert guidance.fused_if_built() is not None
+    else:
+        monkeypatch.setattr(guidance, "fused_if_built", lambda: None)
     vocab, width = token_vocabulary(tiny_tokenizer), len(tiny_tokenizer) + 6
+    assert width % 8
     grammar = guidance.schema_grammar(PERSON)
     one, other = (guidance.GuidanceConstraint(grammar, vocab, width, "schema") for _ in "ab")
     passes = 0

@@ -26,7 +26,9 @@
 
 #include <immintrin.h>
 
+#include <array>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -453,9 +455,39 @@ Tensor q8_head(const Tensor& x, const Tensor& packed, const Tensor& scale_zero, 
   return out;
 }
 
+// Bitmasks (bit t of byte t / 8 set iff token t is legal; one bytes object of V / 8 bytes per
+// state) as a (rows, V) bool tensor, in one call: after a forward has streamed the weights through
+// the caches, each numpy or torch call costs tens of microseconds, and the three a conversion
+// took there were the largest part of a round's constraint work (docs/measurements.md).
+// SPREAD[b]: byte b's 8 bits as 8 bools, lowest bit first (little-endian: the first byte of the word).
+const std::array<uint64_t, 256> SPREAD = [] {
+  std::array<uint64_t, 256> table{};
+  for (int b = 0; b < 256; ++b)
+    for (int i = 0; i < 8; ++i) table[b] |= static_cast<uint64_t>((b >> i) & 1) << (8 * i);
+  return table;
+}();
+
+Tensor unpack_bits(const py::list& rows, int64_t V) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  Tensor out = at::empty({n, V}, at::kBool);
+  bool* o = out.data_ptr<bool>();
+  for (int64_t r = 0; r < n; ++r) {
+    PyObject* row = rows[r].ptr();
+    TORCH_CHECK(PyBytes_Check(row) && PyBytes_GET_SIZE(row) * 8 >= V, "unpack_bits: row ", r,
+                " is not a bytes object of at least ", (V + 7) / 8, " bytes");
+    const auto* bits = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(row));
+    bool* dst = o + r * V;
+    int64_t t = 0;
+    for (; t + 8 <= V; t += 8) std::memcpy(dst + t, &SPREAD[bits[t >> 3]], 8);
+    for (; t < V; ++t) dst[t] = (bits[t >> 3] >> (t & 7)) & 1;
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_layers", &fused_layers, "The compact Llama's layers for a few new tokens");
   m.def("int4_mm", &int4_mm, "x (n, K) bf16 times a 4-bit weight in our tiles: (n, N) bf16");
   m.def("q8_head", &q8_head, "The Q8_0 LM head's logits, the top ones recomputed in float32");
+  m.def("unpack_bits", &unpack_bits, "bitmasks (bytes, bit t: token t) as a (rows, V) bool tensor");
   m.def("avx512_bf16", [] { return HAVE_AVX512_BF16; }, "whether int4_mm was compiled in");
 }
