@@ -6,6 +6,7 @@ torch.compile (inductor, dynamic shapes) — the "cheaper target steps" probe of
     python benchmarks/step_cost.py phases              # the int4 compact forward, per phase
     python benchmarks/step_cost.py bandwidth           # its one-token step against the bandwidth
     python benchmarks/step_cost.py draw                # one sampled draw from a vocabulary's row
+    python benchmarks/step_cost.py parts               # a one-token step: layers, head, the rest
 
 Modes: "eager" or "compile", with "-skinny" for models.skinny_matmul (the library default):
 prints, for n = 1, 2, 5, 1, the median of 10 timed steps and the first (compiling) step.
@@ -166,7 +167,52 @@ def draw(reps: int = 200) -> None:
         print(f"{name}: {1e6 * best:.0f} µs a draw ({torch.get_num_threads()} threads)")
 
 
+@torch.inference_mode()
+def parts(reps: int = 60, runs: int = 3) -> None:
+    """A one-token step of the built-in int4 model as loaded (after a 300-token context) split
+    into the fused layers' call, the LM head's call and the rest, medians of ``reps`` steps,
+    ``runs`` times: what round 6 of the fast target moved into the compiled calls."""
+    model, _ = load_model(DEFAULT_MODEL, weights="int4")
+    compiled, spent = kernels.fused_build()[0], {"layers": [], "head": []}
+
+    def timed(name, call):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = call(*args, **kwargs)
+            spent[name][-1] += time.perf_counter() - start
+            return out
+
+        return wrapper
+
+    if compiled is not None and getattr(model, "layer_kernel", None) == "fused":
+        compiled.fused_layers = timed("layers", compiled.fused_layers)
+    head = model.lm_head
+    head.forward = timed("head", head.forward)
+    context = list(range(1000, 1300))
+    for _ in range(runs):
+        cache, steps = kv.new_cache(model), []
+        for times in spent.values():
+            times.append(0.0)  # the prefill's calls, not counted
+        kv.forward(model, cache, context, "cpu")
+        for _ in range(reps + 1):
+            for times in spent.values():
+                times.append(0.0)
+            start = time.perf_counter()
+            kv.forward(model, cache, context[-1:], "cpu")
+            steps.append(time.perf_counter() - start)
+            kv.crop(cache, len(context))
+        step = statistics.median(steps[1:])
+        layers, head_s = (statistics.median(spent[k][-reps:]) for k in ("layers", "head"))
+        print(
+            f"{model.layer_kernel}/{model.matmul}: step {1e3 * step:.2f} ms, layers' call "
+            f"{1e3 * layers:.2f}, head {1e3 * head_s:.2f}, the rest "
+            f"{1e3 * (step - layers - head_s):.2f} (medians of {reps} steps)"
+        )
+
+
 def main(mode: str) -> None:
+    if mode == "parts":
+        return parts()
     if mode == "phases":
         return phases()
     if mode == "bandwidth":
