@@ -535,3 +535,19 @@ def test_a_not_excluded_by_type_stays_excluded_when_a_double_negation_adds_types
     except ConstraintError:
         return  # refusing is sound too
     assert not constraint.accepts("true")
+
+
+def test_boolean_schemas_are_any_value_or_refused_as_unsatisfiable(gen, tmp_path):
+    """JSON Schema's boolean schemas: true takes any JSON value (as {}), false none; as a
+    Python value, as JSON text and as a file, false refused before any model work."""
+    path = tmp_path / "any.json"
+    path.write_text("true\n")
+    for true in (True, "true", " true ", str(path)):
+        assert load_schema(true) == {}
+        c = gen.compile(schema=true)
+        assert all(c.accepts(text) for text in ('[1,{"a":null}]', '"x"', "-2.5e3", "false"))
+        assert not c.accepts("[1,")
+    path.write_text("false")
+    for false in (False, "false", str(path)):
+        with pytest.raises(ConstraintError, match="unsatisfiable"):
+            gen.generate("hi", schema=false, max_new_tokens=4)

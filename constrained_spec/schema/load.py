@@ -12,14 +12,19 @@ from . import limits
 
 
 def load_schema(schema: Any) -> dict:
-    """A schema given as a dict, a JSON string, a path to a ``.json`` file or a Pydantic model."""
+    """A schema given as a dict, a JSON string, a path to a ``.json`` file or a Pydantic model;
+    the boolean schemas too (``true`` takes any JSON value, as ``{}``; ``false`` none)."""
     if hasattr(schema, "model_json_schema"):
         schema = schema.model_json_schema()
+    if isinstance(schema, bool):
+        return _boolean(schema, "the schema")
     if isinstance(schema, dict):
         check_depth(schema, "the schema")
         return schema
     if isinstance(schema, str):
         schema = schema.lstrip("\ufeff")  # a byte-order mark pasted along with the JSON
+        if schema.strip() in ("true", "false"):  # JSON text, not a file name
+            return _boolean(schema.strip() == "true", "the schema string")
     if isinstance(schema, Path) or (isinstance(schema, str) and schema.strip()[:1] not in "{["):
         text, origin = _read_file(Path(schema)), str(schema)
     elif isinstance(schema, str):
@@ -35,12 +40,23 @@ def load_schema(schema: Any) -> dict:
         raise ConstraintError(f"{origin} is not valid JSON ({e}): fix the syntax.") from None
     except RecursionError:
         raise ConstraintError(_too_deep(origin)) from None
+    if isinstance(loaded, bool):
+        return _boolean(loaded, origin)
     if not isinstance(loaded, dict):
         raise ConstraintError(
             f'{origin} is not a JSON object: a schema is an object like {{"type": "object", ...}}.'
         )
     check_depth(loaded, origin)
     return loaded
+
+
+def _boolean(schema: bool, origin: str) -> dict:
+    if not schema:
+        raise ConstraintError(
+            f"{origin} is false, which no JSON value satisfies (unsatisfiable): nothing can be "
+            "generated; pass true or {} for any JSON value."
+        )
+    return {}
 
 
 def _read_file(path: Path) -> str:
