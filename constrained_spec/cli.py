@@ -180,7 +180,7 @@ def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     which.add_argument(
         "--schema",
         metavar="FILE",
-        help="JSON Schema file the output must satisfy (or an inline JSON object)",
+        help="JSON Schema file the output must satisfy (or inline JSON: an object; true: any JSON)",
     )
     which.add_argument(
         "--regex", metavar="RE", help="regex the whole output must match (no ^/$ needed)"
