@@ -104,6 +104,7 @@ def draft_call(requests, tok, vocab, between) -> dict[str, list[float]]:
     )
 
     executor, times = llg.LLExecutor(1), {"one position at a time": [], "one call": []}
+    legal_ids = (1 << len(vocab.token_bytes)) - 1  # the bits of tokenizer ids (rows are padded)
     for q in requests:
         c = guidance.compile_constraint("auto", vocab, len(tok), schema=q["schema"])
         answer = tok.encode(json.dumps(q["expected"], separators=(",", ":")))
@@ -126,9 +127,8 @@ def draft_call(requests, tok, vocab, between) -> dict[str, list[float]]:
             fill_next_token_bitmask_par_with_draft_tokens(executor, [(matcher, 0, draft)], target)
             times["one call"].append(time.perf_counter() - t)
             for row, got in zip(rows, target.numpy()):
-                bits = len(vocab.token_bytes)
-                one = int.from_bytes(row, "little") & ((1 << bits) - 1)
-                assert one == int.from_bytes(got.tobytes(), "little") & ((1 << bits) - 1)
+                one = int.from_bytes(row, "little") & legal_ids
+                assert one == int.from_bytes(got.tobytes(), "little") & legal_ids
     return times
 
 
@@ -137,22 +137,23 @@ def main() -> None:
     vocab = token_vocabulary(tok)
     requests = json.loads(REQUESTS.read_text())["requests"][:8]
     weights = np.ones(100_000_000 // 4, dtype=np.float32)  # as much as a step's weights
-    if "--calls" in sys.argv:
-        print(
-            f"{len(requests)} extract requests of {REQUESTS.parent.name}: each call alone, "
-            "after a 100 MB read (median µs)"
-        )
-        for name, t in calls(requests, tok, vocab, weights.sum).items():
-            print(f"{name:>40}: {1e6 * np.median(t):6.1f}  ({len(t)} calls)")
-        return
-    if "--draft-call" in sys.argv:
-        print(
-            f"{len(requests)} extract requests of {REQUESTS.parent.name}: a 3-token draft's 4 "
-            "masks after a 100 MB read, the same legal tokens both ways (median µs)"
-        )
-        for name, t in draft_call(requests, tok, vocab, weights.sum).items():
-            print(f"{name:>25}: {1e6 * np.median(t):6.1f}  ({len(t)} drafts)")
-        return
+    modes = {  # flag: (what it times, its title, a row's name width, what a row counts)
+        "--calls": (calls, "each call alone, after a 100 MB read", 40, "calls"),
+        "--draft-call": (
+            draft_call,
+            "a 3-token draft's 4 masks after a 100 MB read, the same legal tokens both ways",
+            25,
+            "drafts",
+        ),
+    }
+    for flag, (timing, title, width, unit) in modes.items():
+        if flag in sys.argv:
+            print(
+                f"{len(requests)} extract requests of {REQUESTS.parent.name}: {title} (median µs)"
+            )
+            for name, t in timing(requests, tok, vocab, weights.sum).items():
+                print(f"{name:>{width}}: {1e6 * np.median(t):6.1f}  ({len(t)} {unit})")
+            return
     print(f"{len(requests)} extract requests of {REQUESTS.parent.name}, the default tokenizer")
     for name, between in [
         ("back to back", lambda: None),
