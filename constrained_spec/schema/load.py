@@ -23,8 +23,8 @@ def load_schema(schema: Any) -> dict:
         return schema
     if isinstance(schema, str):
         schema = schema.lstrip("\ufeff")  # a byte-order mark pasted along with the JSON
-        if schema.strip() in ("true", "false"):  # JSON text, not a file name
-            return _boolean(schema.strip() == "true", "the schema string")
+        if (word := schema.strip()) in ("true", "false"):  # JSON text, not a file name
+            return _boolean(word == "true", "the schema string")
     if isinstance(schema, Path) or (isinstance(schema, str) and schema.strip()[:1] not in "{["):
         text, origin = _read_file(Path(schema)), str(schema)
     elif isinstance(schema, str):
