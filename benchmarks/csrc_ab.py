@@ -1,0 +1,152 @@
+"""The fused layers of another commit against this checkout's, in one process: the other
+commit's ``constrained_spec/csrc/fused_layers.cpp`` is compiled as a second module, and the two
+take turns, round after round, on the same loaded model — so both meet the same minute of a
+noisy shared machine, which separate runs a few minutes apart do not (30–50% swings here).
+
+    python benchmarks/csrc_ab.py fd78e55                  # layer forwards and a prompt, 10 rounds
+    python benchmarks/csrc_ab.py fd78e55 --requests 16    # also 16 extract requests at B = 1, 8
+
+Prints per size the median ms of each and the median and range of the per-round ratios
+(other / this); with ``--requests``, output tok/s at B = 1 and B = 8 (speculative, greedy) the
+same way. Both modules must compute the same: the logits of a 17-token pass and every request's
+tokens are compared, and a difference stops the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import workloads  # noqa: E402
+from run import forget_prompts  # noqa: E402
+
+from constrained_spec import Generator, kernels  # noqa: E402
+from constrained_spec import cache as kv  # noqa: E402
+
+SOURCE = "constrained_spec/csrc/fused_layers.cpp"
+CONTEXT = list(range(1000, 1400))  # a 400-token context before each timed pass
+SIZES = (1, 4, 8, 17, 32)  # new tokens a pass: a step, a verify pass, batches' rows
+
+
+def build_other(commit: str, folder: Path):
+    """The other commit's fused layers, compiled under another name, as fused_build returns."""
+    text = subprocess.run(
+        ["git", "show", f"{commit}:{SOURCE}"], cwd=HERE.parent, capture_output=True, text=True
+    )
+    if text.returncode:
+        raise SystemExit(f"cannot read {SOURCE} at {commit}: {text.stderr.strip()}")
+    source = folder / "fused_other.cpp"
+    source.write_text(text.stdout)
+    module = cpp_extension.load(
+        "fused_other",
+        [str(source)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+    )
+    return module, None
+
+
+def pass_ms(model, n: int, reps: int) -> float:
+    """Median ms of the layers over n new tokens after CONTEXT (n ≥ 100: a prompt's tokens)."""
+    cache = kv.new_cache(model)
+    kv.prefill(model, cache, CONTEXT, "cpu")
+    ids = torch.tensor(CONTEXT[-n:] if n < 100 else range(2000, 2000 + n))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        model(ids, cache, logits=False)
+        times.append(1e3 * (time.perf_counter() - start))
+        kv.crop(cache, len(CONTEXT))
+    return statistics.median(times)
+
+
+def tok_s(gen: Generator, requests: list[dict], batch: int, outputs: dict, name: str) -> float:
+    forget_prompts(gen.target)
+    start = time.perf_counter()
+    results = gen.generate_batch(requests, batch_size=batch)
+    wall = time.perf_counter() - start
+    tokens = [r.token_ids for r in results]
+    if outputs.setdefault(batch, tokens) != tokens:
+        raise SystemExit(f"B = {batch}: {name}'s tokens differ from the other module's")
+    return sum(len(t) for t in tokens) / wall
+
+
+def report(label: str, times: dict, unit: str, higher_is_better: bool = False) -> None:
+    other, this = times["other"], times["this"]
+    ratios = [(b / a if higher_is_better else a / b) for a, b in zip(other, this)]
+    print(
+        f"{label}: other {statistics.median(other):.2f} {unit}, this {statistics.median(this):.2f}"
+        f" {unit}; this faster by {statistics.median(ratios):.2f}× (rounds "
+        f"{min(ratios):.2f}–{max(ratios):.2f}×)",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("commit", help="the other commit (its csrc/fused_layers.cpp)")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--prompt", type=int, default=300, help="prompt tokens timed (0: none)")
+    parser.add_argument("--requests", type=int, default=0, help="extract requests (0: none)")
+    args = parser.parse_args()
+    gen = Generator.from_pretrained(draft="lookup")
+    model = gen.target
+    if getattr(model, "layer_kernel", None) != "fused":
+        raise SystemExit("the target does not run the fused layers here: nothing to compare")
+    this = kernels.fused_build()
+    folder = Path(tempfile.mkdtemp(prefix="csrc-ab-"))
+    modules = {"this": this, "other": build_other(args.commit, folder)}
+    use = lambda name: setattr(kernels, "fused_build", lambda: modules[name])
+
+    logits = {}
+    for name in modules:
+        use(name)
+        cache = kv.new_cache(model)
+        kv.prefill(model, cache, CONTEXT[:-17], "cpu")
+        logits[name] = model(torch.tensor(CONTEXT[-17:]), cache)[0]  # (logits, features)
+    if not torch.equal(logits["this"], logits["other"]):
+        raise SystemExit("the two modules' logits differ on a 17-token pass")
+    print(f"{args.commit} against this checkout ({model.matmul} 4-bit kernel): the same logits")
+
+    requests = []
+    if args.requests:
+        selected, _ = workloads.select_requests(
+            gen, "extract", args.requests, workloads.Selection(0), workloads.DATA, log=lambda *a: 0
+        )
+        requests = [
+            dict(prompt=r.messages, schema=r.schema, max_new_tokens=160) for r in selected[1:]
+        ]
+        gen.generate_batch(requests[:1])  # warm-up: compiled masks
+    sizes = SIZES + ((args.prompt,) if args.prompt else ())
+    times, speeds, outputs = {}, {}, {}
+    for _ in range(args.rounds):
+        for name in modules:
+            use(name)
+            for n in sizes:
+                times.setdefault(n, {}).setdefault(name, []).append(
+                    pass_ms(model, n, 3 if n >= 100 else 7)
+                )
+            for batch in (1, 8) if requests else ():
+                speeds.setdefault(batch, {}).setdefault(name, []).append(
+                    tok_s(gen, requests, batch, outputs, name)
+                )
+    for n in sizes:
+        report(f"{'prompt' if n >= 100 else 'pass'} of {n} tokens", times[n], "ms")
+    for batch, values in speeds.items():
+        report(f"{len(requests)} extract requests, B = {batch}", values, "tok/s", True)
+
+
+if __name__ == "__main__":
+    main()
