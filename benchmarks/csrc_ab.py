@@ -49,13 +49,9 @@ def build_other(commit: str, folder: Path):
     source = folder / "fused_other.cpp"
     source.write_text(text.stdout)
     module = cpp_extension.load(
-        "fused_other",
-        [str(source)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(folder),
+        "fused_other", [str(source)], build_directory=str(folder), **kernels.FUSED_FLAGS
     )
-    return module, None
+    return module, None  # the build flags are the library's own
 
 
 def pass_ms(model, n: int, reps: int) -> float:

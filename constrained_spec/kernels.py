@@ -494,6 +494,7 @@ def best_ms(call, repeats: int) -> float:
 # prefill always takes the Python loop (one masked attention call per layer).
 LAYER_KERNELS = ("fused", "python")
 FUSED_SOURCE = Path(__file__).with_name("csrc") / "fused_layers.cpp"
+FUSED_FLAGS = dict(extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
 
 
 @functools.cache
@@ -514,9 +515,8 @@ def fused_build():
         module = cpp_extension.load(
             "constrained_spec_fused",
             [str(FUSED_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
+            **FUSED_FLAGS,
         )
     except Exception as err:  # no compiler, no ninja, an unsupported platform: the Python loop
         lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
