@@ -509,15 +509,24 @@ def fused_build():
     key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{cpu_name()}-torch-{torch.__version__}")
     folder = cache_dir() / "kernels" / key
     try:
+        import fcntl  # Unix: where the extension builds (gcc with OpenMP)
+
         folder.mkdir(parents=True, exist_ok=True)
         if not any(folder.glob("*.so")):
             _say(f"compiling the fused layers for this CPU, once (about 20 s) into {folder}")
-        module = cpp_extension.load(
-            "constrained_spec_fused",
-            [str(FUSED_SOURCE)],
-            build_directory=str(folder),
-            **FUSED_FLAGS,
-        )
+        # torch marks a build with a `lock` file and waits, forever, while one exists: a process
+        # killed mid-build (a timeout, Ctrl-C) would leave every later load hanging. An flock is
+        # let go by the kernel when its process dies, so whoever holds ours knows that a `lock`
+        # file left there belongs to nobody.
+        with open(folder / "build.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (folder / "lock").unlink(missing_ok=True)
+            module = cpp_extension.load(
+                "constrained_spec_fused",
+                [str(FUSED_SOURCE)],
+                build_directory=str(folder),
+                **FUSED_FLAGS,
+            )
     except Exception as err:  # no compiler, no ninja, an unsupported platform: the Python loop
         lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
         return None, f"{type(err).__name__}: {lines[-1][:200]}"

@@ -5,6 +5,7 @@ quantizer, a plain float matmul, llama.cpp's permutation written out here)."""
 import copy
 import json
 import time
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -127,6 +128,21 @@ def test_fused_layers_crop_refeed_and_growth_compute_what_a_fresh_cache_does(
     refed = feed(cache, ids[260:], 9)
     fresh = feed(compact.new_cache(), ids, 1)[260:]
     assert torch.equal(refed, fresh)
+
+
+@needs_fused
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
+    """torch waits while its build folder holds a `lock` file: one left by a process killed
+    mid-build must not stop the next process (a fresh one: fused_build is cached per process)."""
+    import subprocess
+    import sys
+
+    folder = Path(kernels.fused_build()[0].__file__).parent
+    (folder / "lock").touch()
+    code = "from constrained_spec import kernels; print(kernels.fused_build()[1])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr[-2000:]
+    assert not (folder / "lock").exists()
 
 
 @needs_fused
