@@ -5,11 +5,15 @@ noisy shared machine, which separate runs a few minutes apart do not (30–50% s
 
     python benchmarks/csrc_ab.py fd78e55                  # layer forwards and a prompt, 10 rounds
     python benchmarks/csrc_ab.py fd78e55 --requests 16    # also 16 extract requests at B = 1, 8
+    python benchmarks/csrc_ab.py --matmuls avx512-bf16 amx-bf16 --requests 16
+                                                          # two 4-bit kernels of this checkout
 
 Prints per size the median ms of each and the median and range of the per-round ratios
 (other / this); with ``--requests``, output tok/s at B = 1 and B = 8 (speculative, greedy) the
 same way. Both modules must compute the same: the logits of a 17-token pass and every request's
-tokens are compared, and a difference stops the run.
+tokens are compared, and a difference stops the run. Two 4-bit kernels (``--matmuls``: "other"
+the first, "this" the second) sum in different orders, so there each one's tokens are compared
+with its own from round to round only.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def tok_s(gen: Generator, requests: list[dict], batch: int, outputs: dict, name:
     results = gen.generate_batch(requests, batch_size=batch)
     wall = time.perf_counter() - start
     tokens = [r.token_ids for r in results]
-    if outputs.setdefault(batch, tokens) != tokens:
+    if outputs.setdefault((batch, name), tokens) != tokens:
         raise SystemExit(f"B = {batch}: {name}'s tokens differ from the other module's")
     return sum(len(t) for t in tokens) / wall
 
@@ -92,19 +96,35 @@ def report(label: str, times: dict, unit: str, higher_is_better: bool = False) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("commit", help="the other commit (its csrc/fused_layers.cpp)")
+    parser.add_argument("commit", nargs="?", help="the other commit (its csrc/fused_layers.cpp)")
+    parser.add_argument(
+        "--matmuls",
+        nargs=2,
+        metavar=("OTHER", "THIS"),
+        choices=kernels.INT4_KERNELS,
+        help="instead of a commit: two 4-bit kernels of this checkout's build",
+    )
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--prompt", type=int, default=300, help="prompt tokens timed (0: none)")
     parser.add_argument("--requests", type=int, default=0, help="extract requests (0: none)")
     args = parser.parse_args()
+    if (args.commit is None) == (args.matmuls is None):
+        parser.error("give the other commit or --matmuls OTHER THIS, one of them")
     gen = Generator.from_pretrained(draft="lookup")
     model = gen.target
     if getattr(model, "layer_kernel", None) != "fused":
         raise SystemExit("the target does not run the fused layers here: nothing to compare")
     this = kernels.fused_build()
-    folder = Path(tempfile.mkdtemp(prefix="csrc-ab-"))
-    modules = {"this": this, "other": build_other(args.commit, folder)}
-    use = lambda name: setattr(kernels, "fused_build", lambda: modules[name])
+    if args.matmuls:
+        modules, matmuls = {"this": this, "other": this}, dict(zip(("other", "this"), args.matmuls))
+    else:
+        folder = Path(tempfile.mkdtemp(prefix="csrc-ab-"))
+        modules, matmuls = {"this": this, "other": build_other(args.commit, folder)}, {}
+
+    def use(name: str) -> None:
+        kernels.fused_build = lambda: modules[name]
+        if name in matmuls:
+            model.use_matmul(matmuls[name])
 
     logits = {}
     for name in modules:
@@ -112,9 +132,13 @@ def main() -> None:
         cache = kv.new_cache(model)
         kv.prefill(model, cache, CONTEXT[:-17], "cpu")
         logits[name] = model(torch.tensor(CONTEXT[-17:]), cache)[0]  # (logits, features)
-    if not torch.equal(logits["this"], logits["other"]):
+    if matmuls:
+        gap = (logits["this"] - logits["other"]).abs().max().item()
+        print(f"{args.matmuls[0]} against {args.matmuls[1]}: logits at most {gap:.3g} apart")
+    elif not torch.equal(logits["this"], logits["other"]):
         raise SystemExit("the two modules' logits differ on a 17-token pass")
-    print(f"{args.commit} against this checkout ({model.matmul} 4-bit kernel): the same logits")
+    else:
+        print(f"{args.commit} against this checkout ({model.matmul} 4-bit kernel): the same logits")
 
     requests = []
     if args.requests:

@@ -158,7 +158,7 @@ class Int4Linear(nn.Module):
             x = x.repeat(1, self.copies)  # (n, copies·K)
         if prefill and self.dense is not None:
             return F.linear(x, self.dense).float()
-        if self.kernel == "avx512-bf16":
+        if self.kernel != "torch":
             return fused_build()[0].int4_mm(x.contiguous(), self.packed, self.scale_zero).float()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, GROUP, self.scale_zero
@@ -175,8 +175,10 @@ class Int4Linear(nn.Module):
             raise WeightsError(f"the {kernel!r} 4-bit kernel cannot run here: {why}")
         q = self.dequantized_nibbles()
         scale, zero = self.scale_and_zero()
-        if kernel == "avx512-bf16":
+        if kernel != "torch":  # ours: the tiles' shape names the instructions (csrc int4_mm)
             self.packed, self.scale_zero = _tile_pack(q, scale, zero)
+            if kernel == "amx-bf16":
+                self.packed = self.packed.view(self.packed.shape[0], -1, 4, 16)
         else:
             self.packed = _torch_pack(q)
             self.scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
@@ -241,12 +243,14 @@ def _tile_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
 # The 4-bit matmul of a model's linears (steps, verify passes, batch rows, and prompts through
 # the "int4" prefill kernel): "avx512-bf16" (ours, csrc/fused_layers.cpp: AVX-512 BF16 dot
 # products over the weights repacked for them; CPUs with avx512_bf16, where torch's kernel runs
-# at 21–24 GB/s a core, compute-bound) or "torch" (torch's int4 weight-only kernel). Both
-# multiply the same bf16 inputs by the same weights, sum in float32 and round once to bf16;
-# they sum in different orders (one bf16 ulp apart on ~0.1% of outputs). One of them runs for a
-# model's whole life (models.choose_layers measures them), so the baseline and speculation
-# compute the same function.
-INT4_KERNELS = ("avx512-bf16", "torch")
+# at 21–24 GB/s a core, compute-bound), "amx-bf16" (ours on the same tiles, through AMX tile
+# multiplies: 32 rows for one unpacking of the weights, where a pass of many rows is
+# compute-bound; CPUs with amx_bf16) or "torch" (torch's int4 weight-only kernel). All multiply
+# the same bf16 inputs by the same weights, sum in float32 and round once to bf16; they sum in
+# different orders (one bf16 ulp apart on ~0.1% of outputs). One of them runs for a model's
+# whole life (models.choose_layers measures them), so the baseline and speculation compute the
+# same function.
+INT4_KERNELS = ("avx512-bf16", "amx-bf16", "torch")
 
 
 def int4_kernel_missing(kernel: str) -> str | None:
@@ -259,6 +263,8 @@ def int4_kernel_missing(kernel: str) -> str | None:
         return f"it is compiled with the fused layers, which cannot be built here ({why})"
     if not module.avx512_bf16():
         return "this CPU has no AVX-512 BF16 instructions (avx512_bf16)"
+    if kernel == "amx-bf16" and not module.amx_bf16():
+        return "this CPU has no AMX BF16 tiles (amx_bf16), or the kernel did not grant them"
     return None
 
 
@@ -318,7 +324,7 @@ class Q8Head(nn.Module):
         """Which of INT4_KERNELS runs the blocks; the bound follows it."""
         self.blocks.use_kernel(kernel)
         vocab = self.weight.shape[0]  # the blocks' rows are padded to a multiple of 16
-        ours = kernel == "avx512-bf16"
+        ours = kernel != "torch"
         self.terms[:, 2] = _group_error(self.blocks)[:, :vocab].norm(dim=0) if ours else 0
         self.terms[:, 3] = 2.0**-100 if ours else 0
 
@@ -368,16 +374,17 @@ class Q8Head(nn.Module):
 def _group_error(blocks: Int4Linear) -> torch.Tensor:
     """Our kernel's float32 error on a Q8_0 head's halves, per unit of S_g = Σ|x̃| over input
     group g: (K/32, V) c_{t,g} = A·(|s_hi| + |s_lo|) + B·(|z_hi| + |z_lo|), from its sums
-    (csrc int4_mm): a = Σ(128 + q)·x̃ in 4 chains of 4 dot-product instructions (≤ 2 roundings
-    each) and 2 adds, |q| ≤ 15: ≤ γ(10)·143·S_g; X = Σx̃ in order: ≤ γ(31)·S_g; t = a − 136·X
+    (csrc int4_mm): a = Σ(128 + q)·x̃, |q| ≤ 15, ≤ γ(c)·143·S_g with c roundings a sum: 10 in
+    4 chains of 4 dot-product instructions (≤ 2 roundings each) and 2 adds (avx512-bf16), 32
+    in one chain of 32 products (amx-bf16); X = Σx̃ in order: ≤ γ(31)·S_g; t = a − 136·X
     rounded once, |t| ≤ 8·S_g; the total, 2 fused multiply-adds a group over G groups:
-    ≤ γ(2G)·Σ_g (|s_g|·|t| + |z_g|·|X|). So A = 143γ(10) + 136γ(31) + 8u + 8γ(2G) and
+    ≤ γ(2G)·Σ_g (|s_g|·|t| + |z_g|·|X|). So A = 143γ(c) + 136γ(31) + 8u + 8γ(2G) and
     B = γ(31) + γ(2G), u = 2⁻²⁴, γ(n) = nu/(1 − nu); 1% on top for the second-order terms."""
     u = 2.0**-24
     gamma = lambda n: n * u / (1 - n * u)
     scale, zero = (t.float().abs() for t in blocks.scale_and_zero())  # (V, 2K/32) each
-    groups = scale.shape[1]
-    a = 1.01 * (143 * gamma(10) + 136 * gamma(31) + 8 * u + 8 * gamma(2 * groups))
+    groups, roundings = scale.shape[1], 32 if blocks.kernel == "amx-bf16" else 10
+    a = 1.01 * (143 * gamma(roundings) + 136 * gamma(31) + 8 * u + 8 * gamma(2 * groups))
     b = 1.01 * (gamma(31) + gamma(2 * groups))
     hi, lo = groups // 2, slice(groups // 2, None)  # the input is fed twice (copies = 2)
     coef = a * (scale[:, :hi] + scale[:, lo]) + b * (zero[:, :hi] + zero[:, lo])

@@ -196,6 +196,7 @@ def _describe_layers(model) -> str:
     kernel = getattr(model, "layer_kernel", None)
     matmul = {
         "avx512-bf16": ", 4-bit matmuls ours (AVX-512 BF16)",
+        "amx-bf16": ", 4-bit matmuls ours (AMX BF16 tiles)",
         "torch": ", 4-bit matmuls torch's"
         + (f" (ours: {why})" if (why := kernels.int4_kernel_missing("avx512-bf16")) else ""),
     }.get(getattr(model, "matmul", None), "")
@@ -215,7 +216,7 @@ def _describe_layers(model) -> str:
 
 
 # Part of the calibration's cache key: a new measurement method invalidates the cached choices.
-CALIBRATION = "v5: each 4-bit matmul kernel measured, the head on each"
+CALIBRATION = "v6: each 4-bit matmul kernel measured (AMX too), the head on each"
 
 
 def calibration(name: str) -> dict:
@@ -280,7 +281,7 @@ def choose_layers(name: str, model) -> str:
     return "/".join(filter(None, (model.layer_kernel, model.matmul)))
 
 
-LAYERS_CALIBRATION = "layers v2: with the 4-bit matmul kernel"
+LAYERS_CALIBRATION = "layers v3: with the 4-bit matmul kernel (AMX too)"
 
 
 def _remembered(what: str, measure) -> dict:

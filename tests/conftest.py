@@ -48,18 +48,21 @@ def int4_target(tokenizer, way: str):
 @pytest.fixture(scope="session", params=["fused", "python"])
 def tiny_int4_target(request, tiny_tokenizer):
     """The 4-bit tiny target (int4_target); every test taking it runs on the fused layers with
-    the faster 4-bit kernel a CPU like this one picks (ours where it has avx512_bf16) and on the
-    Python loop with torch's kernel (a machine without a compiler). The fused layers with torch's
-    kernel (a CPU without avx512_bf16) run in the kernel-level tests (tests/test_llama.py)."""
+    the 4-bit kernel a CPU like this one picks (ours: AMX where it has amx_bf16, else AVX-512
+    where it has avx512_bf16) and on the Python loop with torch's kernel (a machine without a
+    compiler). The fused layers with the other kernels run in the kernel-level tests
+    (tests/test_llama.py) and in every_int4_target's."""
     from constrained_spec import kernels
 
     if request.param == "python":
         return int4_target(tiny_tokenizer, "python/torch")
-    ours = kernels.int4_kernel_missing("avx512-bf16") is None
-    return int4_target(tiny_tokenizer, "fused/avx512-bf16" if ours else "fused/torch")
+    runs = [k for k in ("amx-bf16", "avx512-bf16") if kernels.int4_kernel_missing(k) is None]
+    return int4_target(tiny_tokenizer, f"fused/{(runs or ['torch'])[0]}")
 
 
-@pytest.fixture(scope="session", params=["fused/avx512-bf16", "fused/torch", "python/torch"])
+@pytest.fixture(
+    scope="session", params=["fused/avx512-bf16", "fused/amx-bf16", "fused/torch", "python/torch"]
+)
 def every_int4_target(request, tiny_tokenizer):
     """The 4-bit tiny target on every way of running it (int4_target)."""
     return int4_target(tiny_tokenizer, request.param)

@@ -394,19 +394,20 @@ def test_int4_linear_computes_x_times_the_dequantized_weights(kind, matmul):
 def test_int4_linear_rows_do_not_depend_on_how_many_are_fed(kind, matmul):
     """A verify pass of M tokens must give each token, bit for bit, the logits a one-token
     step gives it: that is what keeps greedy speculative decoding identical to the baseline.
-    (Our kernel takes rows 8 at a time, then the rest: every remainder is fed.)"""
+    (Our kernels take rows 8 (AVX-512) or 16 and 32 (AMX) at a time, then the rest: every
+    remainder is fed; batches' passes are longer than a verify pass.)"""
     layer, w, _ = kernel_cases()[kind]
     layer.use_kernel(matmul)
-    x = torch.randn(25, w.shape[1], generator=torch.Generator().manual_seed(2))
+    x = torch.randn(40, w.shape[1], generator=torch.Generator().manual_seed(2))
     alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
-    for m in [*range(1, 18), 25]:  # 25: the longest verify pass (max_draft 24 + 1)
+    for m in [*range(1, 18), 25, 31, 32, 33, 40]:  # 25: the longest verify pass (24 drafts + 1)
         assert torch.equal(layer(x[:m]), alone[:m]), f"{m} rows"
         assert torch.equal(layer(x[m - 1 :]), alone[m - 1 :]), f"rows {m - 1}.."
 
 
-@needs_ours
+@pytest.mark.parametrize("ours", [int4_kernel("avx512-bf16"), int4_kernel("amx-bf16")])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_our_4bit_kernel_multiplies_what_torchs_does(kind):
+def test_our_4bit_kernel_multiplies_what_torchs_does(kind, ours):
     """The same bf16 inputs, weights, scales and zeros, summed in float32 in another order and
     rounded once to bf16: at most one bf16 unit apart from torch's kernel (on a few outputs),
     and switching back restores torch's pack exactly."""
@@ -415,7 +416,7 @@ def test_our_4bit_kernel_multiplies_what_torchs_does(kind):
     packed, scale_zero = layer.packed.clone(), layer.scale_zero.clone()
     x = torch.randn(13, w.shape[1], generator=torch.Generator().manual_seed(3))
     theirs = layer(x)
-    layer.use_kernel("avx512-bf16")
+    layer.use_kernel(ours)
     assert layer.packed.dtype == torch.int32, "still torch's pack"
     ours = layer(x)
     ulp = theirs.abs() * BF16 * 2 + 1e-30  # one bf16 unit (2⁻⁷ relative) at the output's size
@@ -586,12 +587,15 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
     monkeypatch.setattr(
         kernels,
         "measure_linears",
-        lambda shapes: calls.append(shapes) or {"float": 2.0, "avx512-bf16": 1.0, "torch": 1.5},
+        lambda shapes: (
+            calls.append(shapes)
+            or {"float": 2.0, "avx512-bf16": 1.0, "amx-bf16": 1.2, "torch": 1.5}
+        ),
     )
     monkeypatch.setattr(
         kernels,
         "measure_prefill",
-        lambda shapes: {"bf16": 3.0, "avx512-bf16": 2.5, "torch": 4.0},
+        lambda shapes: {"bf16": 3.0, "avx512-bf16": 2.5, "amx-bf16": 2.0, "torch": 4.0},
     )
     monkeypatch.setattr(kernels, "measure_head", lambda vocab, d: {"q8": 1.5, "float": 2.5})
     name, path = models.DEFAULT_MODEL, tmp_path / "calibration.json"
@@ -605,10 +609,12 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
         "float_ms": 2.0,
         "choice": "int4",
         "matmul_avx512-bf16_ms": 1.0,
+        "matmul_amx-bf16_ms": 1.2,
         "matmul_torch_ms": 1.5,
         "measured": "linears of 4 layers, 1 + 5 rows",
         "prefill_bf16_ms": 3.0,
         "prefill_avx512-bf16_ms": 2.5,
+        "prefill_amx-bf16_ms": 2.0,
         "prefill_torch_ms": 4.0,
         "head_q8_ms": 1.5,
         "head_float_ms": 2.5,
@@ -801,7 +807,8 @@ def test_the_measurement_picks_our_kernel_where_it_is_faster(tmp_path, monkeypat
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
     compact = llama.from_transformers(tiny_target, "int4")
     timings = llama.measure_layers(compact, repeats=1)
-    assert set(timings) == {f"{a}/{b}" for a in kernels.LAYER_KERNELS for b in kernels.INT4_KERNELS}
+    runs = [b for b in kernels.INT4_KERNELS if not kernels.int4_kernel_missing(b)]
+    assert set(timings) == {f"{a}/{b}" for a in kernels.LAYER_KERNELS for b in runs}
     assert compact.matmul == "torch" and compact.layer_kernel == "python", "not left as it was"
     monkeypatch.setattr(llama, "measure_layers", lambda m: {**timings, "fused/avx512-bf16": 0.0})
     assert models.choose_layers("tiny", compact) == "fused/avx512-bf16"

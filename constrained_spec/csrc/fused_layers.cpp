@@ -26,6 +26,9 @@
 
 #include <immintrin.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -193,9 +196,115 @@ void int4_tile(const int32_t* tile, const BFloat16* scales, const uint32_t* x, i
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(total[r])));
 }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The same sums on AMX tiles, 16 or 32 rows of x at once: per group the 16 vectors of a tile
+// column, unpacked as int4_tile unpacks them (vector 4c + m: row k-pair 4c + m of B, 16 columns
+// of bf16 pairs), are one B tile; x's 32 inputs of the group (16 rows a tile, padded with zero
+// rows) an A tile; tdpbf16ps sums each output's 32 products in order (one chain) in float32.
+// The epilogue is int4_tile's. A row's outputs depend on its own inputs only, whatever the rows
+// beside it. Tiles 0, 1: C of rows 0–15, 16–31; 2, 3: their A; 4: B (config in amx_config).
+bool amx_ready() {  // Linux hands out the tile registers only to a process that asks for them
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                    18 /* XFEATURE_XTILEDATA */) == 0;
+  return ready;
+}
+
+void amx_config() {
+  alignas(64) uint8_t config[64] = {};
+  config[0] = 1;  // palette 1: 16 rows of 64 bytes a tile at most
+  for (int t = 0; t < 6; ++t) {
+    config[16 + 2 * t] = 64;  // bytes a row (little-endian uint16 at byte 16 + 2t)
+    config[48 + t] = 16;      // rows
+  }
+  _tile_loadconfig(config);
+}
+
+// One group's B tile: the 16 vectors of its tile column as int4_tile unpacks them.
+inline void unpack_group(const int32_t* tile, int64_t g, uint32_t (*b)[16]) {
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
+  for (int64_t k = 0; k < 4; ++k) {
+    const __m512i v = _mm512_loadu_si512(tile + (g * 4 + k) * 16);
+    for (int m = 0; m < 4; ++m)
+      _mm512_store_si512(b[k * 4 + m],
+                         _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 4 * m), nibbles, bias, 0xEA));
+  }
+}
+
+// int4_tile's epilogue for group g over `rows` rows of sums c (float32, 16 a row).
+inline void add_group(const float (*c)[16], const BFloat16* scales, const float* sums,
+                      int64_t groups, int64_t g, int64_t rows, float (*total)[16]) {
+  const __m512 offset = _mm512_set1_ps(136.f);
+  const __m512i sz = _mm512_loadu_si512(scales + g * 32);  // 16 scales, then 16 zeros
+  const __m512 s = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(sz)), 16));
+  const __m512 z = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(sz, 1)), 16));
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 X = _mm512_set1_ps(sums[r * groups + g]);
+    __m512 t = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(offset, X, _mm512_load_ps(c[r])),
+                               _mm512_load_ps(total[r]));
+    _mm512_store_ps(total[r], _mm512_fmadd_ps(z, X, t));
+  }
+}
+
+// Up to 16 rows: two groups in flight on distinct tiles (C 0/1, A 2/3, B 4/5), each added to
+// the totals in group order. Up to 32 rows: one group at a time, rows 16–31 on C 1, A 3.
+template <int TILES>  // TILES × 16 rows of x, padded with zero rows
+void int4_amx(const int32_t* tile, const BFloat16* scales, const uint32_t* x, int64_t row_pairs,
+              const float* sums, int64_t groups, int64_t rows, BFloat16* out, int64_t out_stride) {
+  alignas(64) uint32_t b[2][16][16];
+  alignas(64) float c[2][16][16], total[TILES * 16][16] = {};
+  const int64_t stride = row_pairs * 4;
+  int64_t g = 0;
+  if (TILES == 1)
+    for (; g + 2 <= groups; g += 2) {
+      unpack_group(tile, g, b[0]);
+      unpack_group(tile, g + 1, b[1]);
+      _tile_loadd(4, b[0], 64);
+      _tile_loadd(5, b[1], 64);
+      _tile_loadd(2, x + g * 16, stride);
+      _tile_loadd(3, x + (g + 1) * 16, stride);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_dpbf16ps(1, 3, 5);
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      add_group(c[0], scales, sums, groups, g, rows, total);
+      add_group(c[1], scales, sums, groups, g + 1, rows, total);
+    }
+  for (; g < groups; ++g) {
+    unpack_group(tile, g, b[0]);
+    _tile_loadd(4, b[0], 64);
+    _tile_loadd(2, x + g * 16, stride);
+    _tile_zero(0);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_stored(0, c[0], 64);
+    if (TILES == 2) {
+      _tile_loadd(3, x + 16 * row_pairs + g * 16, stride);
+      _tile_zero(1);
+      _tile_dpbf16ps(1, 3, 4);
+      _tile_stored(1, c[1], 64);
+    }
+    add_group(c[0], scales, sums, groups, g, std::min<int64_t>(rows, 16), total);
+    if (TILES == 2) add_group(c[1], scales, sums + 16 * groups, groups, g, rows - 16, total + 16);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(total[r])));
+}
+#endif
 #else
 constexpr bool HAVE_AVX512_BF16 = false;
 #endif
+
+bool amx_bf16() {  // whether int4_mm can take AMX tiles here: compiled in, and granted
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 
@@ -203,14 +312,18 @@ constexpr bool HAVE_AVX512_BF16 = false;
 // (N/16, K/8, 16) int32, lane i of tile (b, c) holding row 16b + i's inputs 8c..8c+7 as nibbles
 // (input 8c + 2m at bits 4m, 8c + 2m + 1 at bits 16 + 4m); scales (N/16, K/32, 2, 16) bf16, the
 // scale then the zero of rows 16b.. in group g. Returns (n, N) bf16: float32 sums, rounded once,
-// as torch's kernel does. Rows go up to 8 at a time through each tile column, which is read
-// from memory once for all of them.
+// as torch's kernel does. The tiles' shape names the instructions: (N/16, K/8, 16) AVX-512 BF16
+// dot products, rows up to 8 at a time through each tile column (read from memory once for all
+// of them); the same tiles viewed as (N/16, K/32, 4, 16) AMX tiles, 32 rows at a time.
 Tensor int4_mm(const Tensor& x, const Tensor& tiles, const Tensor& scales) {
   TORCH_CHECK(HAVE_AVX512_BF16, "this build has no AVX-512 BF16 instructions (CPU without avx512_bf16)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: (n, K) bf16");
-  TORCH_CHECK(tiles.scalar_type() == at::kInt && tiles.dim() == 3 && tiles.size(2) == 16 &&
-                  tiles.size(1) * 8 == x.size(1) && tiles.is_contiguous(),
-              "tiles: (N/16, K/8, 16) int32");
+  const bool amx = tiles.dim() == 4;
+  TORCH_CHECK(tiles.scalar_type() == at::kInt && tiles.is_contiguous() && tiles.size(-1) == 16 &&
+                  (amx ? tiles.size(1) * 32 == x.size(1) && tiles.size(2) == 4
+                       : tiles.dim() == 3 && tiles.size(1) * 8 == x.size(1)),
+              "tiles: (N/16, K/8, 16) or (N/16, K/32, 4, 16) int32");
+  TORCH_CHECK(!amx || amx_bf16(), "this build or process has no AMX BF16 tiles (amx_bf16)");
   const int64_t n = x.size(0), K = x.size(1), blocks = tiles.size(0), groups = K / 32;
   TORCH_CHECK(K % 32 == 0 && scales.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
                   scales.numel() == blocks * groups * 32,
@@ -230,6 +343,30 @@ Tensor int4_mm(const Tensor& x, const Tensor& tiles, const Tensor& scales) {
   const BFloat16* S = scales.data_ptr<BFloat16>();
   BFloat16* O = out.data_ptr<BFloat16>();
   const int64_t N = blocks * 16, pairs_per_row = K / 2;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx) {
+    const int64_t padded = (n + 15) / 16 * 16;  // A tiles read 16 whole rows
+    std::vector<uint32_t> rows(padded * pairs_per_row, 0);
+    std::memcpy(rows.data(), pairs, n * pairs_per_row * 4);
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      amx_config();  // per thread: the tile configuration is a thread's state
+      for (int64_t b = begin; b < end; ++b)
+        for (int64_t r = 0; r < n; r += 32) {
+          const uint32_t* xr = rows.data() + r * pairs_per_row;
+          const float* sr = sums.data() + r * groups;
+          const int32_t* tile = T + b * (K / 8) * 16;
+          const BFloat16* scale = S + b * groups * 32;
+          BFloat16* o = O + r * N + b * 16;
+          if (n - r > 16)
+            int4_amx<2>(tile, scale, xr, pairs_per_row, sr, groups, std::min<int64_t>(n - r, 32), o, N);
+          else
+            int4_amx<1>(tile, scale, xr, pairs_per_row, sr, groups, n - r, o, N);
+        }
+      _tile_release();
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int32_t* tile = T + b * (K / 8) * 16;
@@ -499,4 +636,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_head", &q8_head, "The Q8_0 LM head's logits, the top ones recomputed in float32");
   m.def("unpack_bits", &unpack_bits, "bitmasks (bytes, bit t: token t) as a (rows, V) bool tensor");
   m.def("avx512_bf16", [] { return HAVE_AVX512_BF16; }, "whether int4_mm was compiled in");
+  m.def("amx_bf16", &amx_bf16, "whether int4_mm takes AMX tiles here (compiled in, and granted)");
 }

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# extract-amx: extract-fast's configurations on a CPU with AMX tiles (an Intel Xeon with
+# amx_bf16), where our 4-bit kernel runs its AMX path (amx-bf16, chosen by the calibration): the
+# 4-bit target with the Q8_0 LM head, against the fp32 copy (baseline-float), torch's 4-bit
+# kernel (`/torch-matmul`: this CPU's choice before the AMX path) and llama.cpp on the same GGUF
+# (llama-cpp-python built with -DGGML_NATIVE=ON, its JSON-schema grammar), greedy and T = 0.7,
+# 16 extract requests. About 5 minutes.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+DEV="${DEV:-../shared/data/jsonschemabench-dev}"
+python benchmarks/run.py --data "$DEV" --workload extract --n 16 --max-new-tokens 160 \
+  --configs 'baseline,baseline-float,lookup/d3,lookup/d7,baseline/torch-matmul,lookup/d3/torch-matmul,llama.cpp,baseline@t0.7,baseline-float@t0.7,lookup/d3@t0.7,lookup/d7@t0.7,llama.cpp@t0.7' \
+  --out benchmarks/results/extract-amx
