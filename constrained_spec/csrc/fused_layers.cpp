@@ -25,9 +25,10 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <immintrin.h>
-
-#include <sys/syscall.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>  // arch_prctl: a process asks Linux for the AMX tile registers
 #include <unistd.h>
+#endif
 
 #include <array>
 #include <cmath>
@@ -155,10 +156,25 @@ constexpr bool HAVE_AVX512_BF16 = true;
 // (the totals wait in memory): 8 rows share each unpacked vector, where 4 rows a tile, with all
 // 4 chains of each row live at once, ran 1.2× slower. Each row runs the same instructions in the
 // same order whatever R, so its outputs do not depend on the rows computed beside it.
+// Vector 4c + m of a group (v: the group's tile c): 16 lanes of the bf16 pair (128 + q, 128 + q')
+// of inputs 8c + 2m and 8c + 2m + 1, OR-ing 0x4300 into each nibble's 16-bit half.
+inline __m512i unpacked(__m512i v, int m) {
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
+  return _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 4 * m), nibbles, bias, 0xEA);
+}
+
+// Group g's 16 scales and 16 zeros (bf16) as float32.
+inline void group_scales(const BFloat16* scales, int64_t g, __m512& s, __m512& z) {
+  const __m512i sz = _mm512_loadu_si512(scales + g * 32);  // 16 scales, then 16 zeros
+  s = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(sz)), 16));
+  z = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(sz, 1)), 16));
+}
+
 template <int64_t R>
 void int4_tile(const int32_t* tile, const BFloat16* scales, const uint32_t* x, int64_t row_pairs,
                const float* sums, int64_t groups, BFloat16* out, int64_t out_stride) {
-  const __m512i nibbles = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
   const __m512 offset = _mm512_set1_ps(136.f);
   alignas(64) float total[R][16] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -168,8 +184,7 @@ void int4_tile(const int32_t* tile, const BFloat16* scales, const uint32_t* x, i
       __m512 chain[R];
       for (auto& a : chain) a = _mm512_setzero_ps();
       for (int m = 0; m < 4; ++m) {
-        const __m512i w = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 4 * m), nibbles, bias,
-                                                    0xEA);  // (v >> 4m) & nibbles | bias
+        const __m512i w = unpacked(v, m);
         const int64_t pair = g * 16 + c * 4 + m;
         for (int64_t r = 0; r < R; ++r)
           chain[r] = _mm512_dpbf16_ps(chain[r], (__m512bh)w,
@@ -181,11 +196,8 @@ void int4_tile(const int32_t* tile, const BFloat16* scales, const uint32_t* x, i
         else sum[r] = _mm512_add_ps(first[r], _mm512_add_ps(sum[r], chain[r]));
       }
     }
-    const __m512i sz = _mm512_loadu_si512(scales + g * 32);  // 16 scales, then 16 zeros
-    const __m512 s = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(sz)), 16));
-    const __m512 z = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(sz, 1)), 16));
+    __m512 s, z;
+    group_scales(scales, g, s, z);
     for (int64_t r = 0; r < R; ++r) {
       const __m512 X = _mm512_set1_ps(sums[r * groups + g]);
       __m512 t = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(offset, X, sum[r]), _mm512_load_ps(total[r]));
@@ -202,7 +214,7 @@ void int4_tile(const int32_t* tile, const BFloat16* scales, const uint32_t* x, i
 // of bf16 pairs), are one B tile; x's 32 inputs of the group (16 rows a tile, padded with zero
 // rows) an A tile; tdpbf16ps sums each output's 32 products in order (one chain) in float32.
 // The epilogue is int4_tile's. A row's outputs depend on its own inputs only, whatever the rows
-// beside it. Tiles 0, 1: C of rows 0–15, 16–31; 2, 3: their A; 4: B (config in amx_config).
+// beside it.
 bool amx_ready() {  // Linux hands out the tile registers only to a process that asks for them
   static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                                     18 /* XFEATURE_XTILEDATA */) == 0;
@@ -221,12 +233,9 @@ void amx_config() {
 
 // One group's B tile: the 16 vectors of its tile column as int4_tile unpacks them.
 inline void unpack_group(const int32_t* tile, int64_t g, uint32_t (*b)[16]) {
-  const __m512i nibbles = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
-  for (int64_t k = 0; k < 4; ++k) {
-    const __m512i v = _mm512_loadu_si512(tile + (g * 4 + k) * 16);
-    for (int m = 0; m < 4; ++m)
-      _mm512_store_si512(b[k * 4 + m],
-                         _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 4 * m), nibbles, bias, 0xEA));
+  for (int64_t c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(tile + (g * 4 + c) * 16);
+    for (int m = 0; m < 4; ++m) _mm512_store_si512(b[c * 4 + m], unpacked(v, m));
   }
 }
 
@@ -234,11 +243,8 @@ inline void unpack_group(const int32_t* tile, int64_t g, uint32_t (*b)[16]) {
 inline void add_group(const float (*c)[16], const BFloat16* scales, const float* sums,
                       int64_t groups, int64_t g, int64_t rows, float (*total)[16]) {
   const __m512 offset = _mm512_set1_ps(136.f);
-  const __m512i sz = _mm512_loadu_si512(scales + g * 32);  // 16 scales, then 16 zeros
-  const __m512 s = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(sz)), 16));
-  const __m512 z = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(sz, 1)), 16));
+  __m512 s, z;
+  group_scales(scales, g, s, z);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 X = _mm512_set1_ps(sums[r * groups + g]);
     __m512 t = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(offset, X, _mm512_load_ps(c[r])),
