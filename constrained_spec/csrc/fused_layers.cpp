@@ -211,8 +211,7 @@ void int4_tile(const int32_t* tile, const BFloat16* scales, const uint32_t* x, i
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // The same sums on AMX tiles, 16 or 32 rows of x at once: per group the 16 vectors of a tile
 // column, unpacked as int4_tile unpacks them (vector 4c + m: row k-pair 4c + m of B, 16 columns
-// of bf16 pairs), are one B tile; x's 32 inputs of the group (16 rows a tile, padded with zero
-// rows) an A tile; tdpbf16ps sums each output's 32 products in order (one chain) in float32.
+// of bf16 pairs), are one B tile; x's 32 inputs of the group (up to 16 rows a tile) an A tile; tdpbf16ps sums each output's 32 products in order (one chain) in float32.
 // The epilogue is int4_tile's. A row's outputs depend on its own inputs only, whatever the rows
 // beside it.
 bool amx_ready() {  // Linux hands out the tile registers only to a process that asks for them
@@ -221,12 +220,14 @@ bool amx_ready() {  // Linux hands out the tile registers only to a process that
   return ready;
 }
 
-void amx_config() {
+// Tiles 0 and 2 (C and A) hold `first` rows, 1 and 3 `second`, the B tiles 4 and 5 16 k-pairs:
+// a pass of few rows moves and multiplies only those (a one-token step: 64 bytes, not 1 KB).
+void amx_config(int first, int second) {
   alignas(64) uint8_t config[64] = {};
   config[0] = 1;  // palette 1: 16 rows of 64 bytes a tile at most
   for (int t = 0; t < 6; ++t) {
     config[16 + 2 * t] = 64;  // bytes a row (little-endian uint16 at byte 16 + 2t)
-    config[48 + t] = 16;      // rows
+    config[48 + t] = t >= 4 ? 16 : t % 2 ? second : first;  // rows
   }
   _tile_loadconfig(config);
 }
@@ -254,8 +255,9 @@ inline void add_group(const float (*c)[16], const BFloat16* scales, const float*
 }
 
 // Up to 16 rows: two groups in flight on distinct tiles (C 0/1, A 2/3, B 4/5), each added to
-// the totals in group order. Up to 32 rows: one group at a time, rows 16–31 on C 1, A 3.
-template <int TILES>  // TILES × 16 rows of x, padded with zero rows
+// the totals in group order. Up to 32 rows: one group at a time, rows 16– on C 1, A 3. The
+// tiles are configured for the rows (amx_config).
+template <int TILES>
 void int4_amx(const int32_t* tile, const BFloat16* scales, const uint32_t* x, int64_t row_pairs,
               const float* sums, int64_t groups, int64_t rows, BFloat16* out, int64_t out_stride) {
   alignas(64) uint32_t b[2][16][16];
@@ -351,23 +353,23 @@ Tensor int4_mm(const Tensor& x, const Tensor& tiles, const Tensor& scales) {
   const int64_t N = blocks * 16, pairs_per_row = K / 2;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (amx) {
-    const int64_t padded = (n + 15) / 16 * 16;  // A tiles read 16 whole rows
-    std::vector<uint32_t> rows(padded * pairs_per_row, 0);
-    std::memcpy(rows.data(), pairs, n * pairs_per_row * 4);
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      amx_config();  // per thread: the tile configuration is a thread's state
-      for (int64_t b = begin; b < end; ++b)
-        for (int64_t r = 0; r < n; r += 32) {
-          const uint32_t* xr = rows.data() + r * pairs_per_row;
-          const float* sr = sums.data() + r * groups;
+      for (int64_t r = 0; r < n; r += 32) {  // 32 rows at a time through every tile column
+        const int64_t rows = std::min<int64_t>(n - r, 32);
+        // per thread and pass: the tile configuration is a thread's state
+        amx_config(std::min<int64_t>(rows, 16), rows > 16 ? rows - 16 : rows);
+        const uint32_t* xr = pairs + r * pairs_per_row;
+        const float* sr = sums.data() + r * groups;
+        for (int64_t b = begin; b < end; ++b) {
           const int32_t* tile = T + b * (K / 8) * 16;
           const BFloat16* scale = S + b * groups * 32;
           BFloat16* o = O + r * N + b * 16;
-          if (n - r > 16)
-            int4_amx<2>(tile, scale, xr, pairs_per_row, sr, groups, std::min<int64_t>(n - r, 32), o, N);
+          if (rows > 16)
+            int4_amx<2>(tile, scale, xr, pairs_per_row, sr, groups, rows, o, N);
           else
-            int4_amx<1>(tile, scale, xr, pairs_per_row, sr, groups, n - r, o, N);
+            int4_amx<1>(tile, scale, xr, pairs_per_row, sr, groups, rows, o, N);
         }
+      }
       _tile_release();
     });
     return out;
