@@ -524,10 +524,13 @@ def fused_build():
         # torch marks a build with a `lock` file and waits, forever, while one exists: a process
         # killed mid-build (a timeout, Ctrl-C) would leave every later load hanging. An flock is
         # let go by the kernel when its process dies, so whoever holds ours knows that a `lock`
-        # file left there belongs to nobody.
+        # file left there belongs to nobody. (A file system without locks: torch's own only.)
         with open(folder / "build.flock", "w") as guard:
-            fcntl.flock(guard, fcntl.LOCK_EX)
-            (folder / "lock").unlink(missing_ok=True)
+            try:
+                fcntl.flock(guard, fcntl.LOCK_EX)
+                (folder / "lock").unlink(missing_ok=True)
+            except OSError:
+                pass
             module = cpp_extension.load(
                 "constrained_spec_fused",
                 [str(FUSED_SOURCE)],
