@@ -4,4 +4,4 @@
 # against B = 1. About 4 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-python benchmarks/batch.py --workload extract --n 16 --out benchmarks/results/batch-extract
+python benchmarks/batch.py --workload extract --n 16 --out "${OUT:-benchmarks/results/batch-extract}"

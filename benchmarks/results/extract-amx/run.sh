@@ -12,7 +12,4 @@
 #   pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-DEV="${DEV:-../shared/data/jsonschemabench-dev}"
-python benchmarks/run.py --data "$DEV" --workload extract --n 16 --max-new-tokens 160 \
-  --configs 'baseline,baseline-float,lookup/d3,lookup/d7,baseline/torch-matmul,lookup/d3/torch-matmul,llama.cpp,baseline@t0.7,baseline-float@t0.7,lookup/d3@t0.7,lookup/d7@t0.7,llama.cpp@t0.7' \
-  --out benchmarks/results/extract-amx
+OUT=benchmarks/results/extract-amx bash benchmarks/results/extract-fast/run.sh

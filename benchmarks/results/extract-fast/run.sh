@@ -10,4 +10,4 @@ cd "$(dirname "$0")/../../.."
 DEV="${DEV:-../shared/data/jsonschemabench-dev}"
 python benchmarks/run.py --data "$DEV" --workload extract --n 16 --max-new-tokens 160 \
   --configs 'baseline,baseline-float,lookup/d3,lookup/d7,baseline/torch-matmul,lookup/d3/torch-matmul,llama.cpp,baseline@t0.7,baseline-float@t0.7,lookup/d3@t0.7,lookup/d7@t0.7,llama.cpp@t0.7' \
-  --out benchmarks/results/extract-fast
+  --out "${OUT:-benchmarks/results/extract-fast}"  # OUT: another folder (extract-amx)

@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python benchmarks/load.py --clients 1,16 \
   --requests 20 --max-tokens 48 --server-args "--threads 1 --batch-size 16" \
-  --out benchmarks/results/serve-load-batched-final
+  --out "${OUT:-benchmarks/results/serve-load-batched-final}"
