@@ -210,12 +210,17 @@ class CompactLlama(nn.Module):
         """The 4-bit linears' kernel for a prompt's prefill (kernels.PREFILL_ROWS tokens or more)
         through the Python layers (the fused layers take prompts like any other input), never a
         step or a verify pass, so the baseline and speculation still compute the same function
-        after it."""
+        after it. The fused layers take "amx-bf16" (or "int4") for every prompt they feed: its
+        rows are independent, so a kept prompt's remainder adds what a fresh prompt would."""
         assert kernel in kernels.PREFILL_KERNELS, kernel
+        if self._fused is not None and kernel == "bf16":
+            raise WeightsError("the fused layers' prompts take 'int4' or 'amx-bf16', not 'bf16'")
         for linear in self.linears:
             if isinstance(linear, kernels.Int4Linear):
                 linear.use_prefill(kernel)
         self.prefill = kernel
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()  # kept entries are the old kernel's values
 
     def use_layers(self, kernel: str) -> None:
         """How steps, verify passes and batch rows run the layers: "fused" (one compiled call,
@@ -289,7 +294,7 @@ class CompactLlama(nn.Module):
             features.append(kept.features[:cached])
         if cached < len(ids):
             fed = torch.tensor(ids[cached:], dtype=torch.long, device=self.embed.weight.device)
-            features.append(self(fed, cache, logits=False)[1])
+            features.append(self.forward_rows([fed], [cache], logits=False, prompt=True)[1])
         features = torch.cat(features)
         if self.prompt_cache is not None:
             self.prompt_cache.keep(ids, cache, features)
@@ -308,14 +313,20 @@ class CompactLlama(nn.Module):
 
     @torch.inference_mode()
     def forward_rows(
-        self, rows: list[torch.Tensor], caches: list[CompactCache], logits=True, masks=None
+        self,
+        rows: list[torch.Tensor],
+        caches: list[CompactCache],
+        logits=True,
+        masks=None,
+        prompt=False,
     ):
         """Feed each row's ids after its own cache's positions, the rows' tokens stacked through
         every matmul (the weights are read once for all rows), attention per row. Returns logits
         (None unless ``logits``; ``masks``: see ``head``) and features, (Σn, ·), the rows in
         order. A row's values do not depend on the other rows: 4-bit kernel rows are independent
         of how many are fed, and so are the LM head's (``head``), so a row of a batch computes
-        what it would alone."""
+        what it would alone. ``prompt``: one row, a prompt (feed_prompt), which the fused
+        layers feed through the prefill kernel where it is "amx-bf16"."""
         s, sizes = self.shape, [ids.shape[0] for ids in rows]
         starts = [cache.length for cache in caches]
         # a prompt's prefill through the Python layers (the fused ones take every input alike)
@@ -326,8 +337,11 @@ class CompactLlama(nn.Module):
         ids = torch.cat(rows) if len(rows) > 1 else rows[0]
         if self._fused is not None:
             keys, values = [c.keys for c in caches], [c.values for c in caches]
+            packed, scale_zero, copies, norms = self._fused
+            dense = [m.dense for m in self.linears] if prompt and self.prefill == "amx-bf16" else []
             features = kernels.fused_build()[0].fused_layers(
-                ids, self.embed.weight, cos, sin, *self._fused, self.norms[-1], keys, values,
+                ids, self.embed.weight, cos, sin, packed, scale_zero, copies, dense, norms,
+                self.norms[-1], keys, values,
                 starts, sizes, s.heads, s.kv_heads, s.eps,
             )  # fmt: skip
         else:

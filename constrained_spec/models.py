@@ -19,6 +19,7 @@ import copy
 import difflib
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -147,8 +148,7 @@ def load_model(
         model, tokenizer = _load_builtin_int4(name_or_path)
         measured = calibration(name_or_path)
         choose_layers(name_or_path, model)
-        if model.layer_kernel == "python":  # fused layers take prompts themselves
-            model.use_prefill(prefill_kernel(measured, model.matmul))
+        model.use_prefill(prefill_kernel(measured, model.matmul, model.layer_kernel == "fused"))
         model.use_head(measured["head"])
         return model, tokenizer
     model, tokenizer = _load_float(name_or_path, dtype)
@@ -181,6 +181,8 @@ def describe_weights(name: str, requested: str, used: str, model=None) -> str:
     kernel = getattr(model, "prefill", None) or prefill_kernel(c, "torch")
     fused = getattr(model, "layer_kernel", None) == "fused"
     prompts = f"prompts through the {'fused layers' if fused else kernel + ' kernel'}"
+    if fused and kernel == "amx-bf16":
+        prompts += " on a bf16 copy (AMX tiles)"
     if getattr(model, "prompt_cache", None) is not None:
         prompts += ", kept for reuse"
     prefill = f", {head}, {prompts}" if used == "int4" else ""
@@ -216,7 +218,7 @@ def _describe_layers(model) -> str:
 
 
 # Part of the calibration's cache key: a new measurement method invalidates the cached choices.
-CALIBRATION = "v6: each 4-bit matmul kernel measured (AMX too), the head on each"
+CALIBRATION = "v7: each 4-bit matmul kernel measured (AMX too), the head on each, dense AMX prompts"
 
 
 def calibration(name: str) -> dict:
@@ -250,10 +252,17 @@ def _measure_kernels(name: str) -> dict:
     }
 
 
-def prefill_kernel(measured: dict, matmul: str) -> str:
+def prefill_kernel(measured: dict, matmul: str, fused: bool = False) -> str:
     """A prompt's prefill kernel (kernels.PREFILL_KERNELS) for a model whose 4-bit linears run
-    ``matmul``: "bf16" (a dense copy) where it measured faster than that kernel, else "int4"."""
-    return "bf16" if measured["prefill_bf16_ms"] < measured[f"prefill_{matmul}_ms"] else "int4"
+    ``matmul``: the fastest measured of "int4" (that kernel), a dense copy through ours
+    ("amx-bf16") and, unless the layers are ``fused`` (their prompts need rows that do not
+    depend on each other), through torch's ("bf16")."""
+    ms = {
+        "int4": measured[f"prefill_{matmul}_ms"],
+        "amx-bf16": measured.get("prefill_dense-amx-bf16_ms", math.inf),
+        "bf16": math.inf if fused else measured["prefill_bf16_ms"],
+    }
+    return min(ms, key=ms.get)
 
 
 def choose_layers(name: str, model) -> str:

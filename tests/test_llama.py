@@ -32,6 +32,11 @@ needs_ours = pytest.mark.skipif(
     reason=f"our 4-bit kernel cannot run here: {kernels.int4_kernel_missing('avx512-bf16')}",
 )
 
+needs_amx = pytest.mark.skipif(
+    kernels.int4_kernel_missing("amx-bf16") is not None,
+    reason=f"AMX tiles: {kernels.int4_kernel_missing('amx-bf16')}",
+)
+
 
 def int4_kernel(name: str):
     """The parameter of a test run on each 4-bit kernel; one this machine lacks skips."""
@@ -624,6 +629,11 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
     # a prompt's prefill: the bf16 copy only where it beats the 4-bit kernel the linears run
     assert models.prefill_kernel(stored, "avx512-bf16") == "int4"
     assert models.prefill_kernel(stored, "torch") == "bf16"
+    dense = {**stored, "prefill_dense-amx-bf16_ms": 1.5}  # ours on the copy: the fastest
+    assert models.prefill_kernel(dense, "amx-bf16") == "amx-bf16"
+    faster = {**dense, "prefill_bf16_ms": 1.0}  # torch's: fused layers never take it
+    assert models.prefill_kernel(faster, "amx-bf16") == "bf16"
+    assert models.prefill_kernel(faster, "amx-bf16", fused=True) == "amx-bf16"
     described = models.describe_weights(name, "auto", "int4")
     assert "1.0 ms in int4 vs 2.0 ms" in described and "through the bf16 kernel" in described
     assert "8-bit LM head" in described
@@ -743,8 +753,11 @@ def test_the_prefill_kernel_runs_only_on_prompt_prefills():
 def test_greedy_speculation_equals_the_baseline_after_a_bf16_prefill(
     tiny_int4_target, tiny_draft, tiny_tokenizer
 ):
+    """The bf16 copy through torch's matmul (Python layers) or ours (fused layers: AMX)."""
     target = copy.deepcopy(tiny_int4_target)
-    target.use_prefill("bf16")
+    if target.layer_kernel == "fused" and (why := kernels.int4_kernel_missing("amx-bf16")):
+        pytest.skip(f"amx-bf16: {why}")
+    target.use_prefill("bf16" if target.layer_kernel == "python" else "amx-bf16")
     gen = Generator(target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
     prompt = tiny_tokenizer.encode('{"name": "Alice", "age": 30} yes no yes ' * 4)
     assert len(prompt) > kernels.PREFILL_ROWS, "the prompt must take the prefill kernel"
@@ -752,6 +765,62 @@ def test_greedy_speculation_equals_the_baseline_after_a_bf16_prefill(
     spec = gen.generate(prompt, schema=testing.PERSON, num_draft_tokens=4, max_new_tokens=60)
     assert spec.stats.drafted > 0
     assert spec.token_ids == base.token_ids
+
+
+@needs_amx
+def test_the_dense_amx_kernel_computes_each_row_from_its_own_input_alone():
+    """Ours on the bf16 copy: any slice of rows (within a tile, across tiles, padded or not)
+    gives bit for bit those rows of the whole pass, torch's bf16 matmul does not promise this;
+    the product is the copy's up to the output's bf16 rounding."""
+    torch.manual_seed(0)
+    linear = kernels.Int4Linear.from_q4_1(*kernels.quantize_q4_1(torch.randn(80, 96) * 0.1))
+    linear.use_prefill("amx-bf16")
+    x = torch.randn(75, 96)
+    whole = linear(x, prefill=True)
+    for rows in (
+        slice(0, 1),
+        slice(3, 4),
+        slice(0, 16),
+        slice(5, 38),
+        slice(16, 48),
+        slice(60, 75),
+    ):
+        assert torch.equal(linear(x[rows], prefill=True), whole[rows]), rows
+    copy_ = linear.dequantized_bf16().float()
+    exact = x.bfloat16().float() @ copy_.T
+    torch.testing.assert_close(whole, exact, atol=1e-5, rtol=kernels.BF16_ROUNDOFF)
+    assert not torch.equal(whole, linear(x)), "the 4-bit kernel ran, not the copy"
+
+
+@needs_amx
+def test_fused_prompts_on_the_dense_kernel_reuse_kept_ones_bit_for_bit(tiny_tokenizer):
+    """With the "amx-bf16" prefill, a prompt copying 50 tokens from a kept one and computing
+    the rest (fewer than kernels.PREFILL_ROWS) holds what a fresh prefill gives; the copy ran
+    (values differ from the 4-bit kernel's, within bf16); steps and verify passes stay 4-bit."""
+    model = fused_tiny(tiny_tokenizer, "amx-bf16")
+    first = (tiny_tokenizer.encode(TEXTS[-1]) * 3)[:90]
+    second = first[:50] + tiny_tokenizer.encode("yes no abba")
+    assert len(second) - 50 < kernels.PREFILL_ROWS
+    four_bit = kv.prefill(model, nan_cache(model), second, "cpu")
+    model.use_prefill("amx-bf16")  # empties the kept prompts: they are the 4-bit kernel's
+    assert kv.prefill(model, model.new_cache(), first, "cpu").cached == 0
+    reused = nan_cache(model)
+    copied = kv.prefill(model, reused, second, "cpu")
+    assert copied.cached == 50
+    model.prompt_cache.clear()
+    fresh = nan_cache(model)
+    computed = kv.prefill(model, fresh, second, "cpu")
+    assert computed.cached == 0
+    assert all(map(torch.equal, held(reused, len(second)), held(fresh, len(second))))
+    assert torch.equal(copied.features, computed.features)
+    assert not torch.equal(computed.features, four_bit.features), "the copy did not run"
+    scale = four_bit.features.abs().max()
+    torch.testing.assert_close(computed.features, four_bit.features, atol=0.1 * scale, rtol=0)
+    steps = model.new_cache()
+    stepped = torch.cat([model(torch.tensor([t]), steps, logits=False)[1] for t in second])
+    assert torch.equal(stepped, four_bit.features), "a step took the prefill kernel"
+    with pytest.raises(WeightsError, match="'int4' or 'amx-bf16'"):
+        model.use_prefill("bf16")
 
 
 def test_a_missing_int4_kernel_is_named_and_auto_falls_back(monkeypatch):

@@ -301,6 +301,62 @@ void int4_amx(const int32_t* tile, const BFloat16* scales, const uint32_t* x, in
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(total[r])));
 }
+
+// A prompt's dense kernel (kernels.Int4Linear's "amx-bf16" prefill): x times a bf16 copy of the
+// weight in AMX B tiles (N/16, K/32, 16, 32): tile (b, g) holds outputs 16b.. over inputs 32g..,
+// k-pair p and output j at [p][2j], [p][2j + 1]. Each 16 × 16 output tile sums the K/32 groups in
+// order on one C tile (the scales are in the copy: no per-group epilogue), so a row's outputs
+// depend on its own inputs only, whatever the rows beside it. rows: a multiple of 16.
+void dense_amx(const BFloat16* x, int64_t rows, int64_t K, const BFloat16* w, int64_t blocks,
+               BFloat16* out, int64_t N) {
+  const int64_t groups = K / 32, row_tiles = rows / 16;
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint8_t config[64] = {};
+    config[0] = 1;  // palette 1; tiles 0-3 C, 4-5 A, 6-7 B: 16 rows of 64 bytes each
+    for (int t = 0; t < 8; ++t) config[16 + 2 * t] = 64, config[48 + t] = 16;
+    _tile_loadconfig(config);
+    alignas(64) float c[16][16];
+    for (int64_t pair = begin; pair < end; ++pair) {  // 2 tile columns, 2 row tiles at a time
+      const int64_t b0 = 2 * pair, cols = std::min<int64_t>(2, blocks - b0);
+      for (int64_t rt = 0; rt < row_tiles; rt += 2) {
+        const int64_t tiles = std::min<int64_t>(2, row_tiles - rt);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t g = 0; g < groups; ++g) {
+          const BFloat16 *a = x + rt * 16 * K + g * 32, *b = w + (b0 * groups + g) * 512;
+          _tile_loadd(4, a, K * 2);
+          _tile_loadd(6, b, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (cols == 2) {
+            _tile_loadd(7, b + groups * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (tiles == 2) {
+            _tile_loadd(5, a + 16 * K, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (cols == 2) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        for (int t = 0; t < 2 * tiles; ++t) {
+          if (t % 2 >= cols) continue;
+          switch (t) {  // a tile register is an immediate
+            case 0: _tile_stored(0, c, 64); break;
+            case 1: _tile_stored(1, c, 64); break;
+            case 2: _tile_stored(2, c, 64); break;
+            default: _tile_stored(3, c, 64);
+          }
+          BFloat16* o = out + (rt + t / 2) * 16 * N + (b0 + t % 2) * 16;
+          for (int r = 0; r < 16; ++r)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + r * N),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c[r])));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
 #endif
 #else
 constexpr bool HAVE_AVX512_BF16 = false;
@@ -400,6 +456,27 @@ Tensor int4_mm(const Tensor& x, const Tensor& tiles, const Tensor& scales) {
   return out;
 }
 
+// x (n, K) bf16 times a bf16 weight copy in AMX B tiles (N/16, K/32, 16, 32) (dense_amx):
+// (n, N) bf16, float32 sums rounded once. Row r's outputs depend on row r of x only.
+Tensor dense_mm(const Tensor& x, const Tensor& tiles) {
+  TORCH_CHECK(amx_bf16(), "this build or process has no AMX BF16 tiles (amx_bf16)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: (n, K) bf16");
+  TORCH_CHECK(tiles.scalar_type() == at::kBFloat16 && tiles.dim() == 4 && tiles.is_contiguous() &&
+                  tiles.size(1) * 32 == x.size(1) && tiles.size(2) == 16 && tiles.size(3) == 32,
+              "tiles: (N/16, K/32, 16, 32) bf16");
+  const int64_t n = x.size(0), K = x.size(1), blocks = tiles.size(0), padded = (n + 15) / 16 * 16;
+  Tensor in = x, out = at::empty({padded, blocks * 16}, x.options());
+  if (padded != n) {  // zero rows to whole tiles
+    in = at::zeros({padded, K}, x.options());
+    in.narrow(0, 0, n).copy_(x);
+  }
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  dense_amx(in.data_ptr<BFloat16>(), padded, K, tiles.data_ptr<BFloat16>(), blocks,
+            out.data_ptr<BFloat16>(), blocks * 16);
+#endif
+  return padded == n ? out : out.narrow(0, 0, n);
+}
+
 namespace {
 
 // torch's int4 weight-only kernel for its own pack (uint8), ours (int4_mm) for our tiles (int32)
@@ -421,12 +498,14 @@ void add_bf16(float* x, const Tensor& y) {  // x += y (bf16)
 // values[r] ((L, KV, capacity, hd) bf16: the q/k/v matmul's outputs are bf16, so nothing is
 // rounded), room reserved. cos and sin (P, hd): the rotary factors of positions 0..P-1. Per layer
 // l, linears 4l..4l+3 are q/k/v, o, gate/up, down (torch int4 packs: packed, scale_zero, copies of
-// the input) and norms 2l, 2l+1 its two RMSNorm weights; final_norm the last. Returns the
+// the input), or where ``dense`` is not empty (a prompt's prefill) their bf16 copies in AMX tiles
+// (dense_mm); norms 2l, 2l+1 its two RMSNorm weights; final_norm the last. Returns the
 // features (N, d): the last layer's output after the final norm; the caches hold the new keys
 // and values.
 Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, const Tensor& sin,
                     const std::vector<Tensor>& packed, const std::vector<Tensor>& scale_zero,
-                    const std::vector<int64_t>& copies, const std::vector<Tensor>& norms,
+                    const std::vector<int64_t>& copies, const std::vector<Tensor>& dense,
+                    const std::vector<Tensor>& norms,
                     const Tensor& final_norm, const std::vector<Tensor>& keys,
                     const std::vector<Tensor>& values, const std::vector<int64_t>& starts,
                     const std::vector<int64_t>& sizes, int64_t heads, int64_t kv_heads, double eps) {
@@ -467,11 +546,15 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
   auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   Tensor normed = at::empty({N, d}, bf16), attended = at::empty({N, heads * hd}, bf16);
   std::vector<float> q(N * heads * hd), scratch;
+  TORCH_CHECK(dense.empty() || dense.size() == packed.size(), "dense: none, or one per linear");
+  const auto linear = [&](const Tensor& input, int64_t i) {
+    return dense.empty() ? int4_matmul(input, packed[i], scale_zero[i], copies[i]) : dense_mm(input, dense[i]);
+  };
 
   for (int64_t l = 0; l < layers; ++l) {
     // attention: q, k, v of every token; rotary on q and k; k and v into the token's cache
     rms_norm(X, norms[2 * l].data_ptr<float>(), normed.data_ptr<BFloat16>(), N, d, eps, scratch);
-    Tensor h = int4_matmul(normed, packed[4 * l], scale_zero[4 * l], copies[4 * l]);
+    Tensor h = linear(normed, 4 * l);
     const BFloat16* H = h.data_ptr<BFloat16>();
     for (int64_t t = 0; t < N; ++t) {
       const Tensor &K = keys[row[t]], &V = values[row[t]];
@@ -515,11 +598,11 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
         }
       }
     });
-    add_bf16(X, int4_matmul(attended, packed[4 * l + 1], scale_zero[4 * l + 1], copies[4 * l + 1]));
+    add_bf16(X, linear(attended, 4 * l + 1));
 
     // MLP: down(silu(gate) · up)
     rms_norm(X, norms[2 * l + 1].data_ptr<float>(), normed.data_ptr<BFloat16>(), N, d, eps, scratch);
-    Tensor gate_up = int4_matmul(normed, packed[4 * l + 2], scale_zero[4 * l + 2], copies[4 * l + 2]);
+    Tensor gate_up = linear(normed, 4 * l + 2);
     const int64_t I = gate_up.size(1) / 2;
     Tensor gated = at::empty({N, I}, bf16);
     std::vector<float> g(I), u(I);
@@ -534,7 +617,7 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
       }
       at::vec::convert(g.data(), gated.data_ptr<BFloat16>() + t * I, I);
     }
-    add_bf16(X, int4_matmul(gated, packed[4 * l + 3], scale_zero[4 * l + 3], copies[4 * l + 3]));
+    add_bf16(X, linear(gated, 4 * l + 3));
   }
   const float* weight = final_norm.data_ptr<float>();  // the final RMSNorm, in float32
   for (int64_t t = 0; t < N; ++t) {
@@ -641,6 +724,7 @@ Tensor unpack_bits(const py::list& rows, int64_t V) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_layers", &fused_layers, "The compact Llama's layers for a few new tokens");
   m.def("int4_mm", &int4_mm, "x (n, K) bf16 times a 4-bit weight in our tiles: (n, N) bf16");
+  m.def("dense_mm", &dense_mm, "x (n, K) bf16 times a bf16 weight in AMX tiles: (n, N) bf16");
   m.def("q8_head", &q8_head, "The Q8_0 LM head's logits, the top ones recomputed in float32");
   m.def("unpack_bits", &unpack_bits, "bitmasks (bytes, bit t: token t) as a (rows, V) bool tensor");
   m.def("avx512_bf16", [] { return HAVE_AVX512_BF16; }, "whether int4_mm was compiled in");
