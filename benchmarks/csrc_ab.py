@@ -3,17 +3,24 @@ commit's ``constrained_spec/csrc/fused_layers.cpp`` is compiled as a second modu
 take turns, round after round, on the same loaded model — so both meet the same minute of a
 noisy shared machine, which separate runs a few minutes apart do not (30–50% swings here).
 
-    python benchmarks/csrc_ab.py fd78e55                  # layer forwards and a prompt, 10 rounds
-    python benchmarks/csrc_ab.py fd78e55 --requests 16    # also 16 extract requests at B = 1, 8
+    python benchmarks/csrc_ab.py 5d10e5f                  # layer forwards and a prompt, 10 rounds
+    python benchmarks/csrc_ab.py 5d10e5f --requests 16    # also 16 extract requests at B = 1, 8
     python benchmarks/csrc_ab.py --matmuls avx512-bf16 amx-bf16 --requests 16
                                                           # two 4-bit kernels of this checkout
+    python benchmarks/csrc_ab.py --prefills int4 amx-bf16 --requests 16
+                                                          # two prefill kernels (prompts only)
+
+The other commit must be 5d10e5f or later: fused_layers took one argument fewer before (the
+prompts' dense weights), and the model calls it as this checkout does.
 
 Prints per size the median ms of each and the median and range of the per-round ratios
 (other / this); with ``--requests``, output tok/s at B = 1 and B = 8 (speculative, greedy) the
 same way. Both modules must compute the same: the logits of a 17-token pass and every request's
 tokens are compared, and a difference stops the run. Two 4-bit kernels (``--matmuls``: "other"
-the first, "this" the second) sum in different orders, so there each one's tokens are compared
-with its own from round to round only.
+the first, "this" the second) sum in different orders, and two prefill kernels (``--prefills``)
+read the prompts through different weights (the 4-bit ones or a bf16 copy), so there each one's
+tokens are compared with its own from round to round only, and how many requests' tokens the
+two share is printed. The prompt of ``--prompt`` tokens is fed as a prompt (the prefill kernel).
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ def pass_ms(model, n: int, reps: int) -> float:
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        model(ids, cache, logits=False)
+        model.forward_rows([ids], [cache], logits=False, prompt=n >= 100)
         times.append(1e3 * (time.perf_counter() - start))
         kv.crop(cache, len(CONTEXT))
     return statistics.median(times)
@@ -104,35 +111,53 @@ def main() -> None:
         choices=kernels.INT4_KERNELS,
         help="instead of a commit: two 4-bit kernels of this checkout's build",
     )
+    parser.add_argument(
+        "--prefills",
+        nargs=2,
+        metavar=("OTHER", "THIS"),
+        choices=kernels.PREFILL_KERNELS,
+        help="instead of a commit: two prefill kernels of this checkout",
+    )
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--prompt", type=int, default=300, help="prompt tokens timed (0: none)")
     parser.add_argument("--requests", type=int, default=0, help="extract requests (0: none)")
     args = parser.parse_args()
-    if (args.commit is None) == (args.matmuls is None):
-        parser.error("give the other commit or --matmuls OTHER THIS, one of them")
+    if sum(x is not None for x in (args.commit, args.matmuls, args.prefills)) != 1:
+        parser.error("give the other commit, --matmuls OTHER THIS or --prefills OTHER THIS")
     gen = Generator.from_pretrained(draft="lookup")
     model = gen.target
     if getattr(model, "layer_kernel", None) != "fused":
         raise SystemExit("the target does not run the fused layers here: nothing to compare")
     this = kernels.fused_build()
-    if args.matmuls:
-        modules, matmuls = {"this": this, "other": this}, dict(zip(("other", "this"), args.matmuls))
-    else:
+    matmuls = dict(zip(("other", "this"), args.matmuls or ()))
+    prefills = dict(zip(("other", "this"), args.prefills or ()))
+    if args.commit:
         folder = Path(tempfile.mkdtemp(prefix="csrc-ab-"))
-        modules, matmuls = {"this": this, "other": build_other(args.commit, folder)}, {}
+        modules = {"this": this, "other": build_other(args.commit, folder)}
+    else:
+        modules = {"this": this, "other": this}
 
     def use(name: str) -> None:
         kernels.fused_build = lambda: modules[name]
         if name in matmuls:
             model.use_matmul(matmuls[name])
+        if name in prefills:
+            model.use_prefill(prefills[name])
 
     logits = {}
     for name in modules:
         use(name)
         cache = kv.new_cache(model)
         kv.prefill(model, cache, CONTEXT[:-17], "cpu")
-        logits[name] = model(torch.tensor(CONTEXT[-17:]), cache)[0]  # (logits, features)
-    if matmuls:
+        try:
+            logits[name] = model(torch.tensor(CONTEXT[-17:]), cache)[0]  # (logits, features)
+        except TypeError as err:  # an older call signature (see above)
+            raise SystemExit(f"{name}'s fused_layers takes other arguments: {err}") from err
+    if prefills:
+        print(
+            f"prefill {args.prefills[0]} against {args.prefills[1]} ({model.matmul} 4-bit kernel)"
+        )
+    elif matmuls:
         gap = (logits["this"] - logits["other"]).abs().max().item()
         print(f"{args.matmuls[0]} against {args.matmuls[1]}: logits at most {gap:.3g} apart")
     elif not torch.equal(logits["this"], logits["other"]):
@@ -166,6 +191,9 @@ def main() -> None:
         report(f"{'prompt' if n >= 100 else 'pass'} of {n} tokens", times[n], "ms")
     for batch, values in speeds.items():
         report(f"{len(requests)} extract requests, B = {batch}", values, "tok/s", True)
+        if matmuls or prefills:
+            shared = sum(a == b for a, b in zip(outputs[batch, "other"], outputs[batch, "this"]))
+            print(f"  the same tokens on {shared} of {len(requests)} requests")
 
 
 if __name__ == "__main__":
