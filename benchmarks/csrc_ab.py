@@ -104,20 +104,17 @@ def report(label: str, times: dict, unit: str, higher_is_better: bool = False) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("commit", nargs="?", help="the other commit (its csrc/fused_layers.cpp)")
-    parser.add_argument(
-        "--matmuls",
-        nargs=2,
-        metavar=("OTHER", "THIS"),
-        choices=kernels.INT4_KERNELS,
-        help="instead of a commit: two 4-bit kernels of this checkout's build",
-    )
-    parser.add_argument(
-        "--prefills",
-        nargs=2,
-        metavar=("OTHER", "THIS"),
-        choices=kernels.PREFILL_KERNELS,
-        help="instead of a commit: two prefill kernels of this checkout",
-    )
+    for flag, choices, what in (
+        ("--matmuls", kernels.INT4_KERNELS, "4-bit"),
+        ("--prefills", kernels.PREFILL_KERNELS, "prefill"),
+    ):
+        parser.add_argument(
+            flag,
+            nargs=2,
+            metavar=("OTHER", "THIS"),
+            choices=choices,
+            help=f"instead of a commit: two {what} kernels of this checkout's build",
+        )
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--prompt", type=int, default=300, help="prompt tokens timed (0: none)")
     parser.add_argument("--requests", type=int, default=0, help="extract requests (0: none)")
