@@ -9,6 +9,8 @@ noisy shared machine, which separate runs a few minutes apart do not (30–50% s
                                                           # two 4-bit kernels of this checkout
     python benchmarks/csrc_ab.py --prefills int4 amx-bf16 --requests 16
                                                           # two prefill kernels (prompts only)
+    python benchmarks/csrc_ab.py --pool --requests 16     # this checkout without its cache pool
+                                                          # (llama.CachePool) and with it
 
 The other commit must be 5d10e5f or later: fused_layers took one argument fewer before (the
 prompts' dense weights), and the model calls it as this checkout does.
@@ -42,7 +44,7 @@ sys.path.insert(0, str(HERE))
 import workloads  # noqa: E402
 from run import forget_prompts  # noqa: E402
 
-from constrained_spec import Generator, kernels  # noqa: E402
+from constrained_spec import Generator, kernels, llama  # noqa: E402
 from constrained_spec import cache as kv  # noqa: E402
 
 SOURCE = "constrained_spec/csrc/fused_layers.cpp"
@@ -115,12 +117,17 @@ def main() -> None:
             choices=choices,
             help=f"instead of a commit: two {what} kernels of this checkout's build",
         )
+    parser.add_argument(
+        "--pool",
+        action="store_true",
+        help="instead of a commit: this checkout without its cache pool (other) and with it",
+    )
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--prompt", type=int, default=300, help="prompt tokens timed (0: none)")
     parser.add_argument("--requests", type=int, default=0, help="extract requests (0: none)")
     args = parser.parse_args()
-    if sum(x is not None for x in (args.commit, args.matmuls, args.prefills)) != 1:
-        parser.error("give the other commit, --matmuls OTHER THIS or --prefills OTHER THIS")
+    if sum(bool(x) for x in (args.commit, args.matmuls, args.prefills, args.pool)) != 1:
+        parser.error("give the other commit, --matmuls OTHER THIS, --prefills OTHER THIS or --pool")
     gen = Generator.from_pretrained(draft="lookup")
     model = gen.target
     if getattr(model, "layer_kernel", None) != "fused":
@@ -128,6 +135,7 @@ def main() -> None:
     this = kernels.fused_build()
     matmuls = dict(zip(("other", "this"), args.matmuls or ()))
     prefills = dict(zip(("other", "this"), args.prefills or ()))
+    pools = {"other": llama.CachePool(0), "this": model.cache_pool} if args.pool else {}
     if args.commit:
         folder = Path(tempfile.mkdtemp(prefix="csrc-ab-"))
         modules = {"this": this, "other": build_other(args.commit, folder)}
@@ -140,6 +148,8 @@ def main() -> None:
             model.use_matmul(matmuls[name])
         if name in prefills:
             model.use_prefill(prefills[name])
+        if name in pools:  # a cache gives its buffers back to the pool it came from
+            model.cache_pool = pools[name]
 
     logits = {}
     for name in modules:
@@ -159,6 +169,8 @@ def main() -> None:
         print(f"{args.matmuls[0]} against {args.matmuls[1]}: logits at most {gap:.3g} apart")
     elif not torch.equal(logits["this"], logits["other"]):
         raise SystemExit("the two modules' logits differ on a 17-token pass")
+    elif pools:
+        print(f"without the cache pool against with it ({model.matmul} 4-bit kernel)")
     else:
         print(f"{args.commit} against this checkout ({model.matmul} 4-bit kernel): the same logits")
 

@@ -572,6 +572,7 @@ class Generator:
         results: list[Result] = [None] * len(rows)  # type: ignore[list-item]
         for row in decode_batch(self.target, rows, _batch_size(batch_size)):
             results[row.index] = self.row_result(row)
+            row.cache = None  # its buffers serve a later row's cache (llama.CachePool)
         return results
 
     def batch(

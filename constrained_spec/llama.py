@@ -16,6 +16,7 @@ linear layers quantized the same way as Q4_1 (group 32, affine) or kept as they 
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,14 +36,21 @@ class CompactCache:
     round. Keys are stored transposed, position last, so that the fused layers' scores of a
     query are vertical multiply-adds over the positions (csrc/fused_layers.cpp). Values come in
     ``values_dtype``: bf16 behind a 4-bit q/k/v matmul, whose outputs are bf16 (held exactly,
-    in half the bytes every step reads), else float32."""
+    in half the bytes every step reads), else float32. The buffers come from ``pool`` where it
+    has spares and go back to it when the cache is dropped."""
 
     def __init__(
-        self, layers: int, kv_heads: int, head_dim: int, capacity: int, limit: int, values_dtype
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        limit: int,
+        values_dtype,
+        pool: CachePool | None = None,
     ):
-        self.keys = torch.empty(layers, kv_heads, head_dim, capacity)  # (L, KV, hd, T_cap)
-        self.values = torch.empty(layers, kv_heads, capacity, head_dim, dtype=values_dtype)
-        self.length, self.limit = 0, limit
+        self.length, self.limit, self._pool = 0, limit, pool
+        self.keys, self.values = self._buffers((layers, kv_heads, head_dim), capacity, values_dtype)
 
     @property
     def capacity(self) -> int:
@@ -61,11 +69,82 @@ class CompactCache:
             return
         assert need <= self.limit, f"{need} positions exceed the model's context {self.limit}"
         capacity = min(max(need, 2 * have), self.limit)
-        keys = self.keys.new_empty(*self.keys.shape[:3], capacity)
+        keys, values = self._buffers(self.keys.shape[:3], capacity, self.values.dtype)
         keys[..., : self.length] = self.keys[..., : self.length]
-        values = self.values.new_empty(*self.values.shape[:2], capacity, self.values.shape[3])
         values[:, :, : self.length] = self.values[:, :, : self.length]
+        self._give_back()
         self.keys, self.values = keys, values
+
+    def _buffers(self, dims, capacity: int, values_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        layers, kv_heads, head_dim = dims
+        spare = self._pool.take(tuple(dims), capacity, values_dtype) if self._pool else None
+        if spare is not None:
+            return spare
+        keys = torch.empty(layers, kv_heads, head_dim, capacity)  # (L, KV, hd, T_cap)
+        return keys, torch.empty(layers, kv_heads, capacity, head_dim, dtype=values_dtype)
+
+    def _give_back(self) -> None:
+        # Only buffers nobody else holds (2: this object's attribute and the call's argument);
+        # a view of a cache must not outlive it (PromptCache keeps clones).
+        if (
+            self._pool is not None
+            and sys.getrefcount(self.keys) == sys.getrefcount(self.values) == 2
+        ):
+            self._pool.give(self.keys, self.values)
+
+    def __del__(self):
+        self._give_back()
+
+
+class CachePool:
+    """Buffers of dropped caches, handed to the next new or growing one: a fresh cache's 8.8 MB
+    (the built-in model, 256 positions) are faulted in page by page by the first pass that
+    writes them, ~2,200 page faults, 12 ms of kernel time a request on this machine: a sixth of
+    a short extract request's time and a quarter of a 16-row batch's (docs/measurements.md).
+    Keeps up to ``limit`` bytes; an entry past a cache's ``length`` is never read, so a spare's
+    old contents do no harm. A copied model shares its original's pool."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._spare: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._lock = threading.RLock()  # a cache may be dropped while another thread takes one
+
+    def take(self, dims: tuple, capacity: int, values_dtype):
+        """The smallest spare (keys, values) of these dims, dtype and at least ``capacity``
+        positions, made in the mode (inference or not) torch is in now; None if there is none."""
+        inference = torch.is_inference_mode_enabled()
+        with self._lock:
+            fits = [
+                (keys.shape[3], i)
+                for i, (keys, values) in enumerate(self._spare)
+                if tuple(keys.shape[:3]) == dims
+                and keys.shape[3] >= capacity
+                and values.dtype == values_dtype
+                and keys.is_inference() == inference
+            ]
+            return self._spare.pop(min(fits)[1]) if fits else None
+
+    def give(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        size = _nbytes(keys) + _nbytes(values)
+        with self._lock:
+            if self.nbytes + size <= self.limit:
+                self._spare.append((keys, values))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(k) + _nbytes(v) for k, v in self._spare)
+
+    def __deepcopy__(self, memo) -> CachePool:
+        return self
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# Spare cache buffers a model keeps (CachePool): 7 caches of 256 positions for the built-in model,
+# more than a batch's rows free between two admissions.
+CACHE_POOL_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -199,6 +278,7 @@ class CompactLlama(nn.Module):
         self.layer_kernel = "python"  # how steps, verify passes and batches run (use_layers)
         self._fused = None  # the fused layers' arguments, where they run
         self.prompt_cache: PromptCache | None = None  # kept prompts, while the layers are fused
+        self.cache_pool = CachePool(CACHE_POOL_BYTES)  # dropped caches' buffers, for new ones
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed
@@ -304,7 +384,9 @@ class CompactLlama(nn.Module):
         s = self.shape
         bf16 = isinstance(self.linears[0], kernels.Int4Linear)  # its outputs are bf16
         dtype = torch.bfloat16 if bf16 else torch.float32
-        return CompactCache(s.layers, s.kv_heads, s.head_dim, min(256, s.context), s.context, dtype)
+        return CompactCache(
+            s.layers, s.kv_heads, s.head_dim, min(256, s.context), s.context, dtype, self.cache_pool
+        )
 
     def forward(self, ids: torch.Tensor, cache: CompactCache, logits: bool = True, masks=None):
         """Feed ``ids`` (n,) after the cache's positions; returns their logits (None unless
@@ -404,7 +486,7 @@ class CompactLlama(nn.Module):
             return self._whole_head(features, masks)
         weight = self.lm_head.weight  # (V, d)
         assert masks.shape == (features.shape[0], weight.shape[0]), "one mask per position"
-        counts, limit = masks.sum(1).tolist(), NARROW * weight.shape[0]
+        counts, limit = legal_counts(masks), NARROW * weight.shape[0]
         narrow = [i for i, c in enumerate(counts) if c <= limit]
         if not narrow:
             return self._whole_head(features, masks)
@@ -457,6 +539,16 @@ def measure_layers(model: CompactLlama, repeats: int = 5) -> dict[str, float]:
 # of the vocabulary or more); a narrow one costs a gather of its rows instead of the whole head,
 # which streams 113 MB of float32 and was a quarter of a one-token step.
 NARROW = 1 / 16
+
+
+def legal_counts(masks: torch.Tensor) -> list[int]:
+    """Each position's number of legal tokens: the compiled count where the fused layers are
+    built (torch sums a bool tensor through int64: 15 ms of an 81 ms round of 16 rows), else as
+    bytes."""
+    compiled = kernels.fused_if_built()
+    if compiled is not None and masks.is_contiguous():
+        return compiled.count_legal(masks)
+    return masks.view(torch.uint8).sum(1, dtype=torch.int32).tolist()
 
 
 # Up to this many new tokens (every verify pass: drafts are at most 24), each one attends by

@@ -136,6 +136,63 @@ def test_fused_layers_crop_refeed_and_growth_compute_what_a_fresh_cache_does(
 
 
 @needs_fused
+def test_a_dropped_caches_buffers_serve_the_next_cache_bit_for_bit(tiny_tokenizer):
+    """A dropped cache's buffers go to its model's pool and the next new (or growing) cache
+    takes them, old contents and all (here NaN, which no comparison survives): it computes bit
+    for bit what fresh buffers give, since nothing past a cache's length is read. Buffers that
+    someone still holds stay out of the pool."""
+    model = fused_tiny(tiny_tokenizer, kernels.INT4_KERNELS[-1])
+    ids = (tiny_tokenizer.encode(TEXTS[-1]) * 8)[:300]
+
+    def feed(cache):  # past the 256 positions a cache starts with: it grows
+        return torch.cat([logits_of(model, ids[i : i + 20], cache) for i in range(0, 300, 20)])
+
+    first = nan_cache(model)
+    keys, values = first.keys.data_ptr(), first.values.data_ptr()
+    del first
+    second = model.new_cache()
+    assert (second.keys.data_ptr(), second.values.data_ptr()) == (keys, values), "not reused"
+    pooled = feed(second)
+    assert second.capacity > 256 and model.cache_pool.nbytes > 0, "growth gave nothing back"
+    s, dtype = model.shape, second.values.dtype
+    unpooled = llama.CompactCache(s.layers, s.kv_heads, s.head_dim, 256, s.context, dtype)
+    assert torch.equal(pooled, feed(unpooled))
+
+    model.cache_pool = llama.CachePool(llama.CACHE_POOL_BYTES)
+    third = model.new_cache()
+    held = third.keys
+    del third
+    assert model.cache_pool.nbytes == 0, "buffers someone holds went to the pool"
+    assert model.new_cache().keys.data_ptr() != held.data_ptr()
+
+
+def test_the_cache_pool_hands_out_only_what_fits_up_to_its_limit():
+    """A spare fits a cache of the same layers, heads, head size and values dtype, with room
+    for at least the positions asked, made in the same torch mode (an inference tensor cannot
+    be written outside inference mode); the smallest that fits goes first; past the limit a
+    given buffer is let go."""
+    dims = (2, 1, 4)
+
+    def buffers(capacity, dtype=torch.bfloat16):
+        return torch.empty(*dims, capacity), torch.empty(*dims[:2], capacity, 4, dtype=dtype)
+
+    pool = llama.CachePool(limit=10_000)
+    big, small = buffers(64), buffers(32)
+    pool.give(*big)
+    pool.give(*small)
+    assert pool.take(dims, 16, torch.float32) is None, "another values dtype"
+    assert pool.take((2, 1, 8), 16, torch.bfloat16) is None, "another head size"
+    assert pool.take(dims, 128, torch.bfloat16) is None, "too few positions"
+    with torch.inference_mode():
+        assert pool.take(dims, 16, torch.bfloat16) is None, "made outside inference mode"
+    assert pool.take(dims, 16, torch.bfloat16)[0] is small[0]
+    assert pool.take(dims, 16, torch.bfloat16)[0] is big[0]
+    assert pool.take(dims, 16, torch.bfloat16) is None
+    pool.give(*buffers(1024))  # 48 kB: over the limit
+    assert pool.nbytes == 0
+
+
+@needs_fused
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
     """torch waits while its build folder holds a `lock` file: one left by a process killed
     mid-build must not stop the next process (a fresh one: fused_build is cached per process)."""
@@ -885,6 +942,22 @@ def test_the_measurement_picks_our_kernel_where_it_is_faster(tmp_path, monkeypat
 
 
 # --- the mask-aware LM head -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compiled", [pytest.param(True, marks=needs_fused), False])
+def test_legal_counts_are_each_positions_legal_tokens(compiled, monkeypatch):
+    """The head's narrow test counts each position's legal tokens: compiled or as bytes, on
+    a vocabulary that is not a multiple of any vector width, and on a non-contiguous mask."""
+    if compiled:
+        kernels.fused_build()
+    else:
+        monkeypatch.setattr(kernels, "_built", None)
+    torch.manual_seed(0)
+    masks = torch.rand(7, 49_157) < torch.linspace(0, 1, 7)[:, None]
+    masks[0], masks[-1] = False, True
+    expected = masks.sum(1).tolist()
+    assert llama.legal_counts(masks) == expected
+    assert llama.legal_counts(masks.T.contiguous().T) == expected
 
 
 def test_the_head_computes_only_the_legal_logits_of_narrow_positions(tiny_int4_target):

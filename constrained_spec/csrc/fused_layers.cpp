@@ -721,11 +721,29 @@ Tensor unpack_bits(const py::list& rows, int64_t V) {
   return out;
 }
 
+// Each row's number of legal tokens in a pass's masks (rows, V) bool: the head's narrow test. torch
+// sums a bool tensor through int64, a fifth of a batch round's time on 64 rows after a forward.
+std::vector<int64_t> count_legal(const Tensor& masks) {
+  TORCH_CHECK(masks.scalar_type() == at::kBool && masks.dim() == 2 && masks.is_contiguous() &&
+                  masks.device().is_cpu(),
+              "count_legal: masks must be a contiguous (rows, V) bool tensor on the CPU");
+  const int64_t n = masks.size(0), V = masks.size(1);
+  const auto* bytes = reinterpret_cast<const uint8_t*>(masks.data_ptr<bool>());
+  std::vector<int64_t> counts(n);
+  for (int64_t r = 0; r < n; ++r) {
+    uint32_t count = 0;  // bytes are 0 or 1: the compiler sums them in vectors
+    for (int64_t t = 0; t < V; ++t) count += bytes[r * V + t];
+    counts[r] = count;
+  }
+  return counts;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_layers", &fused_layers, "The compact Llama's layers for a few new tokens");
   m.def("int4_mm", &int4_mm, "x (n, K) bf16 times a 4-bit weight in our tiles: (n, N) bf16");
   m.def("dense_mm", &dense_mm, "x (n, K) bf16 times a bf16 weight in AMX tiles: (n, N) bf16");
   m.def("q8_head", &q8_head, "The Q8_0 LM head's logits, the top ones recomputed in float32");
+  m.def("count_legal", &count_legal, "each row's number of true entries of (rows, V) bool masks");
   m.def("unpack_bits", &unpack_bits, "bitmasks (bytes, bit t: token t) as a (rows, V) bool tensor");
   m.def("avx512_bf16", [] { return HAVE_AVX512_BF16; }, "whether int4_mm was compiled in");
   m.def("amx_bf16", &amx_bf16, "whether int4_mm takes AMX tiles here (compiled in, and granted)");
