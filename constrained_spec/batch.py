@@ -16,6 +16,7 @@ its last bits: a near-tie).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from . import cache as kv
 from .compile import FINISHED, Constraint
 from .decode import Stats, commit, legal_states, verify
 from .draft import EMPTY_DRAFT, CompositeDrafter, Draft, Drafter
-from .sample import SamplingConfig
+from .sample import SamplingConfig, greedy_outcome
 
 
 @dataclass
@@ -108,14 +109,9 @@ def batch_round(target, rows: list[Row]) -> None:
     drafted = time.perf_counter()
     device = next(target.parameters()).device
     fed = [[row.tokens[-1]] + draft.tokens for row, draft in zip(rows, drafts)]
-    masks = [row.constraint.masks(at, device) for row, at in zip(rows, states)]
-    logits = kv.forward_rows(target, [row.cache for row in rows], fed, device, masks)
-    outcomes = torch.stack(
-        [
-            torch.stack(verify(out, legal, draft, row.sampling, row.generator))
-            for out, legal, draft, row in zip(logits, masks, drafts, rows)
-        ]
-    ).tolist()  # (B, 2): the round's one host sync
+    legal = torch.cat([row.constraint.masks(at, device) for row, at in zip(rows, states)])
+    logits = kv.forward_rows(target, [row.cache for row in rows], fed, device, legal)
+    outcomes = _verify(logits, legal, [len(f) for f in fed], drafts, rows)
     verified = time.perf_counter()
     for row, draft, row_states, (n, token) in zip(rows, drafts, states, outcomes):
         _commit(row, draft, n, token, row.constraint.step(row_states[n], token))
@@ -123,6 +119,37 @@ def batch_round(target, rows: list[Row]) -> None:
         row.stats.verify_s += verified - drafted
         if row.stats.target_calls == 1:
             row.stats.ttft_s = verified - row.started
+
+
+def _verify(
+    logits: torch.Tensor,
+    legal: torch.Tensor,
+    sizes: list[int],
+    drafts: list[Draft],
+    rows: list[Row],
+) -> list[tuple[int, int]]:
+    """The exact acceptance rule for every row, (accepted length, the target's token), from ONE
+    host sync. A greedy row needs only its positions' masked argmax, taken for the whole pass in
+    one call (after a forward, each small call costs more than its work); a sampled row runs the
+    full rule on its own positions."""
+    bounds = list(zip(itertools.accumulate([0] + sizes), itertools.accumulate(sizes)))
+    greedy = [row.sampling.greedy for row in rows]
+    best = (
+        logits.masked_fill(~legal, float("-inf")).argmax(-1)
+        if any(greedy)
+        else logits.new_empty(0, dtype=torch.long)
+    )
+    sampled = [
+        torch.stack(verify(logits[a:b], legal[a:b], draft, row.sampling, row.generator))
+        for (a, b), draft, row, g in zip(bounds, drafts, rows, greedy)
+        if not g
+    ]
+    host = torch.cat([best, *sampled]).tolist()  # the round's one host sync
+    best, sampled = host[: len(best)], iter(zip(host[len(best) :: 2], host[len(best) + 1 :: 2]))
+    return [
+        greedy_outcome(best[a:b], draft.tokens) if g else next(sampled)
+        for (a, b), draft, g in zip(bounds, drafts, greedy)
+    ]
 
 
 def _propose(row: Row) -> Draft:

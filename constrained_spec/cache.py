@@ -85,18 +85,17 @@ def forward(
 
 
 def forward_rows(
-    model, caches: list, rows: list[list[int]], device, masks: list | None = None
-) -> list[torch.Tensor]:
-    """Each row's ids fed after its own cache; each row's logits, (n_i, V) (``masks``: each
-    row's legal tokens, as in ``forward``). The compact forward takes every row in one pass (the
-    weights read once); transformers' forward takes them one after another (its caches would
-    need padding and position bookkeeping to share a pass)."""
+    model, caches: list, rows: list[list[int]], device, masks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each row's ids fed after its own cache; the logits of every row's positions, one row after
+    another, (sum n_i, V) (``masks``: their legal tokens in the same order, as in ``forward``).
+    The compact forward takes every row in one pass (the weights read once); transformers'
+    forward takes them one after another (its caches would need padding and position
+    bookkeeping to share a pass)."""
     if isinstance(model, CompactLlama):
         ids = [torch.tensor(row, dtype=torch.long, device=device) for row in rows]
-        legal = torch.cat(masks) if masks is not None else None
-        logits, _ = model.forward_rows(ids, caches, masks=legal)
-        return list(logits.split([len(row) for row in rows]))
-    return [forward(model, cache, row, device) for cache, row in zip(caches, rows)]
+        return model.forward_rows(ids, caches, masks=masks)[0]
+    return torch.cat([forward(model, cache, row, device) for cache, row in zip(caches, rows)])
 
 
 @memoize

@@ -100,6 +100,15 @@ def first_above(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True)[0]
 
 
+def greedy_outcome(best: list[int], draft: list[int]) -> tuple[int, int]:
+    """``verify_greedy`` on the host, from each position's masked argmax ``best`` (k+1): the
+    drafts accepted while each is the argmax at its position, then the argmax after them."""
+    n = 0
+    while n < len(draft) and draft[n] == best[n]:
+        n += 1
+    return n, best[n]
+
+
 def verify_greedy(
     target_logits: torch.Tensor, masks: torch.Tensor, draft: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

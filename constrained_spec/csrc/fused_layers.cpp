@@ -739,11 +739,19 @@ std::vector<int64_t> count_legal(const Tensor& masks) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fused_layers", &fused_layers, "The compact Llama's layers for a few new tokens");
-  m.def("int4_mm", &int4_mm, "x (n, K) bf16 times a 4-bit weight in our tiles: (n, N) bf16");
-  m.def("dense_mm", &dense_mm, "x (n, K) bf16 times a bf16 weight in AMX tiles: (n, N) bf16");
-  m.def("q8_head", &q8_head, "The Q8_0 LM head's logits, the top ones recomputed in float32");
-  m.def("count_legal", &count_legal, "each row's number of true entries of (rows, V) bool masks");
+  // The kernels touch no Python object, so they run without the GIL: the server's HTTP thread
+  // streams replies while the decode thread computes. unpack_bits reads a list: it keeps it.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("fused_layers", &fused_layers, "The compact Llama's layers for a few new tokens",
+        nogil);
+  m.def("int4_mm", &int4_mm, "x (n, K) bf16 times a 4-bit weight in our tiles: (n, N) bf16",
+        nogil);
+  m.def("dense_mm", &dense_mm, "x (n, K) bf16 times a bf16 weight in AMX tiles: (n, N) bf16",
+        nogil);
+  m.def("q8_head", &q8_head, "The Q8_0 LM head's logits, the top ones recomputed in float32",
+        nogil);
+  m.def("count_legal", &count_legal, "each row's number of true entries of (rows, V) bool masks",
+        nogil);
   m.def("unpack_bits", &unpack_bits, "bitmasks (bytes, bit t: token t) as a (rows, V) bool tensor");
   m.def("avx512_bf16", [] { return HAVE_AVX512_BF16; }, "whether int4_mm was compiled in");
   m.def("amx_bf16", &amx_bf16, "whether int4_mm takes AMX tiles here (compiled in, and granted)");
