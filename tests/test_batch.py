@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from constrained_spec import GenerationInputError, Generator
+from constrained_spec import batch as batching
 from constrained_spec import cache as kv
 from constrained_spec.batch import decode_batch
 from constrained_spec.draft import CompositeDrafter
@@ -56,6 +57,29 @@ def test_greedy_rows_equal_their_single_runs(
         assert (got.value is not None) == (got.finish_reason == "stop" and "schema" in request)
         drafted += got.stats.drafted
     assert drafted > 0, "no row drafted: the batch ran the baseline"
+
+
+def test_a_wide_batch_drafts_at_most_its_cap_and_each_row_commits_what_it_commits_alone(
+    tiny_int4_target, tiny_tokenizer, monkeypatch
+):
+    """From batching.WIDE_BATCH rows on, each row drafts at most WIDE_MAX_DRAFT tokens; the
+    rows that are left once the queue runs dry draft longer again. Greedy rows are unchanged."""
+    gen = lookup_generator(tiny_int4_target, tiny_tokenizer)
+    requests = REQUESTS * 2  # 12 rows, 8 at a time: full rounds, then the tail
+    passes, forward_rows = [], kv.forward_rows
+
+    def recorded(model, caches, rows, device, masks=None):
+        passes.append([len(fed) for fed in rows])
+        return forward_rows(model, caches, rows, device, masks)
+
+    monkeypatch.setattr(kv, "forward_rows", recorded)
+    batch = gen.generate_batch(requests, batch_size=batching.WIDE_BATCH)
+    wide = [fed for fed in passes if len(fed) >= batching.WIDE_BATCH]
+    narrow = [fed for fed in passes if len(fed) < batching.WIDE_BATCH]
+    assert wide and max(max(fed) for fed in wide) == 1 + batching.WIDE_MAX_DRAFT
+    assert max(max(fed) for fed in narrow) > 1 + batching.WIDE_MAX_DRAFT
+    for request, got in zip(requests, batch):
+        assert got.token_ids == gen.generate(**request).token_ids
 
 
 def test_a_row_samples_exactly_inside_a_batch_of_other_schemas(tiny_int4_target, tiny_tokenizer):
