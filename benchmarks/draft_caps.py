@@ -10,7 +10,9 @@ Greedy outputs do not depend on the drafts, so every cap must commit the same to
 only the passes differ. A wide pass costs its tokens' compute, so a draft token pays only where
 it is accepted often enough: the modelled tok/s says which cap does, the wall tok/s (noisy,
 prefills included) is printed beside it. ``--seed`` picks the extract requests: tune on one
-seed, report on another (the headline reports use seed 0).
+seed, report on another (the headline reports use seed 0). ``--repeat N`` runs the caps N times
+taking turns, so their wall clocks meet the same stretch of the machine and warm kept prompts
+(the first run of all reads the prompts cold).
 The batcher's own cap for wide batches (``batch.WIDE_BATCH``) is turned off here.
 """
 
@@ -71,6 +73,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16, help="(server: always 64)")
     parser.add_argument("--batches", default="1,8,16")
     parser.add_argument("--caps", default="3,2,1")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of the caps, taking turns (wall clocks)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # the server's setting
     gen = Generator.from_pretrained()
@@ -96,7 +101,7 @@ def main() -> None:
     batching.WIDE_BATCH = sys.maxsize  # each cap as given: the batcher's own rule off
     base, outputs = gen.drafter, {}
     for batch in map(int, args.batches.split(",")):
-        for cap in map(int, args.caps.split(",")):
+        for cap in [int(c) for _ in range(args.repeat) for c in args.caps.split(",")]:
             gen.drafter = dataclasses.replace(base, max_draft=cap)
             rows = [gen.prepare_row(i, r) for i, r in enumerate(requests)]
             widths.clear()
