@@ -156,13 +156,9 @@ def _verify(
 
 
 # A wide pass is bound by the CPU's dot products, so every drafted token costs about what a
-# committed one does: from WIDE_BATCH rows on, each row drafts at most WIDE_MAX_DRAFT tokens.
-# Tuned on the server's requests and 16 extract requests (--seed 1), rounds modelled from the
-# pass costs of an AMD EPYC (AVX-512 kernel): caps 3 / 2 / 1 gave 1.00 / 1.15 / 1.35x (server,
-# B = 8), 1.00 / 1.02 / 1.06x (extract, B = 8) and 1.00 / 1.16 / 1.37x, 1.00 / 1.04 / 1.11x at
-# B = 16, while one row alone on extract prefers 3 (cap 1 0.93x). Reported on --seed 0:
-# benchmarks/results/draft-caps/. The cap depends on the batch's size only (never on timings),
-# so a seeded row samples the same tokens on every run.
+# committed one does: from WIDE_BATCH rows on, each row drafts at most WIDE_MAX_DRAFT tokens
+# (tuned and reported in docs/batching.md, benchmarks/results/draft-caps/). The cap depends on
+# the batch's size only (never on timings), so a seeded row samples the same tokens on every run.
 WIDE_BATCH = 8
 WIDE_MAX_DRAFT = 1
 
@@ -173,7 +169,7 @@ def _propose(row: Row, cap: int | None = None) -> Draft:
     draft = row.drafter.propose(
         row.tokens, row.state, row.constraint, 0, row.sampling, row.generator
     )
-    return draft.truncate(min(row.room - 1, cap or row.room))
+    return draft.truncate(row.room - 1 if cap is None else min(row.room - 1, cap))
 
 
 def _commit(row: Row, draft: Draft, n: int, token: int, state: int) -> None:
