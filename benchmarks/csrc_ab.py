@@ -4,7 +4,7 @@ take turns, round after round, on the same loaded model — so both meet the sam
 noisy shared machine, which separate runs a few minutes apart do not (30–50% swings here).
 
     python benchmarks/csrc_ab.py 5d10e5f                  # layer forwards and a prompt, 10 rounds
-    python benchmarks/csrc_ab.py 5d10e5f --requests 16    # also 16 extract requests at B = 1, 8
+    python benchmarks/csrc_ab.py 5d10e5f --requests 16    # also 16 extract requests at B = 1, 8, 16
     python benchmarks/csrc_ab.py --matmuls avx512-bf16 amx-bf16 --requests 16
                                                           # two 4-bit kernels of this checkout
     python benchmarks/csrc_ab.py --prefills int4 amx-bf16 --requests 16
@@ -13,10 +13,12 @@ noisy shared machine, which separate runs a few minutes apart do not (30–50% s
                                                           # (llama.CachePool) and with it
 
 The other commit must be 5d10e5f or later: fused_layers took one argument fewer before (the
-prompts' dense weights), and the model calls it as this checkout does.
+prompts' dense weights), and the model calls it as this checkout does. A commit before the keys
+came in tiles (llama.KEY_TILE) gets caches with its keys position-last, fed its context through
+its own layers; its passes are timed (and their features compared), not its requests or prompts.
 
 Prints per size the median ms of each and the median and range of the per-round ratios
-(other / this); with ``--requests``, output tok/s at B = 1 and B = 8 (speculative, greedy) the
+(other / this); with ``--requests``, output tok/s at B = 1, 8 and 16 (speculative, greedy) the
 same way. Both modules must compute the same: the logits of a 17-token pass and every request's
 tokens are compared, and a difference stops the run. Two 4-bit kernels (``--matmuls``: "other"
 the first, "this" the second) sum in different orders, and two prefill kernels (``--prefills``)
@@ -50,10 +52,12 @@ from constrained_spec import cache as kv  # noqa: E402
 SOURCE = "constrained_spec/csrc/fused_layers.cpp"
 CONTEXT = list(range(1000, 1400))  # a 400-token context before each timed pass
 SIZES = (1, 4, 8, 17, 32)  # new tokens a pass: a step, a verify pass, batches' rows
+ROWS = 16  # and a pass of 16 rows of 2 tokens each (a wide batch's round: batch.WIDE_MAX_DRAFT)
 
 
 def build_other(commit: str, folder: Path):
-    """The other commit's fused layers, compiled under another name, as fused_build returns."""
+    """The other commit's fused layers, compiled under another name, as fused_build returns,
+    and whether its keys come in tiles."""
     text = subprocess.run(
         ["git", "show", f"{commit}:{SOURCE}"], cwd=HERE.parent, capture_output=True, text=True
     )
@@ -64,21 +68,36 @@ def build_other(commit: str, folder: Path):
     module = cpp_extension.load(
         "fused_other", [str(source)], build_directory=str(folder), **kernels.FUSED_FLAGS
     )
-    return module, None  # the build flags are the library's own
+    return (module, None), "KEY_TILE" in text.stdout  # the build flags are the library's own
 
 
-def pass_ms(model, n: int, reps: int) -> float:
-    """Median ms of the layers over n new tokens after CONTEXT (n ≥ 100: a prompt's tokens)."""
-    cache = kv.new_cache(model)
-    kv.prefill(model, cache, CONTEXT, "cpu")
+def pass_ms(
+    model, n: int, reps: int, rows: int = 1, tiled: bool = True
+) -> tuple[float, torch.Tensor]:
+    """Median ms of the layers over n new tokens after CONTEXT in each of ``rows`` caches (n ≥
+    100: a prompt's tokens), and the features of the last pass. ``tiled=False``: caches with
+    keys position-last (an older commit's), the context fed through the layers, not as a prompt."""
+    caches = [kv.new_cache(model) for _ in range(rows)]
+    for cache in caches:
+        if tiled:
+            kv.prefill(model, cache, CONTEXT, "cpu")
+        else:  # room for CONTEXT and a pass, so that nothing grows (the growth copies tiles)
+            L, KV, _, hd = cache.values.shape
+            cache.keys, cache.values = (
+                torch.empty(L, KV, hd, 512),
+                torch.empty(L, KV, 512, hd, dtype=cache.values.dtype),
+            )
+            cache._pool = None
+            model(torch.tensor(CONTEXT), cache, logits=False)
     ids = torch.tensor(CONTEXT[-n:] if n < 100 else range(2000, 2000 + n))
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        model.forward_rows([ids], [cache], logits=False, prompt=n >= 100)
+        features = model.forward_rows([ids] * rows, caches, logits=False, prompt=n >= 100)[1]
         times.append(1e3 * (time.perf_counter() - start))
-        kv.crop(cache, len(CONTEXT))
-    return statistics.median(times)
+        for cache in caches:
+            kv.crop(cache, len(CONTEXT))
+    return statistics.median(times), features
 
 
 def tok_s(gen: Generator, requests: list[dict], batch: int, outputs: dict, name: str) -> float:
@@ -136,9 +155,13 @@ def main() -> None:
     matmuls = dict(zip(("other", "this"), args.matmuls or ()))
     prefills = dict(zip(("other", "this"), args.prefills or ()))
     pools = {"other": llama.CachePool(0), "this": model.cache_pool} if args.pool else {}
+    tiled = {"this": True, "other": True}
     if args.commit:
         folder = Path(tempfile.mkdtemp(prefix="csrc-ab-"))
-        modules = {"this": this, "other": build_other(args.commit, folder)}
+        other, tiled["other"] = build_other(args.commit, folder)
+        modules = {"this": this, "other": other}
+        if not tiled["other"] and (args.requests or args.prompt):
+            parser.error(f"{args.commit}'s keys are position-last: passes only (--prompt 0)")
     else:
         modules = {"this": this, "other": this}
 
@@ -154,10 +177,10 @@ def main() -> None:
     logits = {}
     for name in modules:
         use(name)
-        cache = kv.new_cache(model)
-        kv.prefill(model, cache, CONTEXT[:-17], "cpu")
-        try:
-            logits[name] = model(torch.tensor(CONTEXT[-17:]), cache)[0]  # (logits, features)
+        try:  # the features of a 17-token pass (both layouts), or with the same caches its logits
+            logits[name] = pass_ms(model, 17, 1, tiled=tiled[name])[1]
+            if all(tiled.values()):
+                logits[name] = model.head(logits[name])
         except TypeError as err:  # an older call signature (see above)
             raise SystemExit(f"{name}'s fused_layers takes other arguments: {err}") from err
     if prefills:
@@ -168,11 +191,12 @@ def main() -> None:
         gap = (logits["this"] - logits["other"]).abs().max().item()
         print(f"{args.matmuls[0]} against {args.matmuls[1]}: logits at most {gap:.3g} apart")
     elif not torch.equal(logits["this"], logits["other"]):
-        raise SystemExit("the two modules' logits differ on a 17-token pass")
+        raise SystemExit("the two modules' outputs differ on a 17-token pass")
     elif pools:
         print(f"without the cache pool against with it ({model.matmul} 4-bit kernel)")
     else:
-        print(f"{args.commit} against this checkout ({model.matmul} 4-bit kernel): the same logits")
+        same = "logits" if all(tiled.values()) else "features"
+        print(f"{args.commit} against this checkout ({model.matmul} 4-bit kernel): the same {same}")
 
     requests = []
     if args.requests:
@@ -190,14 +214,18 @@ def main() -> None:
             use(name)
             for n in sizes:
                 times.setdefault(n, {}).setdefault(name, []).append(
-                    pass_ms(model, n, 3 if n >= 100 else 7)
+                    pass_ms(model, n, 3 if n >= 100 else 7, tiled=tiled[name])[0]
                 )
-            for batch in (1, 8) if requests else ():
+            times.setdefault("rows", {}).setdefault(name, []).append(
+                pass_ms(model, 2, 7, ROWS, tiled[name])[0]
+            )
+            for batch in (1, 8, 16) if requests else ():
                 speeds.setdefault(batch, {}).setdefault(name, []).append(
                     tok_s(gen, requests, batch, outputs, name)
                 )
     for n in sizes:
         report(f"{'prompt' if n >= 100 else 'pass'} of {n} tokens", times[n], "ms")
+    report(f"pass of {ROWS} rows of 2 tokens", times["rows"], "ms")
     for batch, values in speeds.items():
         report(f"{len(requests)} extract requests, B = {batch}", values, "tok/s", True)
         if matmuls or prefills:

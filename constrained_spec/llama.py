@@ -29,12 +29,21 @@ from torch import nn
 from . import kernels
 from .errors import WeightsError
 
+# Positions a tile of keys holds (csrc/fused_layers.cpp's KEY_TILE): a cache's keys are (L, KV,
+# capacity / KEY_TILE, hd, KEY_TILE), position last within a tile.
+KEY_TILE = 16
+
+
+def _tiles(positions: int) -> int:
+    return -(-positions // KEY_TILE)
+
 
 class CompactCache:
     """Keys and values of every layer in one preallocated tensor each; ``length`` positions are
     valid. Cropping is setting ``length``: rejected drafts' entries are simply overwritten next
-    round. Keys are stored transposed, position last, so that the fused layers' scores of a
-    query are vertical multiply-adds over the positions (csrc/fused_layers.cpp). Values come in
+    round. Keys are stored in tiles of KEY_TILE positions, position last, so that the fused
+    layers' scores of a query are vertical multiply-adds over the positions, read from memory in
+    order (csrc/fused_layers.cpp); ``positions_keys`` reads them by position. Values come in
     ``values_dtype``: bf16 behind a 4-bit q/k/v matmul, whose outputs are bf16 (held exactly,
     in half the bytes every step reads), else float32. The buffers come from ``pool`` where it
     has spares and go back to it when the cache is dropped."""
@@ -56,6 +65,17 @@ class CompactCache:
     def capacity(self) -> int:
         return self.values.shape[2]
 
+    def positions_keys(self, end: int, layer: int | None = None) -> torch.Tensor:
+        """The keys of positions 0..end, (L, KV, end, hd), or of one layer (KV, end, hd): a copy
+        out of the tiles."""
+        keys = self.keys if layer is None else self.keys[layer]
+        return keys[..., : _tiles(end), :, :].transpose(-1, -2).flatten(-3, -2)[..., :end, :]
+
+    def write_keys(self, layer: int, start: int, keys: torch.Tensor) -> None:
+        """Store ``keys`` (KV, n, hd) at positions start.. of ``layer``."""
+        at = torch.arange(start, start + keys.shape[1], device=keys.device)
+        self.keys[layer][:, at // KEY_TILE, :, at % KEY_TILE] = keys.transpose(0, 1)
+
     def get_seq_length(self) -> int:  # the names cache.py uses for transformers' caches too
         return self.length
 
@@ -69,18 +89,20 @@ class CompactCache:
             return
         assert need <= self.limit, f"{need} positions exceed the model's context {self.limit}"
         capacity = min(max(need, 2 * have), self.limit)
-        keys, values = self._buffers(self.keys.shape[:3], capacity, self.values.dtype)
-        keys[..., : self.length] = self.keys[..., : self.length]
+        dims = (*self.values.shape[:2], self.values.shape[3])
+        keys, values = self._buffers(dims, capacity, self.values.dtype)
+        keys[:, :, : _tiles(self.length)] = self.keys[:, :, : _tiles(self.length)]
         values[:, :, : self.length] = self.values[:, :, : self.length]
         self._give_back()
         self.keys, self.values = keys, values
 
     def _buffers(self, dims, capacity: int, values_dtype) -> tuple[torch.Tensor, torch.Tensor]:
         layers, kv_heads, head_dim = dims
+        capacity = _tiles(capacity) * KEY_TILE
         spare = self._pool.take(tuple(dims), capacity, values_dtype) if self._pool else None
         if spare is not None:
             return spare
-        keys = torch.empty(layers, kv_heads, head_dim, capacity)  # (L, KV, hd, T_cap)
+        keys = torch.empty(layers, kv_heads, capacity // KEY_TILE, head_dim, KEY_TILE)
         return keys, torch.empty(layers, kv_heads, capacity, head_dim, dtype=values_dtype)
 
     def _give_back(self) -> None:
@@ -115,10 +137,10 @@ class CachePool:
         inference = torch.is_inference_mode_enabled()
         with self._lock:
             fits = [
-                (keys.shape[3], i)
+                (values.shape[2], i)  # values: (L, KV, capacity, hd)
                 for i, (keys, values) in enumerate(self._spare)
-                if tuple(keys.shape[:3]) == dims
-                and keys.shape[3] >= capacity
+                if (*values.shape[:2], values.shape[3]) == dims
+                and values.shape[2] >= capacity
                 and values.dtype == values_dtype
                 and keys.is_inference() == inference
             ]
@@ -152,7 +174,7 @@ class _Kept:
     """A prompt fed before: its ids, and its keys, values and features at every position."""
 
     ids: tuple[int, ...]
-    keys: torch.Tensor  # (L, KV, hd, n)
+    keys: torch.Tensor  # (L, KV, n / KEY_TILE rounded up, hd, KEY_TILE)
     values: torch.Tensor  # (L, KV, n, hd)
     features: torch.Tensor  # (n, d)
 
@@ -215,7 +237,7 @@ class PromptCache:
                     del self._kept[kept.ids]
             entry = _Kept(
                 key,
-                cache.keys[..., :n].clone(),
+                cache.keys[:, :, : _tiles(n)].clone(),
                 cache.values[:, :, :n].clone(),
                 features[:n].clone(),
             )
@@ -368,7 +390,7 @@ class CompactLlama(nn.Module):
         features = []
         if cached:
             cache.reserve(cached)
-            cache.keys[..., :cached] = kept.keys[..., :cached]
+            cache.keys[:, :, : _tiles(cached)] = kept.keys[:, :, : _tiles(cached)]
             cache.values[:, :, :cached] = kept.values[:, :, :cached]
             cache.length = cached
             features.append(kept.features[:cached])
@@ -462,9 +484,9 @@ class CompactLlama(nn.Module):
             parts, offset = [], 0
             for cache, start, n in zip(caches, starts, sizes):
                 new = slice(offset, offset + n)
-                cache.keys[layer, :, :, start : start + n] = qk[s.heads :, new].transpose(1, 2)
+                cache.write_keys(layer, start, qk[s.heads :, new])
                 cache.values[layer, :, start : start + n] = h[s.heads + s.kv_heads :, new]
-                keys, values = cache.keys[layer].transpose(1, 2), cache.values[layer]  # (KV, T, hd)
+                keys, values = cache.positions_keys(start + n, layer), cache.values[layer]
                 parts.append(_attend(qk[: s.heads, new], keys, values, start, mask))
                 offset += n
             a = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # (H, N, hd)
@@ -563,7 +585,7 @@ def _attend(
 ) -> torch.Tensor:
     """Attention of q (H, n, hd) at positions start.. over the cached keys/values (KV, T, hd)."""
     n = q.shape[1]
-    keys = keys[:, : start + n].contiguous()  # stored transposed (CompactCache)
+    keys = keys[:, : start + n].contiguous()
     values = values[:, : start + n].float()  # stored in bf16, exactly
     if mask is not None:  # a prompt's prefill: one masked call
         return F.scaled_dot_product_attention(

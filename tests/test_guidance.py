@@ -199,6 +199,23 @@ def test_eos_only_where_complete(tiny_tokenizer):
     assert c.mask(s).shape == (400,) and not c.mask(s)[len(vocab.token_bytes) :].any()
 
 
+def test_a_special_token_named_in_a_grammar_is_never_legal():
+    """llguidance lets a Lark grammar name a token by id (``<[5]>``), special ones included; the
+    masks keep only ids with text (and EOS where complete), whatever the matcher allows."""
+    from constrained_spec.models import load_tokenizer
+
+    tokenizer = load_tokenizer()  # the default model's: 17 specials, in bitmask bytes 0-2
+    vocab = token_vocabulary(tokenizer)
+    grammar = guidance.lark_grammar('start: "a" (<[5]> | "b")')
+    c = guidance.GuidanceConstraint(grammar, vocab, len(tokenizer), "grammar")
+    a, b = vocab.ids_by_bytes[b"a"], vocab.ids_by_bytes[b"b"]
+    matcher = c._root.deep_copy()
+    assert matcher.consume_token(a) and matcher.compute_bitmask()[0] >> 5 & 1  # llguidance: yes
+    after_a = c.step(c.initial_state, a)
+    assert c.allowed(after_a) == [b] and c.step(after_a, 5) is None
+    assert c.allowed(c.step(after_a, b)) == [c.eos_id]
+
+
 def test_lark_grammar_generates_parsable_text(tiny_target, tiny_tokenizer):
     gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
     stopped = 0

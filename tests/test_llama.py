@@ -174,7 +174,8 @@ def test_the_cache_pool_hands_out_only_what_fits_up_to_its_limit():
     dims = (2, 1, 4)
 
     def buffers(capacity, dtype=torch.bfloat16):
-        return torch.empty(*dims, capacity), torch.empty(*dims[:2], capacity, 4, dtype=dtype)
+        keys = torch.empty(*dims[:2], capacity // llama.KEY_TILE, dims[2], llama.KEY_TILE)
+        return keys, torch.empty(*dims[:2], capacity, dims[2], dtype=dtype)
 
     pool = llama.CachePool(limit=10_000)
     big, small = buffers(64), buffers(32)
@@ -233,6 +234,31 @@ def test_fused_layers_compute_what_the_python_layers_do(tiny_tokenizer):
     assert rel < 0.01, f"relative logit difference {rel:.4f}"
 
 
+@needs_fused
+def test_the_fused_and_python_layers_keep_keys_in_the_same_tiles(tiny_tokenizer):
+    """Keys come in tiles of KEY_TILE positions whichever layers write them: the fused layers'
+    keys read back by position are the Python layers' (the same function up to float rounding;
+    a misplaced position or element is off by the keys' whole size), over 300 positions, a
+    growth past the first 256 and a crop."""
+    compact = llama.from_transformers(
+        testing.tiny_model(tiny_tokenizer, seed=3, max_positions=512), "int4"
+    )
+    ids = (tiny_tokenizer.encode(TEXTS[-1]) * 8)[:300]
+    keys = {}
+    for kernel in kernels.LAYER_KERNELS:
+        compact.use_layers(kernel)
+        cache = compact.new_cache()
+        for i in range(0, 250, 25):
+            logits_of(compact, ids[i : i + 25], cache)
+        logits_of(compact, ids[250:260] + [5, 6, 7], cache)
+        cache.crop(260)
+        logits_of(compact, ids[260:], cache)
+        assert cache.capacity > 256 and cache.keys.shape[-1] == llama.KEY_TILE
+        keys[kernel] = cache.positions_keys(300)
+    assert keys["fused"].shape == (2, 2, 300, 8)
+    torch.testing.assert_close(keys["fused"], keys["python"], rtol=0.02, atol=0.02)
+
+
 def test_a_verify_pass_and_batch_rows_compute_what_one_token_steps_do(every_int4_target):
     """Greedy speculation commits the baseline's tokens because every token of a verify pass,
     and every row of a batch, gets bit for bit the logits a one-token step gives it: on every
@@ -268,7 +294,7 @@ def fused_tiny(tokenizer, matmul: str):
 
 
 def held(cache, n: int):
-    return cache.keys[..., :n], cache.values[:, :, :n]
+    return cache.positions_keys(n), cache.values[:, :, :n]
 
 
 def nan_cache(model):

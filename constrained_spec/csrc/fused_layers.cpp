@@ -73,23 +73,43 @@ float exp_shifted(float* p, int64_t n) {
   return total;
 }
 
-// One query's attention over n positions: softmax(q·K·scale)·V, K (hd, capacity) transposed, V
-// (capacity, hd) bf16. The accumulators stay in registers, B vectors of positions (or of V's columns)
-// at a time, then one at a time for the rest; each score sums its hd products in order, each
-// output its n products in order, whichever pass computes it.
-template <int64_t B>
-void scores_pass(const float* q, const float* k, int64_t capacity, int64_t hd, int64_t j,
-                 int64_t count, float* scores) {  // scores[j, j + B·W), the last vector count long
+// The attention of up to Q queries that share one key/value head (the heads of its group, the
+// tokens of one row), query i over positions [0, n[i]), n ascending: each vector of K and V read
+// serves all Q queries, where one query at a time read every vector once per query (from the L2
+// cache after the first: a verify pass of 8 tokens ran 1.09× faster, docs/measurements.md; a
+// one-token step, which reads its keys from memory, the same). Each score still sums its hd
+// products in order and each output its n[i] products in order, so every query's values are
+// bit for bit what it gets alone, whichever queries share its pass.
+// Keys are stored in tiles of KEY_TILE positions, (capacity / KEY_TILE, hd, KEY_TILE): a vector
+// of positions' element e is one load, and a tile's hd × KEY_TILE floats are contiguous, so a
+// pass reads its keys in order (position-last rows, one per element, ran the reads 1.6× slower
+// from memory: 64 streams at once outrun the prefetchers).
+constexpr int64_t KEY_TILE = 16;
+static_assert(KEY_TILE % Vec::size() == 0, "a vector of positions within one tile");
+
+template <int64_t Q, int64_t B>
+void scores_block(const float* q, const float* k, int64_t hd, int64_t j, int64_t count,
+                  float* scores, int64_t stride) {  // scores[i·stride + j..]
   constexpr int64_t W = Vec::size();
-  Vec acc[B];
-  for (auto& a : acc) a = Vec(0.f);
-  for (int64_t e = 0; e < hd; ++e) {
-    const Vec qe(q[e]);
-    const float* ke = k + e * capacity + j;
-    for (int64_t b = 0; b < B; ++b)
-      acc[b] = at::vec::fmadd(qe, b + 1 < B ? Vec::loadu(ke + b * W) : Vec::loadu(ke + b * W, count), acc[b]);
+  Vec acc[Q][B];
+  for (auto& row : acc)
+    for (auto& a : row) a = Vec(0.f);
+  const float* tiles[B];  // element 0 of positions j + b·W..
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t p = j + b * W;
+    tiles[b] = k + p / KEY_TILE * hd * KEY_TILE + p % KEY_TILE;
   }
-  for (int64_t b = 0; b < B; ++b) acc[b].store(scores + j + b * W, b + 1 < B ? W : count);
+  for (int64_t e = 0; e < hd; ++e) {
+    Vec keys[B];
+    for (int64_t b = 0; b < B; ++b)
+      keys[b] = b + 1 < B ? Vec::loadu(tiles[b] + e * KEY_TILE) : Vec::loadu(tiles[b] + e * KEY_TILE, count);
+    for (int64_t i = 0; i < Q; ++i) {
+      const Vec qe(q[i * hd + e]);
+      for (int64_t b = 0; b < B; ++b) acc[i][b] = at::vec::fmadd(qe, keys[b], acc[i][b]);
+    }
+  }
+  for (int64_t i = 0; i < Q; ++i)
+    for (int64_t b = 0; b < B; ++b) acc[i][b].store(scores + i * stride + j + b * W, b + 1 < B ? W : count);
 }
 
 Vec load_bf16(const BFloat16* p, int64_t count) {  // count ≤ Vec::size() values, as floats
@@ -103,33 +123,67 @@ Vec load_bf16(const BFloat16* p, int64_t count) {  // count ≤ Vec::size() valu
   return Vec::loadu(part);
 }
 
-template <int64_t B>
-void values_pass(const float* p, const BFloat16* v, int64_t n, int64_t hd, int64_t c,
-                 int64_t count, float total, float* out) {  // out[c, c + B·W), the last vector count long
+// sums[i·hd + c..] = Σ_{j < n} p[i·stride + j]·V[j, c..], the first n positions (every query's).
+template <int64_t Q, int64_t B>
+void values_block(const float* p, int64_t stride, const BFloat16* v, int64_t n, int64_t hd, int64_t c,
+                  int64_t count, float* sums) {
   constexpr int64_t W = Vec::size();
-  Vec acc[B];
-  for (auto& a : acc) a = Vec(0.f);
+  Vec acc[Q][B];
+  for (auto& row : acc)
+    for (auto& a : row) a = Vec(0.f);
   for (int64_t j = 0; j < n; ++j) {
-    const Vec pj(p[j]);
     const BFloat16* vj = v + j * hd + c;
-    for (int64_t b = 0; b < B; ++b)
-      acc[b] = at::vec::fmadd(pj, load_bf16(vj + b * W, b + 1 < B ? W : count), acc[b]);
+    Vec values[B];
+    for (int64_t b = 0; b < B; ++b) values[b] = load_bf16(vj + b * W, b + 1 < B ? W : count);
+    for (int64_t i = 0; i < Q; ++i) {
+      const Vec pj(p[i * stride + j]);
+      for (int64_t b = 0; b < B; ++b) acc[i][b] = at::vec::fmadd(pj, values[b], acc[i][b]);
+    }
   }
-  for (int64_t b = 0; b < B; ++b) (acc[b] / Vec(total)).store(out + c + b * W, b + 1 < B ? W : count);
+  for (int64_t i = 0; i < Q; ++i)
+    for (int64_t b = 0; b < B; ++b) acc[i][b].store(sums + i * hd + c + b * W, b + 1 < B ? W : count);
 }
 
-void attend(const float* q, const float* k, const BFloat16* v, int64_t capacity, int64_t n, int64_t hd,
-            float scale, float* scores, float* out) {
+// Q queries (q: Q × hd, in order of n) of one key/value head, K in tiles, V (capacity, hd) bf16: out (Q × hd) = softmax(q·K·scale)·V over each query's n[i] positions.
+// The positions every query sees go through the shared passes, each query's own last ones
+// after (continuing its sums in the same order).
+template <int64_t Q>
+void attend(const float* q, const float* k, const BFloat16* v, const int64_t* n,
+            int64_t hd, float scale, float* scaled, float* scores, int64_t stride, float* out) {
   constexpr int64_t W = Vec::size(), B = 4;
-  std::vector<float> scaled(hd);
-  for (int64_t e = 0; e < hd; ++e) scaled[e] = q[e] * scale;
+  for (int64_t e = 0; e < Q * hd; ++e) scaled[e] = q[e] * scale;
+  const int64_t longest = n[Q - 1], shared = n[0];
   int64_t j = 0;
-  for (; j + B * W <= n; j += B * W) scores_pass<B>(scaled.data(), k, capacity, hd, j, W, scores);
-  for (; j < n; j += W) scores_pass<1>(scaled.data(), k, capacity, hd, j, std::min(W, n - j), scores);
-  const float total = exp_shifted(scores, n);
+  for (; j + B * W <= longest; j += B * W) scores_block<Q, B>(scaled, k, hd, j, W, scores, stride);
+  for (; j < longest; j += W) scores_block<Q, 1>(scaled, k, hd, j, std::min(W, longest - j), scores, stride);
+  float total[Q];
+  for (int64_t i = 0; i < Q; ++i) total[i] = exp_shifted(scores + i * stride, n[i]);
   int64_t c = 0;
-  for (; c + B * W <= hd; c += B * W) values_pass<B>(scores, v, n, hd, c, W, total, out);
-  for (; c < hd; c += W) values_pass<1>(scores, v, n, hd, c, std::min(W, hd - c), total, out);
+  for (; c + B * W <= hd; c += B * W) values_block<Q, B>(scores, stride, v, shared, hd, c, W, out);
+  for (; c < hd; c += W) values_block<Q, 1>(scores, stride, v, shared, hd, c, std::min(W, hd - c), out);
+  for (int64_t i = 0; i < Q; ++i)
+    for (c = 0; c < hd; c += W) {
+      const int64_t count = std::min(W, hd - c);
+      Vec acc = Vec::loadu(out + i * hd + c, count);
+      for (int64_t jj = shared; jj < n[i]; ++jj)
+        acc = at::vec::fmadd(Vec(scores[i * stride + jj]), load_bf16(v + jj * hd + c, count), acc);
+      (acc / Vec(total[i])).store(out + i * hd + c, count);
+    }
+}
+
+// Queries a pass of attend takes at most: its Q × B accumulators and B loaded vectors fit the
+// 32 AVX-512 registers (AVX2 has 16).
+constexpr int64_t QUERIES = Vec::size() >= 16 ? 6 : 3;
+
+void attend_some(int64_t queries, const float* q, const float* k, const BFloat16* v, const int64_t* n, int64_t hd, float scale, float* scaled, float* scores, int64_t stride,
+                 float* out) {
+  switch (queries) {
+#define ATTEND(Q) \
+  case Q: return attend<Q>(q, k, v, n, hd, scale, scaled, scores, stride, out);
+    ATTEND(1) ATTEND(2) ATTEND(3) ATTEND(4) ATTEND(5) ATTEND(6)
+#undef ATTEND
+  }
+  TORCH_CHECK(false, "attend: ", queries, " queries in one pass");
 }
 
 // rows (n, d) → x·rsqrt(mean(x²) + eps)·weight, as the bf16 input of a 4-bit matmul.
@@ -494,7 +548,7 @@ void add_bf16(float* x, const Tensor& y) {  // x += y (bf16)
 }  // namespace
 
 // ids (N,) int64: the new tokens, embedded from embed (V, d) float32; rows r = 0.. take sizes[r]
-// of them, at positions starts[r].., into keys[r] ((L, KV, hd, capacity) float32: transposed) and
+// of them, at positions starts[r].., into keys[r] ((L, KV, capacity / 16, hd, 16) float32: tiles) and
 // values[r] ((L, KV, capacity, hd) bf16: the q/k/v matmul's outputs are bf16, so nothing is
 // rounded), room reserved. cos and sin (P, hd): the rotary factors of positions 0..P-1. Per layer
 // l, linears 4l..4l+3 are q/k/v, o, gate/up, down (torch int4 packs: packed, scale_zero, copies of
@@ -532,12 +586,26 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
               "one cache per row");
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(keys[r].scalar_type() == at::kFloat && values[r].scalar_type() == at::kBFloat16 &&
-                    keys[r].is_contiguous() && values[r].is_contiguous() &&
-                    keys[r].size(3) >= starts[r] + sizes[r] && values[r].size(2) == keys[r].size(3),
+                    keys[r].is_contiguous() && values[r].is_contiguous() && keys[r].dim() == 5 &&
+                    keys[r].size(4) == KEY_TILE && keys[r].size(2) * KEY_TILE == values[r].size(2) &&
+                    values[r].size(2) >= starts[r] + sizes[r],
                 "each row's cache: contiguous, with room for its new positions");
   int64_t longest = 0;
   for (int64_t p : position) longest = std::max(longest, p + 1);
   TORCH_CHECK(longest <= cos.size(0), "positions beyond the rotary tables");
+
+  // attention tasks (row, key/value head, its first query, how many): a row's queries of one
+  // key/value head are its tokens × the group's heads, token-major (n ascending), split so that
+  // every thread has two tasks or more (a one-token step: 3 heads, 2 threads)
+  const int64_t splits = (2 * at::get_num_threads() + rows * kv_heads - 1) / (rows * kv_heads);
+  std::vector<std::array<int64_t, 4>> tasks;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t queries = sizes[r] * group;
+    const int64_t each = std::min(QUERIES, std::max<int64_t>(1, (queries + splits - 1) / splits));
+    for (int64_t kv = 0; kv < kv_heads; ++kv)
+      for (int64_t from = 0; from < queries; from += each)
+        tasks.push_back({r, kv, from, std::min(each, queries - from)});
+  }
 
   float* X = x.data_ptr<float>();
   const float* C = cos.data_ptr<float>();
@@ -568,11 +636,12 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
           for (int64_t j = 0; j < hd; ++j) out[j] = in[j];
           continue;
         }
-        // a query, or a key (stored transposed: element j at j·capacity)
+        // a query, or a key (in its tile: element j at j·KEY_TILE)
         const int64_t kv = l * kv_heads + head - heads;
         float* out = head < heads ? &q[(t * heads + head) * hd]
-                                  : K.data_ptr<float>() + kv * hd * capacity + position[t];
-        const int64_t step = head < heads ? 1 : capacity;
+                                  : K.data_ptr<float>() + kv * hd * capacity +
+                                        position[t] / KEY_TILE * hd * KEY_TILE + position[t] % KEY_TILE;
+        const int64_t step = head < heads ? 1 : KEY_TILE;
         for (int64_t j = 0; j < half; ++j) {  // transformers' layout: pairs (j, j + hd/2)
           float a = in[j], b = in[j + half];
           out[j * step] = a * c[j] - b * s[j];
@@ -581,20 +650,27 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
       }
     }
     BFloat16* A = attended.data_ptr<BFloat16>();
-    // a task is one head of one row, all its tokens: they read the same keys and values, which
-    // stay in the core's cache from one token to the next (from memory, they cost as much as
-    // the arithmetic)
-    at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(longest), out(hd);
+    // a task is up to QUERIES queries of one row and one key/value head (its group's heads at
+    // each of the row's tokens, in order): they read the same keys and values, once a pass
+    // (tasks), and the next task of the same row and head finds them in the core's cache
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(QUERIES * longest), scaled(QUERIES * hd), queries(QUERIES * hd),
+          out(QUERIES * hd);
+      int64_t n[QUERIES];
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t r = task / heads, head = task % heads;
+        const auto [r, kv, from, count] = tasks[task];
         const Tensor &K = keys[r], &V = values[r];
-        const int64_t capacity = K.size(3), offset = (l * kv_heads + head / group) * capacity * hd;
-        for (int64_t t = first[r]; t < first[r] + sizes[r]; ++t) {
-          attend(&q[(t * heads + head) * hd], K.data_ptr<float>() + offset,
-                 V.data_ptr<BFloat16>() + offset, capacity, position[t] + 1, hd, scale,
-                 scores.data(), out.data());
-          at::vec::convert(out.data(), A + t * heads * hd + head * hd, hd);
+        const int64_t offset = (l * kv_heads + kv) * V.size(2) * hd;
+        for (int64_t i = 0; i < count; ++i) {  // the row's token (from + i) / group, at one head
+          const int64_t t = first[r] + (from + i) / group, head = kv * group + (from + i) % group;
+          std::copy_n(&q[(t * heads + head) * hd], hd, &queries[i * hd]);
+          n[i] = position[t] + 1;
+        }
+        attend_some(count, queries.data(), K.data_ptr<float>() + offset, V.data_ptr<BFloat16>() + offset,
+                    n, hd, scale, scaled.data(), scores.data(), longest, out.data());
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t t = first[r] + (from + i) / group, head = kv * group + (from + i) % group;
+          at::vec::convert(&out[i * hd], A + t * heads * hd + head * hd, hd);
         }
       }
     });
