@@ -76,14 +76,13 @@ float exp_shifted(float* p, int64_t n) {
 // The attention of up to Q queries that share one key/value head (the heads of its group, the
 // tokens of one row), query i over positions [0, n[i]), n ascending: each vector of K and V read
 // serves all Q queries, where one query at a time read every vector once per query (from the L2
-// cache after the first: a verify pass of 8 tokens ran 1.09× faster, docs/measurements.md; a
-// one-token step, which reads its keys from memory, the same). Each score still sums its hd
+// cache after the first). Each score still sums its hd
 // products in order and each output its n[i] products in order, so every query's values are
 // bit for bit what it gets alone, whichever queries share its pass.
 // Keys are stored in tiles of KEY_TILE positions, (capacity / KEY_TILE, hd, KEY_TILE): a vector
 // of positions' element e is one load, and a tile's hd × KEY_TILE floats are contiguous, so a
-// pass reads its keys in order (position-last rows, one per element, ran the reads 1.6× slower
-// from memory: 64 streams at once outrun the prefetchers).
+// pass reads its keys from memory in order, where position-last rows (one per element) had it
+// read hd streams at once, more than the prefetchers follow (benchmarks/results/key-tiles).
 constexpr int64_t KEY_TILE = 16;
 static_assert(KEY_TILE % Vec::size() == 0, "a vector of positions within one tile");
 
