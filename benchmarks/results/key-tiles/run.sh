@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Keys in tiles (bca5f6e) against the commit before (e0ad82d), end to end: 16 extract requests at
+# B = 1, 8 and 16 (benchmarks/batch.py), the two taking turns four times, the old one in a worktree
+# with its own kernel build (its cache folder links the converted model). The passes alone, in
+# one process: passes.txt (python benchmarks/csrc_ab.py e0ad82d --rounds 10 --prompt 0).
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+OUT=$PWD/benchmarks/results/key-tiles
+OLD=${OLD:-/tmp/key-tiles-old}
+[ -d "$OLD" ] || git worktree add -q "$OLD" e0ad82d
+CACHE=${CONSTRAINED_SPEC_CACHE:-$HOME/.cache/constrained_spec}
+mkdir -p "$OLD/.cache"
+for entry in "$CACHE"/*; do
+  [ "$(basename "$entry")" = kernels ] || ln -sfn "$entry" "$OLD/.cache/$(basename "$entry")"
+done
+for turn in ${TURNS:-1 2 3 4}; do
+  (cd "$OLD" && CONSTRAINED_SPEC_CACHE="$OLD/.cache" PYTHONPATH="$OLD" python benchmarks/batch.py \
+    --workload extract --n 16 --sizes 1,8,16 --out "$OUT/before-$turn") > /dev/null
+  python benchmarks/batch.py --workload extract --n 16 --sizes 1,8,16 --out "$OUT/after-$turn" > /dev/null
+done
