@@ -185,16 +185,22 @@ void attend_some(int64_t queries, const float* q, const float* k, const BFloat16
   TORCH_CHECK(false, "attend: ", queries, " queries in one pass");
 }
 
+// The per-token work outside the matmuls and attention (norms, rotary, the MLP's gate, the
+// residual adds) runs on the threads from this many tokens on: below it a pass's few tokens
+// cost less than waking the threads.
+constexpr int64_t TOKENS_A_THREAD = 8;
+
 // rows (n, d) → x·rsqrt(mean(x²) + eps)·weight, as the bf16 input of a 4-bit matmul.
-void rms_norm(const float* x, const float* weight, BFloat16* out, int64_t n, int64_t d, float eps,
-              std::vector<float>& scratch) {
-  scratch.resize(d);
-  for (int64_t r = 0; r < n; ++r) {
-    const float* row = x + r * d;
-    float inverse = 1.f / std::sqrt(dot(row, row, d) / d + eps);
-    for (int64_t j = 0; j < d; ++j) scratch[j] = row[j] * inverse * weight[j];
-    at::vec::convert(scratch.data(), out + r * d, d);
-  }
+void rms_norm(const float* x, const float* weight, BFloat16* out, int64_t n, int64_t d, float eps) {
+  at::parallel_for(0, n, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(d);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * d;
+      float inverse = 1.f / std::sqrt(dot(row, row, d) / d + eps);
+      for (int64_t j = 0; j < d; ++j) scratch[j] = row[j] * inverse * weight[j];
+      at::vec::convert(scratch.data(), out + r * d, d);
+    }
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -539,9 +545,12 @@ Tensor int4_matmul(const Tensor& x, const Tensor& packed, const Tensor& scale_ze
   return at::_weight_int4pack_mm_for_cpu(input, packed, 32, scale_zero);
 }
 
-void add_bf16(float* x, const Tensor& y) {  // x += y (bf16)
+void add_bf16(float* x, const Tensor& y) {  // x += y (bf16), rows (n, d)
   const BFloat16* v = y.data_ptr<BFloat16>();
-  for (int64_t i = 0, n = y.numel(); i < n; ++i) x[i] += static_cast<float>(v[i]);
+  const int64_t d = y.size(1);
+  at::parallel_for(0, y.size(0), TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * d; i < end * d; ++i) x[i] += static_cast<float>(v[i]);
+  });
 }
 
 }  // namespace
@@ -612,7 +621,7 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   Tensor normed = at::empty({N, d}, bf16), attended = at::empty({N, heads * hd}, bf16);
-  std::vector<float> q(N * heads * hd), scratch;
+  std::vector<float> q(N * heads * hd);
   TORCH_CHECK(dense.empty() || dense.size() == packed.size(), "dense: none, or one per linear");
   const auto linear = [&](const Tensor& input, int64_t i) {
     return dense.empty() ? int4_matmul(input, packed[i], scale_zero[i], copies[i]) : dense_mm(input, dense[i]);
@@ -620,34 +629,36 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
 
   for (int64_t l = 0; l < layers; ++l) {
     // attention: q, k, v of every token; rotary on q and k; k and v into the token's cache
-    rms_norm(X, norms[2 * l].data_ptr<float>(), normed.data_ptr<BFloat16>(), N, d, eps, scratch);
+    rms_norm(X, norms[2 * l].data_ptr<float>(), normed.data_ptr<BFloat16>(), N, d, eps);
     Tensor h = linear(normed, 4 * l);
     const BFloat16* H = h.data_ptr<BFloat16>();
-    for (int64_t t = 0; t < N; ++t) {
-      const Tensor &K = keys[row[t]], &V = values[row[t]];
-      const int64_t capacity = V.size(2);
-      const float *c = C + position[t] * hd, *s = S + position[t] * hd;
-      for (int64_t head = 0; head < heads + 2 * kv_heads; ++head) {
-        const BFloat16* in = H + t * width + head * hd;
-        if (head >= heads + kv_heads) {  // a value: no rotary
-          const int64_t kv = l * kv_heads + head - heads - kv_heads;
-          BFloat16* out = V.data_ptr<BFloat16>() + (kv * capacity + position[t]) * hd;
-          for (int64_t j = 0; j < hd; ++j) out[j] = in[j];
-          continue;
-        }
-        // a query, or a key (in its tile: element j at j·KEY_TILE)
-        const int64_t kv = l * kv_heads + head - heads;
-        float* out = head < heads ? &q[(t * heads + head) * hd]
-                                  : K.data_ptr<float>() + kv * hd * capacity +
-                                        position[t] / KEY_TILE * hd * KEY_TILE + position[t] % KEY_TILE;
-        const int64_t step = head < heads ? 1 : KEY_TILE;
-        for (int64_t j = 0; j < half; ++j) {  // transformers' layout: pairs (j, j + hd/2)
-          float a = in[j], b = in[j + half];
-          out[j * step] = a * c[j] - b * s[j];
-          out[(j + half) * step] = b * c[j + half] + a * s[j + half];
+    at::parallel_for(0, N, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const Tensor &K = keys[row[t]], &V = values[row[t]];
+        const int64_t capacity = V.size(2);
+        const float *c = C + position[t] * hd, *s = S + position[t] * hd;
+        for (int64_t head = 0; head < heads + 2 * kv_heads; ++head) {
+          const BFloat16* in = H + t * width + head * hd;
+          if (head >= heads + kv_heads) {  // a value: no rotary
+            const int64_t kv = l * kv_heads + head - heads - kv_heads;
+            BFloat16* out = V.data_ptr<BFloat16>() + (kv * capacity + position[t]) * hd;
+            for (int64_t j = 0; j < hd; ++j) out[j] = in[j];
+            continue;
+          }
+          // a query, or a key (in its tile: element j at j·KEY_TILE)
+          const int64_t kv = l * kv_heads + head - heads;
+          float* out = head < heads ? &q[(t * heads + head) * hd]
+                                    : K.data_ptr<float>() + kv * hd * capacity +
+                                          position[t] / KEY_TILE * hd * KEY_TILE + position[t] % KEY_TILE;
+          const int64_t step = head < heads ? 1 : KEY_TILE;
+          for (int64_t j = 0; j < half; ++j) {  // transformers' layout: pairs (j, j + hd/2)
+            float a = in[j], b = in[j + half];
+            out[j * step] = a * c[j] - b * s[j];
+            out[(j + half) * step] = b * c[j + half] + a * s[j + half];
+          }
         }
       }
-    }
+    });
     BFloat16* A = attended.data_ptr<BFloat16>();
     // a task is up to QUERIES queries of one row and one key/value head (its group's heads at
     // each of the row's tokens, in order): they read the same keys and values, once a pass
@@ -676,22 +687,24 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
     add_bf16(X, linear(attended, 4 * l + 1));
 
     // MLP: down(silu(gate) · up)
-    rms_norm(X, norms[2 * l + 1].data_ptr<float>(), normed.data_ptr<BFloat16>(), N, d, eps, scratch);
+    rms_norm(X, norms[2 * l + 1].data_ptr<float>(), normed.data_ptr<BFloat16>(), N, d, eps);
     Tensor gate_up = linear(normed, 4 * l + 2);
     const int64_t I = gate_up.size(1) / 2;
     Tensor gated = at::empty({N, I}, bf16);
-    std::vector<float> g(I), u(I);
-    for (int64_t t = 0; t < N; ++t) {
-      const BFloat16* in = gate_up.data_ptr<BFloat16>() + t * 2 * I;
-      at::vec::convert(in, g.data(), I);
-      at::vec::convert(in + I, u.data(), I);
-      for (int64_t j = 0; j < I; j += Vec::size()) {
-        int64_t count = std::min<int64_t>(Vec::size(), I - j);
-        Vec a = Vec::loadu(g.data() + j, count), b = Vec::loadu(u.data() + j, count);
-        (a / (Vec(1.f) + a.neg().exp_u20()) * b).store(g.data() + j, count);
+    at::parallel_for(0, N, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
+      std::vector<float> g(I), u(I);
+      for (int64_t t = begin; t < end; ++t) {
+        const BFloat16* in = gate_up.data_ptr<BFloat16>() + t * 2 * I;
+        at::vec::convert(in, g.data(), I);
+        at::vec::convert(in + I, u.data(), I);
+        for (int64_t j = 0; j < I; j += Vec::size()) {
+          int64_t count = std::min<int64_t>(Vec::size(), I - j);
+          Vec a = Vec::loadu(g.data() + j, count), b = Vec::loadu(u.data() + j, count);
+          (a / (Vec(1.f) + a.neg().exp_u20()) * b).store(g.data() + j, count);
+        }
+        at::vec::convert(g.data(), gated.data_ptr<BFloat16>() + t * I, I);
       }
-      at::vec::convert(g.data(), gated.data_ptr<BFloat16>() + t * I, I);
-    }
+    });
     add_bf16(X, linear(gated, 4 * l + 3));
   }
   const float* weight = final_norm.data_ptr<float>();  // the final RMSNorm, in float32
