@@ -186,8 +186,8 @@ void attend_some(int64_t queries, const float* q, const float* k, const BFloat16
 }
 
 // The per-token work outside the matmuls and attention (norms, rotary, the MLP's gate, the
-// residual adds) runs on the threads from this many tokens on: below it a pass's few tokens
-// cost less than waking the threads.
+// residual adds) runs on the threads past this many tokens (from 2 tokens on measured the same
+// on passes of 4 and 8: benchmarks/results/token-threads/threshold.txt).
 constexpr int64_t TOKENS_A_THREAD = 8;
 
 // rows (n, d) → x·rsqrt(mean(x²) + eps)·weight, as the bf16 input of a 4-bit matmul.
