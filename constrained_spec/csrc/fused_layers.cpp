@@ -73,18 +73,23 @@ float exp_shifted(float* p, int64_t n) {
   return total;
 }
 
-// The attention of up to Q queries that share one key/value head (the heads of its group, the
-// tokens of one row), query i over positions [0, n[i]), n ascending: each vector of K and V read
-// serves all Q queries, where one query at a time read every vector once per query (from the L2
-// cache after the first). Each score still sums its hd
-// products in order and each output its n[i] products in order, so every query's values are
-// bit for bit what it gets alone, whichever queries share its pass.
 // Keys are stored in tiles of KEY_TILE positions, (capacity / KEY_TILE, hd, KEY_TILE): a vector
 // of positions' element e is one load, and a tile's hd × KEY_TILE floats are contiguous, so a
 // pass reads its keys from memory in order, where position-last rows (one per element) had it
 // read hd streams at once, more than the prefetchers follow (benchmarks/results/key-tiles).
 constexpr int64_t KEY_TILE = 16;
 static_assert(KEY_TILE % Vec::size() == 0, "a vector of positions within one tile");
+
+inline int64_t key_at(int64_t position, int64_t hd) {  // element 0 of a position's key
+  return position / KEY_TILE * hd * KEY_TILE + position % KEY_TILE;
+}
+
+// The attention of up to Q queries that share one key/value head (the heads of its group, the
+// tokens of one row), query i over positions [0, n[i]), n ascending: each vector of K and V read
+// serves all Q queries, where one query at a time read every vector once per query (from the L2
+// cache after the first). Each score still sums its hd products in order and each output its
+// n[i] products in order, so every query's values are bit for bit what it gets alone, whichever
+// queries share its pass.
 
 template <int64_t Q, int64_t B>
 void scores_block(const float* q, const float* k, int64_t hd, int64_t j, int64_t count,
@@ -94,10 +99,7 @@ void scores_block(const float* q, const float* k, int64_t hd, int64_t j, int64_t
   for (auto& row : acc)
     for (auto& a : row) a = Vec(0.f);
   const float* tiles[B];  // element 0 of positions j + b·W..
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t p = j + b * W;
-    tiles[b] = k + p / KEY_TILE * hd * KEY_TILE + p % KEY_TILE;
-  }
+  for (int64_t b = 0; b < B; ++b) tiles[b] = k + key_at(j + b * W, hd);
   for (int64_t e = 0; e < hd; ++e) {
     Vec keys[B];
     for (int64_t b = 0; b < B; ++b)
@@ -143,18 +145,18 @@ void values_block(const float* p, int64_t stride, const BFloat16* v, int64_t n, 
     for (int64_t b = 0; b < B; ++b) acc[i][b].store(sums + i * hd + c + b * W, b + 1 < B ? W : count);
 }
 
-// Q queries (q: Q × hd, in order of n) of one key/value head, K in tiles, V (capacity, hd) bf16: out (Q × hd) = softmax(q·K·scale)·V over each query's n[i] positions.
-// The positions every query sees go through the shared passes, each query's own last ones
-// after (continuing its sums in the same order).
+// Q queries (q: Q × hd, scaled by 1/√hd, in order of n) of one key/value head, K in tiles, V
+// (capacity, hd) bf16: out (Q × hd) = softmax(q·K)·V over each query's n[i] positions. The
+// positions every query sees go through the shared passes, each query's own last ones after
+// (continuing its sums in the same order).
 template <int64_t Q>
-void attend(const float* q, const float* k, const BFloat16* v, const int64_t* n,
-            int64_t hd, float scale, float* scaled, float* scores, int64_t stride, float* out) {
+void attend(const float* q, const float* k, const BFloat16* v, const int64_t* n, int64_t hd,
+            float* scores, int64_t stride, float* out) {
   constexpr int64_t W = Vec::size(), B = 4;
-  for (int64_t e = 0; e < Q * hd; ++e) scaled[e] = q[e] * scale;
   const int64_t longest = n[Q - 1], shared = n[0];
   int64_t j = 0;
-  for (; j + B * W <= longest; j += B * W) scores_block<Q, B>(scaled, k, hd, j, W, scores, stride);
-  for (; j < longest; j += W) scores_block<Q, 1>(scaled, k, hd, j, std::min(W, longest - j), scores, stride);
+  for (; j + B * W <= longest; j += B * W) scores_block<Q, B>(q, k, hd, j, W, scores, stride);
+  for (; j < longest; j += W) scores_block<Q, 1>(q, k, hd, j, std::min(W, longest - j), scores, stride);
   float total[Q];
   for (int64_t i = 0; i < Q; ++i) total[i] = exp_shifted(scores + i * stride, n[i]);
   int64_t c = 0;
@@ -174,11 +176,11 @@ void attend(const float* q, const float* k, const BFloat16* v, const int64_t* n,
 // 32 AVX-512 registers (AVX2 has 16).
 constexpr int64_t QUERIES = Vec::size() >= 16 ? 6 : 3;
 
-void attend_some(int64_t queries, const float* q, const float* k, const BFloat16* v, const int64_t* n, int64_t hd, float scale, float* scaled, float* scores, int64_t stride,
-                 float* out) {
+void attend_some(int64_t queries, const float* q, const float* k, const BFloat16* v, const int64_t* n,
+                 int64_t hd, float* scores, int64_t stride, float* out) {
   switch (queries) {
 #define ATTEND(Q) \
-  case Q: return attend<Q>(q, k, v, n, hd, scale, scaled, scores, stride, out);
+  case Q: return attend<Q>(q, k, v, n, hd, scores, stride, out);
     ATTEND(1) ATTEND(2) ATTEND(3) ATTEND(4) ATTEND(5) ATTEND(6)
 #undef ATTEND
   }
@@ -648,8 +650,7 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
           // a query, or a key (in its tile: element j at j·KEY_TILE)
           const int64_t kv = l * kv_heads + head - heads;
           float* out = head < heads ? &q[(t * heads + head) * hd]
-                                    : K.data_ptr<float>() + kv * hd * capacity +
-                                          position[t] / KEY_TILE * hd * KEY_TILE + position[t] % KEY_TILE;
+                                    : K.data_ptr<float>() + kv * hd * capacity + key_at(position[t], hd);
           const int64_t step = head < heads ? 1 : KEY_TILE;
           for (int64_t j = 0; j < half; ++j) {  // transformers' layout: pairs (j, j + hd/2)
             float a = in[j], b = in[j + half];
@@ -664,24 +665,21 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
     // each of the row's tokens, in order): they read the same keys and values, once a pass
     // (tasks), and the next task of the same row and head finds them in the core's cache
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(QUERIES * longest), scaled(QUERIES * hd), queries(QUERIES * hd),
-          out(QUERIES * hd);
-      int64_t n[QUERIES];
+      std::vector<float> scores(QUERIES * longest), queries(QUERIES * hd), out(QUERIES * hd);
+      int64_t n[QUERIES], place[QUERIES];  // place: the query's offset in q and in A (token, head)
       for (int64_t task = begin; task < end; ++task) {
         const auto [r, kv, from, count] = tasks[task];
         const Tensor &K = keys[r], &V = values[r];
         const int64_t offset = (l * kv_heads + kv) * V.size(2) * hd;
         for (int64_t i = 0; i < count; ++i) {  // the row's token (from + i) / group, at one head
           const int64_t t = first[r] + (from + i) / group, head = kv * group + (from + i) % group;
-          std::copy_n(&q[(t * heads + head) * hd], hd, &queries[i * hd]);
+          place[i] = (t * heads + head) * hd;
           n[i] = position[t] + 1;
+          for (int64_t e = 0; e < hd; ++e) queries[i * hd + e] = q[place[i] + e] * scale;
         }
         attend_some(count, queries.data(), K.data_ptr<float>() + offset, V.data_ptr<BFloat16>() + offset,
-                    n, hd, scale, scaled.data(), scores.data(), longest, out.data());
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t t = first[r] + (from + i) / group, head = kv * group + (from + i) % group;
-          at::vec::convert(&out[i * hd], A + t * heads * hd + head * hd, hd);
-        }
+                    n, hd, scores.data(), longest, out.data());
+        for (int64_t i = 0; i < count; ++i) at::vec::convert(&out[i * hd], A + place[i], hd);
       }
     });
     add_bf16(X, linear(attended, 4 * l + 1));
