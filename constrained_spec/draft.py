@@ -157,6 +157,9 @@ class CompositeDrafter:
     # Tokens the target has committed: forced text is spelled with them where possible, since
     # a model keeps its habits (SmolLM2 writes `{` `"` rather than `{"`).
     target_tokens: set[int] = field(default_factory=set)
+    # The last round's vocabulary, context ids and their bytes: the lookup's text grows by the
+    # tokens committed since, rather than being joined anew from the whole prompt each round.
+    _context: tuple = field(default=(None, [], b""), init=False, repr=False)
 
     @property
     def uses_features(self) -> bool:
@@ -175,7 +178,7 @@ class CompositeDrafter:
 
     def propose(self, tokens, state, constraint, k, sampling, generator):
         context, rows, sources, model_steps, chance = list(tokens), [], [], 0, 1.0
-        text = constraint.vocab.text_bytes(tokens)
+        text = self._text(tokens, constraint.vocab)
         while len(sources) < self.max_draft and state != FINISHED:
             room = min(self.max_lookup, self.max_draft - len(sources))
             forced_text = constraint.forced_text(state) if self.use_forced else b""
@@ -208,6 +211,14 @@ class CompositeDrafter:
         return Draft(
             drafted, _stack_rows(rows, drafted, constraint.vocab_size, sampling), tuple(sources)
         )
+
+    def _text(self, tokens: list[int], vocab) -> bytes:
+        known, seen, text = self._context
+        if known is not vocab or tokens[: len(seen)] != seen:  # another request: anew
+            seen, text = [], b""
+        text += vocab.text_bytes(tokens[len(seen) :])
+        self._context = (vocab, list(tokens), text)
+        return text
 
     def _model_token(self, context, state, constraint, sampling, generator, chance: float):
         """(token, q row | None, chance × its top probability) from the model's masked policy, or

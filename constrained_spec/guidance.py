@@ -63,6 +63,7 @@ class GuidanceConstraint(Constraint):
         self._accepting: dict[int, bool] = {}
         self._byte_ids, self._plain, self._plain_bits = _vocab_tables(vocab)
         self._width = (vocab_size + 7) // 8  # bytes in a state's bitmask
+        self._textless = _textless_spans(vocab, self._width)
         self._none_legal = bytes(self._width)
 
     def _goto(self, state: int) -> None:
@@ -99,21 +100,36 @@ class GuidanceConstraint(Constraint):
             self._bits.move_to_end(state)
             return bits
         if state == FINISHED:  # only EOS "continues": a harmless row for drafts ending in EOS
-            legal = 1 << self.eos_id
+            bits = (1 << self.eos_id).to_bytes(self._width, "little")
         else:
             with self._lock:
                 self._goto(state)
                 raw = self._matcher.compute_bitmask()
                 if self._matcher.is_error():  # a limit hit (compile_grammar then builds anew)
                     raise ConstraintError(f"llguidance: {self._matcher.get_error()[:500]}")
-                self._accepting[state] = self._matcher.is_accepting()
+                accepting = self._accepting[state] = self._matcher.is_accepting()
                 self._snapshot()
-            legal = int.from_bytes(raw, "little") & self._plain_bits  # no special tokens, ...
-            legal |= self._accepting[state] << self.eos_id  # ... EOS where the text is complete
-        bits = self._bits[state] = legal.to_bytes(self._width, "little")
+            bits = self._ours(raw, accepting)
+        self._bits[state] = bits
         if len(self._bits) > MASK_CACHE:
             self._bits.popitem(last=False)
         return bits
+
+    def _ours(self, raw: bytes, accepting: bool) -> bytes:
+        """llguidance's bitmask ``raw`` (whole 32-bit words) as ours: V bits, no id without text
+        (a grammar may name a special token by id), EOS iff ``accepting``. A row that already is
+        (every schema's and regex's) is kept as it is: after a forward, each pass over its bytes
+        is a cold one."""
+        eos_byte, eos_bit = divmod(self.eos_id, 8)
+        if (
+            len(raw) >= self._width
+            and (raw[eos_byte] >> eos_bit & 1) == accepting
+            and not any(int.from_bytes(raw[a:b], "little") & m for a, b, m in self._textless)
+        ):  # (ids past V's bytes are dropped, and V's last byte's spare bits are among textless)
+            return raw if len(raw) == self._width else raw[: self._width]
+        legal = int.from_bytes(raw, "little") & self._plain_bits  # no special tokens, ...
+        legal |= accepting << self.eos_id  # ... EOS where the text is complete
+        return legal.to_bytes(self._width, "little")
 
     def _legal(self, state: int) -> np.ndarray:
         return np.flatnonzero(self._unpack([self._legal_bits(state)])[0])
@@ -191,8 +207,11 @@ class GuidanceConstraint(Constraint):
             )
         compiled = fused_if_built()  # one call where a model built the fused layers
         if compiled is not None:
-            return compiled.unpack_bits(rows, self.vocab_size).to(device)
-        return torch.from_numpy(self._unpack(rows)).to(device)
+            masks = compiled.unpack_bits(rows, self.vocab_size)
+        else:
+            masks = torch.from_numpy(self._unpack(rows))
+        on_cpu = getattr(device, "type", device) == "cpu"  # a torch.device or its name
+        return masks if on_cpu else masks.to(device)  # (a cold torch call fewer on the CPU)
 
     def accepts_tokens(self, tokens: list[int]) -> bool:
         """True iff the tokens (optionally ending in EOS) form a complete accepted text; asked of
@@ -218,6 +237,24 @@ def _vocab_tables(vocab: TokenVocabulary) -> tuple[dict[int, int], np.ndarray, i
     byte_ids = {b[0]: i for i, b in enumerate(vocab.token_bytes) if b and len(b) == 1}
     plain = np.array([bool(b) for b in vocab.token_bytes])
     return byte_ids, plain, int.from_bytes(np.packbits(plain, bitorder="little"), "little")
+
+
+@cache
+def _textless_spans(vocab: TokenVocabulary, width: int) -> list[tuple[int, int, int]]:
+    """The ids without text but EOS (special tokens, ids past the tokenizer's) as runs of the
+    bitmask's bytes: (start, end, the ids' bits in raw[start:end] as an int)."""
+    text = np.zeros(width * 8, dtype=bool)
+    text[: len(vocab.token_bytes)] = [bool(b) for b in vocab.token_bytes]
+    text[vocab.eos_id] = True
+    bits = np.packbits(~text, bitorder="little")
+    spans, start = [], None
+    for i, byte in enumerate([*bits.tolist(), 0]):
+        if byte and start is None:
+            start = i
+        elif not byte and start is not None:
+            spans.append((start, i, int.from_bytes(bits[start:i].tobytes(), "little")))
+            start = None
+    return spans
 
 
 @cache

@@ -216,6 +216,34 @@ def test_a_special_token_named_in_a_grammar_is_never_legal():
     assert c.allowed(c.step(after_a, b)) == [c.eos_id]
 
 
+@pytest.mark.parametrize("width_bytes", [6144, 6148, 6140])  # as wide as V, llguidance's, short
+def test_a_bitmask_row_kept_as_llguidance_gave_it_equals_the_cleared_one(width_bytes):
+    """``_ours`` keeps llguidance's row where it needs no change (no skipped pass over it): on
+    rows with and without special ids, EOS right or wrong, a tail past V or none, the result is
+    the row with only text ids (and EOS iff accepting), V bits wide."""
+    from constrained_spec.models import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    vocab = token_vocabulary(tokenizer)
+    c = guidance.GuidanceConstraint(guidance.regex_grammar("a+"), vocab, len(tokenizer), "regex")
+    rng, clean = random.Random(0), 0
+    for _ in range(200):
+        raw = bytearray(rng.randbytes(width_bytes))
+        accepting = rng.random() < 0.5
+        if rng.random() < 0.7:  # a clean row, as schemas and regexes give: specials and tail off
+            raw[0:3] = bytes(3)
+            raw[c.eos_id // 8] |= accepting << c.eos_id % 8
+            raw[c._width :] = bytes(max(0, width_bytes - c._width))
+            clean += 1
+        row = bytes(raw)
+        expected = (int.from_bytes(row, "little") & c._plain_bits) | accepting << c.eos_id
+        got = c._ours(row, accepting)
+        assert got == expected.to_bytes(c._width, "little")
+        if width_bytes == c._width and got == row:
+            assert got is row  # a clean row of V bits is the row itself
+    assert clean > 100
+
+
 def test_lark_grammar_generates_parsable_text(tiny_target, tiny_tokenizer):
     gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
     stopped = 0
