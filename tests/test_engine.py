@@ -391,3 +391,28 @@ def test_a_drafter_must_implement_the_whole_protocol(tiny_target, tiny_tokenizer
     gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
     with pytest.raises(TypeError, match="Drafter protocol"):
         gen.generate("hello", regex="yes", drafter=ProposeOnly())
+
+
+def test_a_drafter_reused_round_after_round_proposes_what_a_fresh_one_would(
+    tiny_target, tiny_tokenizer
+):
+    """The lookup's text grows with each round's tokens instead of being rebuilt: every draft
+    of a request, and of the next request, equals a fresh drafter's from the same context."""
+    from constrained_spec.draft import CompositeDrafter
+
+    class Recording(CompositeDrafter):
+        def propose(self, tokens, state, constraint, k, sampling, generator):
+            draft = super().propose(tokens, state, constraint, k, sampling, generator)
+            calls.append((list(tokens), state, constraint, k, sampling, draft))
+            return draft
+
+    calls = []
+    gen = Generator(tiny_target, tiny_tokenizer, draft=Recording(), cache_dir=None)
+    for prompt in ("hello yes{}ab no{}ba yes{}", "no{}ba yes"):
+        gen.generate(
+            prompt, regex="(yes|no)\\{\\}(ab|ba)( (yes|no)\\{\\}(ab|ba))*", max_new_tokens=30
+        )
+    assert sum("lookup" in draft.sources for *_, draft in calls) >= 2
+    for tokens, state, constraint, k, sampling, draft in calls:
+        fresh = CompositeDrafter().propose(tokens, state, constraint, k, sampling, None)
+        assert fresh.tokens == draft.tokens and fresh.sources == draft.sources
