@@ -13,7 +13,8 @@ noisy shared machine, which separate runs a few minutes apart do not (30–50% s
                                                           # (llama.CachePool) and with it
 
 The other commit must be 5d10e5f or later: fused_layers took one argument fewer before (the
-prompts' dense weights), and the model calls it as this checkout does. A commit before the keys
+prompts' dense weights), and the model calls it as this checkout does (a commit before the
+dense copy ran on AVX-512 BF16 too gets its call without the ``dense_amx`` flag). A commit before the keys
 came in tiles (llama.KEY_TILE) gets caches with its keys position-last, fed its context through
 its own layers; its passes are timed (and their features compared), not its requests or prompts.
 
@@ -68,7 +69,26 @@ def build_other(commit: str, folder: Path):
     module = cpp_extension.load(
         "fused_other", [str(source)], build_directory=str(folder), **kernels.FUSED_FLAGS
     )
+    if "bool dense_amx" not in text.stdout:  # before the dense copy on AVX-512 BF16 too
+        module = WithoutDenseFlag(module)
     return (module, None), "KEY_TILE" in text.stdout  # the build flags are the library's own
+
+
+class WithoutDenseFlag:
+    """An older module, called as this checkout calls it: its fused_layers has no ``dense_amx``
+    argument (the 9th: its dense copies were AMX tiles only) and its dense_mm no ``amx``."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def fused_layers(self, *args):
+        return self.module.fused_layers(*args[:8], *args[9:])
+
+    def dense_mm(self, x, tiles, amx):
+        return self.module.dense_mm(x, tiles)
 
 
 def pass_ms(

@@ -25,12 +25,15 @@ SKINNY_MAX = 32  # up to this many rows, W·xᵀ streams the weight once where x
 # dense matmul over a bf16 copy of the weight (dequantized once, when the kernel is chosen: 100 of
 # a 300-token prefill's ~250 ms went to dequantizing per call), where the 4-bit kernel re-reads its
 # blocks for every 4 rows. Chosen per machine (models.calibration): 2× faster for 300 rows with
-# avx512_bf16, slower without it. "amx-bf16" multiplies the same copy on AMX tiles (ours,
-# csrc dense_mm): a row's outputs do not depend on the rows beside it (torch's bf16 matmul
-# changes its sums with the row count), so the fused layers run it for every prompt they take,
-# a kept prompt's remainder too, and a prompt reused from the cache holds what a fresh one would.
+# avx512_bf16, slower without it. "amx-bf16" and "avx512-bf16" multiply the same copy on AMX
+# tiles or with AVX-512 BF16 dot products (ours, csrc dense_mm: 1.4-1.5x the 4-bit kernel's
+# speed on 128-300 rows without AMX, docs/measurements.md): a row's outputs do not depend on the
+# rows beside it (torch's bf16 matmul changes its sums with the row count), so the fused layers
+# run it for every prompt they take, a kept prompt's remainder too, and a prompt reused from the
+# cache holds what a fresh one would.
 PREFILL_ROWS = 33
-PREFILL_KERNELS = ("int4", "bf16", "amx-bf16")
+PREFILL_KERNELS = ("int4", "bf16", "amx-bf16", "avx512-bf16")
+DENSE_KERNELS = ("amx-bf16", "avx512-bf16")  # ours, on the copy in AMX B tiles
 
 
 # --- blocks -------------------------------------------------------------------------------------
@@ -125,6 +128,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
         # for the bf16 prefill kernel: q in plain nibble order, and W = q·scale + (zero − 8·scale)
         self.dense = None  # the bf16 copy the prefill kernel multiplies, where it is chosen
+        self.dense_amx = False  # whether ours multiplies it on AMX tiles (else AVX-512 BF16)
         q = q.to(torch.uint8)
         self.register_buffer("nibbles", q[:, 0::2] | (q[:, 1::2] << 4))
         self.register_buffer("scale_rows", scale.to(torch.bfloat16))  # (N, K/32)
@@ -161,7 +165,8 @@ class Int4Linear(nn.Module):
             x = x.repeat(1, self.copies)  # (n, copies·K)
         if prefill and self.dense is not None:
             if self.dense.dim() == 4:  # AMX tiles (use_prefill)
-                return fused_build()[0].dense_mm(x.contiguous(), self.dense).float()
+                dense_mm = fused_build()[0].dense_mm
+                return dense_mm(x.contiguous(), self.dense, self.dense_amx).float()
             return F.linear(x, self.dense).float()
         if self.kernel != "torch":
             return fused_build()[0].int4_mm(x.contiguous(), self.packed, self.scale_zero).float()
@@ -206,13 +211,14 @@ class Int4Linear(nn.Module):
 
     def use_prefill(self, kernel: str) -> None:
         """The kernel of a prompt's prefill: "bf16" keeps a bf16 copy of the weight (2 bytes
-        per weight on top of the blocks' half byte), "amx-bf16" the same copy in AMX B tiles
-        (N/16, K/32, 16, 32) (csrc dense_mm), "int4" drops it."""
+        per weight on top of the blocks' half byte), "amx-bf16" and "avx512-bf16" the same copy
+        in AMX B tiles (N/16, K/32, 16, 32) (csrc dense_mm), "int4" drops it."""
         assert kernel in PREFILL_KERNELS, kernel
-        if kernel == "amx-bf16" and (why := int4_kernel_missing(kernel)):
+        if kernel in DENSE_KERNELS and (why := int4_kernel_missing(kernel)):
             raise WeightsError(f"the {kernel!r} prefill kernel cannot run here: {why}")
         self.dense = None if kernel == "int4" else self.dequantized_bf16()
-        if kernel == "amx-bf16":  # tile (b, g): k-pair p of inputs 32g.., output 16b + j at 2j
+        self.dense_amx = kernel == "amx-bf16"
+        if kernel in DENSE_KERNELS:  # tile (b, g): k-pair p of inputs 32g.., output 16b + j at 2j
             n, k = self.dense.shape
             tiles = self.dense.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
             self.dense = tiles.reshape(n // 16, k // 32, 16, 32).contiguous()
@@ -417,16 +423,18 @@ def int4_missing() -> str | None:
 
 def measure_prefill(shapes: list[tuple[int, int]], rows: int = 128, repeats: int = 3) -> dict:
     """Milliseconds for one pass over ``shapes`` with ``rows`` input rows: through the bf16
-    prefill copy ("bf16" torch's matmul, "dense-amx-bf16" ours) and through each of INT4_KERNELS (the "int4" prefill kernel is the
-    4-bit kernel the model's linears run); inf where a kernel cannot run here."""
-    result = dict.fromkeys(("bf16", "dense-amx-bf16", *INT4_KERNELS), float("inf"))
+    prefill copy ("bf16" torch's matmul, "dense-amx-bf16" and "dense-avx512-bf16" ours) and
+    through each of INT4_KERNELS (the "int4" prefill kernel is the 4-bit kernel the model's
+    linears run); inf where a kernel cannot run here."""
+    ours = {f"dense-{k}": k for k in DENSE_KERNELS}  # ours on the copy, by its prefill name
+    result = dict.fromkeys(("bf16", *ours, *INT4_KERNELS), float("inf"))
     if int4_missing():
         return result  # nothing to choose: the model runs float
     layers = [Int4Linear.from_q4_1(*quantize_q4_1(torch.randn(n, k) * 0.02)) for n, k in shapes]
     xs = {k: torch.randn(rows, k) for _, k in shapes}
     for kernel in result:
-        dense = {"bf16": "bf16", "dense-amx-bf16": "amx-bf16"}.get(kernel)  # else the 4-bit
-        if int4_kernel_missing({"bf16": "torch", "dense-amx-bf16": "amx-bf16"}.get(kernel, kernel)):
+        dense = {"bf16": "bf16", **ours}.get(kernel)  # else the 4-bit
+        if int4_kernel_missing({"bf16": "torch", **ours}.get(kernel, kernel)):
             continue
         for layer in layers:  # the bf16 copy is made once per load, not timed
             layer.use_kernel("torch" if dense else kernel)

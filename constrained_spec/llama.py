@@ -312,11 +312,14 @@ class CompactLlama(nn.Module):
         """The 4-bit linears' kernel for a prompt's prefill (kernels.PREFILL_ROWS tokens or more)
         through the Python layers (the fused layers take prompts like any other input), never a
         step or a verify pass, so the baseline and speculation still compute the same function
-        after it. The fused layers take "amx-bf16" (or "int4") for every prompt they feed: its
-        rows are independent, so a kept prompt's remainder adds what a fresh prompt would."""
+        after it. The fused layers take "amx-bf16", "avx512-bf16" (or "int4") for every prompt
+        they feed: its rows are independent, so a kept prompt's remainder adds what a fresh
+        prompt would."""
         assert kernel in kernels.PREFILL_KERNELS, kernel
         if self._fused is not None and kernel == "bf16":
-            raise WeightsError("the fused layers' prompts take 'int4' or 'amx-bf16', not 'bf16'")
+            raise WeightsError(
+                "the fused layers' prompts take 'int4', 'amx-bf16' or 'avx512-bf16', not 'bf16'"
+            )
         for linear in self.linears:
             if isinstance(linear, kernels.Int4Linear):
                 linear.use_prefill(kernel)
@@ -430,7 +433,7 @@ class CompactLlama(nn.Module):
         order. A row's values do not depend on the other rows: 4-bit kernel rows are independent
         of how many are fed, and so are the LM head's (``head``), so a row of a batch computes
         what it would alone. ``prompt``: one row, a prompt (feed_prompt), which the fused
-        layers feed through the prefill kernel where it is "amx-bf16"."""
+        layers feed through the prefill kernel where it is ours on the copy (DENSE_KERNELS)."""
         s, sizes = self.shape, [ids.shape[0] for ids in rows]
         starts = [cache.length for cache in caches]
         # a prompt's prefill through the Python layers (the fused ones take every input alike)
@@ -442,9 +445,11 @@ class CompactLlama(nn.Module):
         if self._fused is not None:
             keys, values = [c.keys for c in caches], [c.values for c in caches]
             packed, scale_zero, copies, norms = self._fused
-            dense = [m.dense for m in self.linears] if prompt and self.prefill == "amx-bf16" else []
+            on_copy = prompt and self.prefill in kernels.DENSE_KERNELS
+            dense = [m.dense for m in self.linears] if on_copy else []
             features = kernels.fused_build()[0].fused_layers(
-                ids, self.embed.weight, cos, sin, packed, scale_zero, copies, dense, norms,
+                ids, self.embed.weight, cos, sin, packed, scale_zero, copies, dense,
+                self.prefill == "amx-bf16", norms,
                 self.norms[-1], keys, values,
                 starts, sizes, s.heads, s.kv_heads, s.eps,
             )  # fmt: skip

@@ -176,13 +176,16 @@ def describe_weights(name: str, requested: str, used: str, model=None) -> str:
     if requested != "auto" or name not in BUILTIN_MODELS:
         why = "asked for" if requested != "auto" else "auto: not a built-in model"
         return f"{used}{layers} ({why})"
+    from . import kernels
+
     c = calibration(name)
     head = "8-bit LM head (top logits in float32)" if c["head"] == "q8" else "float32 LM head"
     kernel = getattr(model, "prefill", None) or prefill_kernel(c, "torch")
     fused = getattr(model, "layer_kernel", None) == "fused"
     prompts = f"prompts through the {'fused layers' if fused else kernel + ' kernel'}"
-    if fused and kernel == "amx-bf16":
-        prompts += " on a bf16 copy (AMX tiles)"
+    if fused and kernel in kernels.DENSE_KERNELS:
+        on = "AMX tiles" if kernel == "amx-bf16" else "AVX-512 BF16"
+        prompts += f" on a bf16 copy ({on})"
     if getattr(model, "prompt_cache", None) is not None:
         prompts += ", kept for reuse"
     prefill = f", {head}, {prompts}" if used == "int4" else ""
@@ -218,7 +221,7 @@ def _describe_layers(model) -> str:
 
 
 # Part of the calibration's cache key: a new measurement method invalidates the cached choices.
-CALIBRATION = "v7: each 4-bit matmul kernel measured (AMX too), the head on each, dense AMX prompts"
+CALIBRATION = "v8: each 4-bit matmul kernel measured (AMX too), the head on each, dense prompts (AMX, AVX-512)"
 
 
 def calibration(name: str) -> dict:
@@ -260,6 +263,7 @@ def prefill_kernel(measured: dict, matmul: str, fused: bool = False) -> str:
     ms = {
         "int4": measured[f"prefill_{matmul}_ms"],
         "amx-bf16": measured.get("prefill_dense-amx-bf16_ms", math.inf),
+        "avx512-bf16": measured.get("prefill_dense-avx512-bf16_ms", math.inf),
         "bf16": math.inf if fused else measured["prefill_bf16_ms"],
     }
     return min(ms, key=ms.get)

@@ -32,10 +32,16 @@ needs_ours = pytest.mark.skipif(
     reason=f"our 4-bit kernel cannot run here: {kernels.int4_kernel_missing('avx512-bf16')}",
 )
 
-needs_amx = pytest.mark.skipif(
-    kernels.int4_kernel_missing("amx-bf16") is not None,
-    reason=f"AMX tiles: {kernels.int4_kernel_missing('amx-bf16')}",
-)
+
+def dense_kernel(name: str):
+    """The parameter of a test run on each of our kernels on the bf16 copy (DENSE_KERNELS)."""
+    missing = kernels.int4_kernel_missing(name)  # the same instructions as the 4-bit kernel's
+    return pytest.param(
+        name, marks=pytest.mark.skipif(missing is not None, reason=f"{name}: {missing}")
+    )
+
+
+DENSE = [dense_kernel(k) for k in kernels.DENSE_KERNELS]
 
 
 def int4_kernel(name: str):
@@ -717,6 +723,8 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
     faster = {**dense, "prefill_bf16_ms": 1.0}  # torch's: fused layers never take it
     assert models.prefill_kernel(faster, "amx-bf16") == "bf16"
     assert models.prefill_kernel(faster, "amx-bf16", fused=True) == "amx-bf16"
+    vector = {**stored, "prefill_dense-avx512-bf16_ms": 1.4}  # no AMX: ours with AVX-512 BF16
+    assert models.prefill_kernel(vector, "avx512-bf16", fused=True) == "avx512-bf16"
     described = models.describe_weights(name, "auto", "int4")
     assert "1.0 ms in int4 vs 2.0 ms" in described and "through the bf16 kernel" in described
     assert "8-bit LM head" in described
@@ -836,11 +844,13 @@ def test_the_prefill_kernel_runs_only_on_prompt_prefills():
 def test_greedy_speculation_equals_the_baseline_after_a_bf16_prefill(
     tiny_int4_target, tiny_draft, tiny_tokenizer
 ):
-    """The bf16 copy through torch's matmul (Python layers) or ours (fused layers: AMX)."""
+    """The bf16 copy through torch's matmul (Python layers) or ours (fused layers: AMX where
+    the CPU has it, else AVX-512 BF16)."""
     target = copy.deepcopy(tiny_int4_target)
-    if target.layer_kernel == "fused" and (why := kernels.int4_kernel_missing("amx-bf16")):
-        pytest.skip(f"amx-bf16: {why}")
-    target.use_prefill("bf16" if target.layer_kernel == "python" else "amx-bf16")
+    ours = [k for k in kernels.DENSE_KERNELS if not kernels.int4_kernel_missing(k)]
+    if target.layer_kernel == "fused" and not ours:
+        pytest.skip("none of our kernels on the bf16 copy runs here")
+    target.use_prefill("bf16" if target.layer_kernel == "python" else ours[0])
     gen = Generator(target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
     prompt = tiny_tokenizer.encode('{"name": "Alice", "age": 30} yes no yes ' * 4)
     assert len(prompt) > kernels.PREFILL_ROWS, "the prompt must take the prefill kernel"
@@ -850,14 +860,15 @@ def test_greedy_speculation_equals_the_baseline_after_a_bf16_prefill(
     assert spec.token_ids == base.token_ids
 
 
-@needs_amx
-def test_the_dense_amx_kernel_computes_each_row_from_its_own_input_alone():
+@pytest.mark.parametrize("dense", DENSE)
+def test_the_dense_kernels_compute_each_row_from_its_own_input_alone(dense):
     """Ours on the bf16 copy: any slice of rows (within a tile, across tiles, padded or not)
     gives bit for bit those rows of the whole pass, torch's bf16 matmul does not promise this;
-    the product is the copy's up to the output's bf16 rounding."""
+    the product is the copy's up to the output's bf16 rounding. 80 outputs: an odd number of
+    tile columns (AVX-512 BF16 takes two at a time)."""
     torch.manual_seed(0)
     linear = kernels.Int4Linear.from_q4_1(*kernels.quantize_q4_1(torch.randn(80, 96) * 0.1))
-    linear.use_prefill("amx-bf16")
+    linear.use_prefill(dense)
     x = torch.randn(75, 96)
     whole = linear(x, prefill=True)
     for rows in (
@@ -875,17 +886,17 @@ def test_the_dense_amx_kernel_computes_each_row_from_its_own_input_alone():
     assert not torch.equal(whole, linear(x)), "the 4-bit kernel ran, not the copy"
 
 
-@needs_amx
-def test_fused_prompts_on_the_dense_kernel_reuse_kept_ones_bit_for_bit(tiny_tokenizer):
-    """With the "amx-bf16" prefill, a prompt copying 50 tokens from a kept one and computing
+@pytest.mark.parametrize("dense", DENSE)
+def test_fused_prompts_on_the_dense_kernel_reuse_kept_ones_bit_for_bit(tiny_tokenizer, dense):
+    """With a prefill on the copy, a prompt copying 50 tokens from a kept one and computing
     the rest (fewer than kernels.PREFILL_ROWS) holds what a fresh prefill gives; the copy ran
     (values differ from the 4-bit kernel's, within bf16); steps and verify passes stay 4-bit."""
-    model = fused_tiny(tiny_tokenizer, "amx-bf16")
+    model = fused_tiny(tiny_tokenizer, dense)
     first = (tiny_tokenizer.encode(TEXTS[-1]) * 3)[:90]
     second = first[:50] + tiny_tokenizer.encode("yes no abba")
     assert len(second) - 50 < kernels.PREFILL_ROWS
     four_bit = kv.prefill(model, nan_cache(model), second, "cpu")
-    model.use_prefill("amx-bf16")  # empties the kept prompts: they are the 4-bit kernel's
+    model.use_prefill(dense)  # empties the kept prompts: they are the 4-bit kernel's
     assert kv.prefill(model, model.new_cache(), first, "cpu").cached == 0
     reused = nan_cache(model)
     copied = kv.prefill(model, reused, second, "cpu")
@@ -902,7 +913,7 @@ def test_fused_prompts_on_the_dense_kernel_reuse_kept_ones_bit_for_bit(tiny_toke
     steps = model.new_cache()
     stepped = torch.cat([model(torch.tensor([t]), steps, logits=False)[1] for t in second])
     assert torch.equal(stepped, four_bit.features), "a step took the prefill kernel"
-    with pytest.raises(WeightsError, match="'int4' or 'amx-bf16'"):
+    with pytest.raises(WeightsError, match="'int4', 'amx-bf16' or 'avx512-bf16'"):
         model.use_prefill("bf16")
 
 

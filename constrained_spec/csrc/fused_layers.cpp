@@ -269,6 +269,68 @@ void int4_tile(const int32_t* tile, const BFloat16* scales, const uint32_t* x, i
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(total[r])));
 }
+// A prompt's dense kernel on AVX-512 BF16 (kernels.Int4Linear's "avx512-bf16" prefill): R ≤ 8
+// rows of x times B ≤ 2 tile columns of the bf16 copy in AMX B tiles (dense_amx's layout: a tile
+// column's K/2 k-pairs are K/2 vectors of 16 outputs' bf16 pairs, one after the other). Each output
+// sums its K/2 pair products in order in one float32 chain (the scales are in the copy: no
+// per-group epilogue, which took a quarter of int4_tile's instructions), so a row's outputs
+// depend on its own inputs only, whatever R and B.
+template <int64_t R, int64_t B>
+void dense_tile(const __m512i* w, int64_t column_stride, const uint32_t* x, int64_t pairs,
+                BFloat16* out, int64_t N) {
+  __m512 sum[R][B];
+  for (auto& row : sum)
+    for (auto& s : row) s = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i v[B];
+    for (int64_t b = 0; b < B; ++b) v[b] = _mm512_loadu_si512(w + b * column_stride + p);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(x[r * pairs + p]);
+      for (int64_t b = 0; b < B; ++b) sum[r][b] = _mm512_dpbf16_ps(sum[r][b], (__m512bh)v[b], xr);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t b = 0; b < B; ++b)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + b * 16),
+                          (__m256i)_mm512_cvtneps_pbh(sum[r][b]));
+}
+
+// All n rows through B tile columns, 8 rows at a time (the columns stay in cache for the next).
+template <int64_t B>
+void dense_rows(const __m512i* w, int64_t pairs, const uint32_t* x, int64_t n, BFloat16* out,
+                int64_t N) {
+  for (int64_t r = 0; r < n;) {
+    const uint32_t* xr = x + r * pairs;
+    BFloat16* o = out + r * N;
+    switch (std::min<int64_t>(n - r, 8)) {
+      case 8: dense_tile<8, B>(w, pairs, xr, pairs, o, N), r += 8; break;
+      case 7: dense_tile<7, B>(w, pairs, xr, pairs, o, N), r += 7; break;
+      case 6: dense_tile<6, B>(w, pairs, xr, pairs, o, N), r += 6; break;
+      case 5: dense_tile<5, B>(w, pairs, xr, pairs, o, N), r += 5; break;
+      case 4: dense_tile<4, B>(w, pairs, xr, pairs, o, N), r += 4; break;
+      case 3: dense_tile<3, B>(w, pairs, xr, pairs, o, N), r += 3; break;
+      case 2: dense_tile<2, B>(w, pairs, xr, pairs, o, N), r += 2; break;
+      default: dense_tile<1, B>(w, pairs, xr, pairs, o, N), r += 1;
+    }
+  }
+}
+
+void dense_avx512(const BFloat16* x, int64_t n, int64_t K, const BFloat16* w, int64_t blocks,
+                  BFloat16* out, int64_t N) {
+  const int64_t pairs = K / 2;  // a tile column: pairs vectors of 64 bytes
+  const auto* pairs_of = reinterpret_cast<const uint32_t*>(x);
+  const auto* columns = reinterpret_cast<const __m512i*>(w);
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t two = begin; two < end; ++two) {  // tile columns 2·two and 2·two + 1
+      const int64_t b = 2 * two;
+      if (b + 1 < blocks)
+        dense_rows<2>(columns + b * pairs, pairs, pairs_of, n, out + b * 16, N);
+      else
+        dense_rows<1>(columns + b * pairs, pairs, pairs_of, n, out + b * 16, N);
+    }
+  });
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // The same sums on AMX tiles, 16 or 32 rows of x at once: per group the 16 vectors of a tile
 // column, unpacked as int4_tile unpacks them (vector 4c + m: row k-pair 4c + m of B, 16 columns
@@ -517,14 +579,24 @@ Tensor int4_mm(const Tensor& x, const Tensor& tiles, const Tensor& scales) {
   return out;
 }
 
-// x (n, K) bf16 times a bf16 weight copy in AMX B tiles (N/16, K/32, 16, 32) (dense_amx):
-// (n, N) bf16, float32 sums rounded once. Row r's outputs depend on row r of x only.
-Tensor dense_mm(const Tensor& x, const Tensor& tiles) {
-  TORCH_CHECK(amx_bf16(), "this build or process has no AMX BF16 tiles (amx_bf16)");
+// x (n, K) bf16 times a bf16 weight copy in AMX B tiles (N/16, K/32, 16, 32): (n, N) bf16,
+// float32 sums rounded once, on AMX tiles (dense_amx) or with AVX-512 BF16 dot products
+// (dense_avx512). Row r's outputs depend on row r of x only.
+Tensor dense_mm(const Tensor& x, const Tensor& tiles, bool amx) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: (n, K) bf16");
   TORCH_CHECK(tiles.scalar_type() == at::kBFloat16 && tiles.dim() == 4 && tiles.is_contiguous() &&
                   tiles.size(1) * 32 == x.size(1) && tiles.size(2) == 16 && tiles.size(3) == 32,
               "tiles: (N/16, K/32, 16, 32) bf16");
+  if (!amx) {
+    TORCH_CHECK(HAVE_AVX512_BF16, "this build has no AVX-512 BF16 instructions (CPU without avx512_bf16)");
+    Tensor out = at::empty({x.size(0), tiles.size(0) * 16}, x.options());
+#if defined(__AVX512BF16__)
+    dense_avx512(x.data_ptr<BFloat16>(), x.size(0), x.size(1), tiles.data_ptr<BFloat16>(),
+                 tiles.size(0), out.data_ptr<BFloat16>(), out.size(1));
+#endif
+    return out;
+  }
+  TORCH_CHECK(amx_bf16(), "this build or process has no AMX BF16 tiles (amx_bf16)");
   const int64_t n = x.size(0), K = x.size(1), blocks = tiles.size(0), padded = (n + 15) / 16 * 16;
   Tensor in = x, out = at::empty({padded, blocks * 16}, x.options());
   if (padded != n) {  // zero rows to whole tiles
@@ -563,13 +635,13 @@ void add_bf16(float* x, const Tensor& y) {  // x += y (bf16), rows (n, d)
 // rounded), room reserved. cos and sin (P, hd): the rotary factors of positions 0..P-1. Per layer
 // l, linears 4l..4l+3 are q/k/v, o, gate/up, down (torch int4 packs: packed, scale_zero, copies of
 // the input), or where ``dense`` is not empty (a prompt's prefill) their bf16 copies in AMX tiles
-// (dense_mm); norms 2l, 2l+1 its two RMSNorm weights; final_norm the last. Returns the
+// (dense_mm, on AMX where ``dense_amx``, else AVX-512 BF16); norms 2l, 2l+1 its two RMSNorm weights; final_norm the last. Returns the
 // features (N, d): the last layer's output after the final norm; the caches hold the new keys
 // and values.
 Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, const Tensor& sin,
                     const std::vector<Tensor>& packed, const std::vector<Tensor>& scale_zero,
                     const std::vector<int64_t>& copies, const std::vector<Tensor>& dense,
-                    const std::vector<Tensor>& norms,
+                    bool dense_amx, const std::vector<Tensor>& norms,
                     const Tensor& final_norm, const std::vector<Tensor>& keys,
                     const std::vector<Tensor>& values, const std::vector<int64_t>& starts,
                     const std::vector<int64_t>& sizes, int64_t heads, int64_t kv_heads, double eps) {
@@ -626,7 +698,7 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
   std::vector<float> q(N * heads * hd);
   TORCH_CHECK(dense.empty() || dense.size() == packed.size(), "dense: none, or one per linear");
   const auto linear = [&](const Tensor& input, int64_t i) {
-    return dense.empty() ? int4_matmul(input, packed[i], scale_zero[i], copies[i]) : dense_mm(input, dense[i]);
+    return dense.empty() ? int4_matmul(input, packed[i], scale_zero[i], copies[i]) : dense_mm(input, dense[i], dense_amx);
   };
 
   for (int64_t l = 0; l < layers; ++l) {
@@ -840,7 +912,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   m.def("int4_mm", &int4_mm, "x (n, K) bf16 times a 4-bit weight in our tiles: (n, N) bf16",
         nogil);
-  m.def("dense_mm", &dense_mm, "x (n, K) bf16 times a bf16 weight in AMX tiles: (n, N) bf16",
+  m.def("dense_mm", &dense_mm, "x (n, K) bf16 times a bf16 weight in AMX tiles (AMX or AVX-512): (n, N) bf16",
         nogil);
   m.def("q8_head", &q8_head, "The Q8_0 LM head's logits, the top ones recomputed in float32",
         nogil);
