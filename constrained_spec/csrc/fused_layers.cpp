@@ -635,9 +635,9 @@ void add_bf16(float* x, const Tensor& y) {  // x += y (bf16), rows (n, d)
 // rounded), room reserved. cos and sin (P, hd): the rotary factors of positions 0..P-1. Per layer
 // l, linears 4l..4l+3 are q/k/v, o, gate/up, down (torch int4 packs: packed, scale_zero, copies of
 // the input), or where ``dense`` is not empty (a prompt's prefill) their bf16 copies in AMX tiles
-// (dense_mm, on AMX where ``dense_amx``, else AVX-512 BF16); norms 2l, 2l+1 its two RMSNorm weights; final_norm the last. Returns the
-// features (N, d): the last layer's output after the final norm; the caches hold the new keys
-// and values.
+// (dense_mm: on AMX where ``dense_amx``, else with AVX-512 BF16); norms 2l, 2l+1 its two RMSNorm
+// weights; final_norm the last. Returns the features (N, d): the last layer's output after the
+// final norm; the caches hold the new keys and values.
 Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, const Tensor& sin,
                     const std::vector<Tensor>& packed, const std::vector<Tensor>& scale_zero,
                     const std::vector<int64_t>& copies, const std::vector<Tensor>& dense,
@@ -912,7 +912,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   m.def("int4_mm", &int4_mm, "x (n, K) bf16 times a 4-bit weight in our tiles: (n, N) bf16",
         nogil);
-  m.def("dense_mm", &dense_mm, "x (n, K) bf16 times a bf16 weight in AMX tiles (AMX or AVX-512): (n, N) bf16",
+  m.def("dense_mm", &dense_mm, "x (n, K) bf16 times a bf16 weight in AMX B tiles: (n, N) bf16",
         nogil);
   m.def("q8_head", &q8_head, "The Q8_0 LM head's logits, the top ones recomputed in float32",
         nogil);
