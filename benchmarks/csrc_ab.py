@@ -14,7 +14,8 @@ noisy shared machine, which separate runs a few minutes apart do not (30–50% s
 
 The other commit must be 5d10e5f or later: fused_layers took one argument fewer before (the
 prompts' dense weights), and the model calls it as this checkout does (a commit before the
-dense copy ran on AVX-512 BF16 too gets its call without the ``dense_amx`` flag). A commit before the keys
+dense copy ran on AVX-512 BF16 too gets its call without the ``dense_amx`` flag, and where this
+checkout's prompts run that copy, both take 4-bit prompts). A commit before the keys
 came in tiles (llama.KEY_TILE) gets caches with its keys position-last, fed its context through
 its own layers; its passes are timed (and their features compared), not its requests or prompts.
 
@@ -182,6 +183,9 @@ def main() -> None:
         modules = {"this": this, "other": other}
         if not tiled["other"] and (args.requests or args.prompt):
             parser.error(f"{args.commit}'s keys are position-last: passes only (--prompt 0)")
+        if isinstance(other[0], WithoutDenseFlag) and model.prefill == "avx512-bf16":
+            model.use_prefill("int4")  # its dense copies run on AMX only: prompts 4-bit for both
+            print(f"{args.commit} has no AVX-512 BF16 prompts: both take 4-bit prompts here")
     else:
         modules = {"this": this, "other": this}
 
