@@ -64,6 +64,7 @@ class GuidanceConstraint(Constraint):
         self._byte_ids, self._plain, self._plain_bits = _vocab_tables(vocab)
         self._width = (vocab_size + 7) // 8  # bytes in a state's bitmask
         self._textless = _textless_spans(vocab, self._width)
+        self._eos_at = divmod(self.eos_id, 8)  # EOS's byte and bit in a bitmask
         self._none_legal = bytes(self._width)
 
     def _goto(self, state: int) -> None:
@@ -120,7 +121,7 @@ class GuidanceConstraint(Constraint):
         (a grammar may name a special token by id), EOS iff ``accepting``. A row that already is
         (every schema's and regex's) is kept as it is: after a forward, each pass over its bytes
         is a cold one."""
-        eos_byte, eos_bit = divmod(self.eos_id, 8)
+        eos_byte, eos_bit = self._eos_at
         if (
             len(raw) >= self._width
             and (raw[eos_byte] >> eos_bit & 1) == accepting

@@ -258,12 +258,13 @@ def _measure_kernels(name: str) -> dict:
 def prefill_kernel(measured: dict, matmul: str, fused: bool = False) -> str:
     """A prompt's prefill kernel (kernels.PREFILL_KERNELS) for a model whose 4-bit linears run
     ``matmul``: the fastest measured of "int4" (that kernel), a dense copy through ours
-    ("amx-bf16") and, unless the layers are ``fused`` (their prompts need rows that do not
-    depend on each other), through torch's ("bf16")."""
+    (kernels.DENSE_KERNELS) and, unless the layers are ``fused`` (their prompts need rows that
+    do not depend on each other), through torch's ("bf16")."""
+    from . import kernels
+
     ms = {
         "int4": measured[f"prefill_{matmul}_ms"],
-        "amx-bf16": measured.get("prefill_dense-amx-bf16_ms", math.inf),
-        "avx512-bf16": measured.get("prefill_dense-avx512-bf16_ms", math.inf),
+        **{k: measured.get(f"prefill_dense-{k}_ms", math.inf) for k in kernels.DENSE_KERNELS},
         "bf16": math.inf if fused else measured["prefill_bf16_ms"],
     }
     return min(ms, key=ms.get)

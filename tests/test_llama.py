@@ -33,17 +33,6 @@ needs_ours = pytest.mark.skipif(
 )
 
 
-def dense_kernel(name: str):
-    """The parameter of a test run on each of our kernels on the bf16 copy (DENSE_KERNELS)."""
-    missing = kernels.int4_kernel_missing(name)  # the same instructions as the 4-bit kernel's
-    return pytest.param(
-        name, marks=pytest.mark.skipif(missing is not None, reason=f"{name}: {missing}")
-    )
-
-
-DENSE = [dense_kernel(k) for k in kernels.DENSE_KERNELS]
-
-
 def int4_kernel(name: str):
     """The parameter of a test run on each 4-bit kernel; one this machine lacks skips."""
     missing = kernels.int4_kernel_missing(name)
@@ -53,6 +42,8 @@ def int4_kernel(name: str):
 
 
 INT4_KERNELS = [int4_kernel(name) for name in kernels.INT4_KERNELS]
+# our kernels on the bf16 copy: the same instructions as the 4-bit kernels of the same names
+DENSE = [int4_kernel(name) for name in kernels.DENSE_KERNELS]
 
 
 def logits_of(model, ids, cache=None):
@@ -849,7 +840,8 @@ def test_greedy_speculation_equals_the_baseline_after_a_bf16_prefill(
     target = copy.deepcopy(tiny_int4_target)
     ours = [k for k in kernels.DENSE_KERNELS if not kernels.int4_kernel_missing(k)]
     if target.layer_kernel == "fused" and not ours:
-        pytest.skip("none of our kernels on the bf16 copy runs here")
+        why = "; ".join(f"{k}: {kernels.int4_kernel_missing(k)}" for k in kernels.DENSE_KERNELS)
+        pytest.skip(f"the fused layers' prompts have no kernel on the bf16 copy here ({why})")
     target.use_prefill("bf16" if target.layer_kernel == "python" else ours[0])
     gen = Generator(target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
     prompt = tiny_tokenizer.encode('{"name": "Alice", "age": 30} yes no yes ' * 4)

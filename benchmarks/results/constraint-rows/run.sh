@@ -5,15 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=$PWD/benchmarks/results/constraint-rows
-OLD=${OLD:-/tmp/constraint-rows-old}
-[ -d "$OLD" ] || git worktree add -q "$OLD" c5f6ead
-CACHE=${CONSTRAINED_SPEC_CACHE:-$HOME/.cache/constrained_spec}
-mkdir -p "$OLD/.cache"
-for entry in "$CACHE"/*; do
-  [ "$(basename "$entry")" = kernels ] || ln -sfn "$entry" "$OLD/.cache/$(basename "$entry")"
-done
+source benchmarks/old_checkout.sh
+old_checkout c5f6ead "${OLD:-/tmp/constraint-rows-old}"
 for turn in ${TURNS:-1 2 3}; do
-  (cd "$OLD" && CONSTRAINED_SPEC_CACHE="$OLD/.cache" PYTHONPATH="$OLD" \
-    python benchmarks/constraint_profile.py) > "$OUT/before-$turn.txt"
+  in_old python benchmarks/constraint_profile.py > "$OUT/before-$turn.txt"
   python benchmarks/constraint_profile.py > "$OUT/after-$turn.txt"
 done

@@ -8,15 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=$PWD/benchmarks/results/dense-avx512
-OLD=${OLD:-/tmp/dense-avx512-old}
-[ -d "$OLD" ] || git worktree add -q "$OLD" 493d120
-CACHE=${CONSTRAINED_SPEC_CACHE:-$HOME/.cache/constrained_spec}
-mkdir -p "$OLD/.cache"
-for entry in "$CACHE"/*; do
-  [ "$(basename "$entry")" = kernels ] || ln -sfn "$entry" "$OLD/.cache/$(basename "$entry")"
-done
+source benchmarks/old_checkout.sh
+old_checkout 493d120 "${OLD:-/tmp/dense-avx512-old}"
 for turn in ${TURNS:-1 2 3}; do
-  (cd "$OLD" && CONSTRAINED_SPEC_CACHE="$OLD/.cache" PYTHONPATH="$OLD" python benchmarks/batch.py \
-    --workload extract --n 16 --sizes 1,8,16 --out "$OUT/before-$turn") > /dev/null
+  in_old python benchmarks/batch.py \
+    --workload extract --n 16 --sizes 1,8,16 --out "$OUT/before-$turn" > /dev/null
   python benchmarks/batch.py --workload extract --n 16 --sizes 1,8,16 --out "$OUT/after-$turn" > /dev/null
 done

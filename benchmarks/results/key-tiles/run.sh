@@ -6,15 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=$PWD/benchmarks/results/key-tiles
-OLD=${OLD:-/tmp/key-tiles-old}
-[ -d "$OLD" ] || git worktree add -q "$OLD" e0ad82d
-CACHE=${CONSTRAINED_SPEC_CACHE:-$HOME/.cache/constrained_spec}
-mkdir -p "$OLD/.cache"
-for entry in "$CACHE"/*; do
-  [ "$(basename "$entry")" = kernels ] || ln -sfn "$entry" "$OLD/.cache/$(basename "$entry")"
-done
+source benchmarks/old_checkout.sh
+old_checkout e0ad82d "${OLD:-/tmp/key-tiles-old}"
 for turn in ${TURNS:-1 2 3 4}; do
-  (cd "$OLD" && CONSTRAINED_SPEC_CACHE="$OLD/.cache" PYTHONPATH="$OLD" python benchmarks/batch.py \
-    --workload extract --n 16 --sizes 1,8,16 --out "$OUT/before-$turn") > /dev/null
+  in_old python benchmarks/batch.py \
+    --workload extract --n 16 --sizes 1,8,16 --out "$OUT/before-$turn" > /dev/null
   python benchmarks/batch.py --workload extract --n 16 --sizes 1,8,16 --out "$OUT/after-$turn" > /dev/null
 done

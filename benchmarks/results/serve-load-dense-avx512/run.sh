@@ -6,15 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=$PWD/benchmarks/results/serve-load-dense-avx512
-OLD=${OLD:-/tmp/dense-avx512-old}
-[ -d "$OLD" ] || git worktree add -q --detach "$OLD" 493d120
-CACHE=${CONSTRAINED_SPEC_CACHE:-$HOME/.cache/constrained_spec}
-mkdir -p "$OLD/.cache"
-for entry in "$CACHE"/*; do
-  [ "$(basename "$entry")" = kernels ] || ln -sfn "$entry" "$OLD/.cache/$(basename "$entry")"
-done
+source benchmarks/old_checkout.sh
+old_checkout 493d120 "${OLD:-/tmp/dense-avx512-old}"
 for turn in 1 2; do
-  (cd "$OLD" && CONSTRAINED_SPEC_CACHE="$OLD/.cache" OUT="$OUT/before-$turn" \
-    bash benchmarks/results/serve-load-batched-final/run.sh)
+  in_old env OUT="$OUT/before-$turn" bash benchmarks/results/serve-load-batched-final/run.sh
   OUT="$OUT/after-$turn" bash benchmarks/results/serve-load-batched-final/run.sh
 done

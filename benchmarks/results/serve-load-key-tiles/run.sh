@@ -5,15 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=$PWD/benchmarks/results/serve-load-key-tiles
-OLD=${OLD:-/tmp/key-tiles-old}
-[ -d "$OLD" ] || git worktree add -q --detach "$OLD" e0ad82d
-CACHE=${CONSTRAINED_SPEC_CACHE:-$HOME/.cache/constrained_spec}
-mkdir -p "$OLD/.cache"
-for entry in "$CACHE"/*; do
-  [ "$(basename "$entry")" = kernels ] || ln -sfn "$entry" "$OLD/.cache/$(basename "$entry")"
-done
+source benchmarks/old_checkout.sh
+old_checkout e0ad82d "${OLD:-/tmp/key-tiles-old}"
 for turn in 1 2; do
-  (cd "$OLD" && CONSTRAINED_SPEC_CACHE="$OLD/.cache" OUT="$OUT/before-$turn" \
-    bash benchmarks/results/serve-load-batched-final/run.sh)
+  in_old env OUT="$OUT/before-$turn" bash benchmarks/results/serve-load-batched-final/run.sh
   OUT="$OUT/after-$turn" bash benchmarks/results/serve-load-batched-final/run.sh
 done
