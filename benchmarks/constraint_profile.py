@@ -37,10 +37,7 @@ def main() -> None:
     meter, rounds_s, tokens = Meter(gen.target), 0.0, 0
     for i, request in enumerate(requests["requests"][: args.n]):
         constraint = gen.compile(schema=request["schema"])
-        constraint.clear_caches()
-        if hasattr(constraint, "_snapshots"):  # llguidance: the matcher back at the start too
-            constraint._snapshots.clear()
-            constraint._matcher, constraint._at = constraint._root.deep_copy(), 0
+        constraint.clear_caches()  # llguidance's: its matcher copies too
         forget_prompts(gen.target)
         result = gen.generate(
             request["messages"],

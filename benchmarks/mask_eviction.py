@@ -40,9 +40,7 @@ def fresh_masks(requests, tok, vocab, between, fresh: bool = True) -> list[float
     for q in requests:
         c = guidance.compile_constraint("auto", vocab, len(tok), schema=q["schema"])
         if fresh:
-            c.clear_caches()
-            c._snapshots.clear()
-            c._matcher, c._at = c._root.deep_copy(), 0
+            c.clear_caches()  # masks and matcher copies
         state = c.initial_state
         for token in tok.encode(json.dumps(q["expected"], separators=(",", ":"))):
             between()

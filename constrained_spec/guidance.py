@@ -33,7 +33,12 @@ from .kernels import fused_if_built
 from .vocab import TokenVocabulary
 
 MASK_CACHE = 256  # masks kept per constraint (LRU): a 49k vocabulary's bool mask is 49 kB
-SNAPSHOTS = 256  # matcher copies kept per constraint (LRU), one per state whose mask was computed
+SNAPSHOTS = 256  # matcher copies kept per constraint (LRU)
+# A copy is kept of every SNAPSHOT_EVERY-th state along a path whose mask was computed: going back
+# to a state then consumes at most SNAPSHOT_EVERY - 1 tokens more after the copy; a copy costs
+# about what consuming a token does, and most states are never gone back to (only a round's last
+# accepted one, when a draft token was rejected).
+SNAPSHOT_EVERY = 2
 COMPILED_CACHE = 32  # constraints kept in memory (LRU), by grammar × vocabulary
 # The trie of states grows with every token path asked about (~100 bytes a state); past this many
 # states, compile_grammar hands later requests a fresh constraint (3 ms) instead of the cached one,
@@ -53,12 +58,13 @@ class GuidanceConstraint(Constraint):
         if root.is_error():
             raise ConstraintError(f"cannot compile {source}: {root.get_error()}")
         self._root, self._matcher, self._at = root, root.deep_copy(), 0  # _at: _matcher's state
+        self._copied_at = 0  # the depth of the last copy on _matcher's path (taken or started from)
         self._snapshots: OrderedDict[int, llg.LLMatcher] = OrderedDict()
         self.initial_state = 0
         self._parent, self._token, self._depth = [-1], [-1], [0]  # the trie, by state
         self._children: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()  # one matcher, shared by the requests using this constraint
-        self._bits: OrderedDict[int, bytes] = OrderedDict()  # legal ids by state, see _legal_bits
+        self._bits: dict[int, bytes] = {}  # legal ids by state, see _legal_bits
         self._masks: OrderedDict[tuple[int, torch.device], torch.Tensor] = OrderedDict()
         self._accepting: dict[int, bool] = {}
         self._byte_ids, self._plain, self._plain_bits = _vocab_tables(vocab)
@@ -78,6 +84,7 @@ class GuidanceConstraint(Constraint):
             s = self._parent[s]
         if s != self._at:
             self._matcher = (self._snapshots[s] if s else self._root).deep_copy()
+            self._copied_at = self._depth[s]
         for s in reversed(chain):  # legal by construction: step() checked each parent's mask
             ok = self._matcher.consume_token(self._token[s])
             assert ok, self._matcher.get_error()
@@ -86,19 +93,19 @@ class GuidanceConstraint(Constraint):
     def _snapshot(self) -> None:
         """Keep a copy of the matcher at its state: later paths through it start there."""
         self._snapshots[self._at] = self._matcher.deep_copy()
+        self._copied_at = self._depth[self._at]
         self._snapshots.move_to_end(self._at)
         if len(self._snapshots) > SNAPSHOTS:
             self._snapshots.popitem(last=False)
 
     def _legal_bits(self, state: int) -> bytes:
         """The legal ids as a bitmask (bit t of byte t // 8, V bits), EOS included iff accepting;
-        cached (LRU). Bytes rather than an array because in decoding every numpy or torch call
+        cached (the oldest go first). Bytes rather than an array because in decoding every numpy or torch call
         right after a forward costs 10–35 µs (the forward's weights evict their code and data
         from the caches; benchmarks/mask_eviction.py): a step tests one bit in plain Python, a
         round's masks become tensors in one conversion (``masks``)."""
         bits = self._bits.get(state)
         if bits is not None:
-            self._bits.move_to_end(state)
             return bits
         if state == FINISHED:  # only EOS "continues": a harmless row for drafts ending in EOS
             bits = (1 << self.eos_id).to_bytes(self._width, "little")
@@ -109,11 +116,13 @@ class GuidanceConstraint(Constraint):
                 if self._matcher.is_error():  # a limit hit (compile_grammar then builds anew)
                     raise ConstraintError(f"llguidance: {self._matcher.get_error()[:500]}")
                 accepting = self._accepting[state] = self._matcher.is_accepting()
-                self._snapshot()
+                if self._depth[state] - self._copied_at >= SNAPSHOT_EVERY:
+                    self._snapshot()
             bits = self._ours(raw, accepting)
-        self._bits[state] = bits
-        if len(self._bits) > MASK_CACHE:
-            self._bits.popitem(last=False)
+        with self._lock:
+            self._bits[state] = bits
+            if len(self._bits) > MASK_CACHE:  # the oldest: decoding asks for the newest states
+                del self._bits[next(iter(self._bits))]
         return bits
 
     def _ours(self, raw: bytes, accepting: bool) -> bytes:
@@ -142,6 +151,9 @@ class GuidanceConstraint(Constraint):
 
     def step(self, state: int, token: int) -> int | None:
         """The state after ``token``, ``FINISHED`` after a legal EOS, ``None`` if illegal."""
+        child = self._children.get((state, token))
+        if child is not None:  # legal: a child is made only after its test (drafts step twice)
+            return child
         if state == FINISHED:
             return None
         if token == self.eos_id:
@@ -150,10 +162,9 @@ class GuidanceConstraint(Constraint):
             return None
         if not self._legal_bits(state)[token >> 3] >> (token & 7) & 1:
             return None
-        child = self._children.get((state, token))
-        if child is None:
-            with self._lock:
-                child = self._children[(state, token)] = len(self._parent)
+        with self._lock:
+            child = self._children.setdefault((state, token), len(self._parent))
+            if child == len(self._parent):  # (another thread may have made it meanwhile)
                 self._parent.append(state)
                 self._token.append(token)
                 self._depth.append(self._depth[state] + 1)
@@ -226,9 +237,12 @@ class GuidanceConstraint(Constraint):
         return done == len(body) and matcher.is_accepting()
 
     def clear_caches(self) -> None:
-        """Drop the cached masks (states stay valid; masks rebuild on use)."""
-        self._bits.clear()
-        self._masks.clear()
+        """Drop the cached masks and matcher copies (states stay valid; both rebuild on use)."""
+        with self._lock:
+            self._bits.clear()
+            self._masks.clear()
+            self._snapshots.clear()
+            self._matcher, self._at, self._copied_at = self._root.deep_copy(), 0, 0
 
 
 @cache

@@ -167,8 +167,11 @@ def test_forced_bytes_leave_every_spelling_legal(tiny_tokenizer):
     assert c.forced(c.initial_state) is None  # two spellings: nothing is forced token-wise
 
 
-def test_states_survive_any_order_of_queries(tiny_tokenizer):
-    """Rollback lives in one place: a state's mask is the same whatever was asked before."""
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_states_survive_any_order_of_queries(every, tiny_tokenizer, monkeypatch):
+    """Rollback lives in one place: a state's mask is the same whatever was asked before, with a
+    matcher copy kept at every ``every``-th state (``_goto`` then consumes up to every - 1 more)."""
+    monkeypatch.setattr(guidance, "SNAPSHOT_EVERY", every)
     vocab = token_vocabulary(tiny_tokenizer)
     grammar = guidance.schema_grammar(PERSON)
     fresh = lambda: guidance.GuidanceConstraint(grammar, vocab, len(vocab.token_bytes), "")  # noqa: E731
@@ -776,7 +779,8 @@ def test_local_refs_are_not_followed_below_a_nested_id():
 
 
 @pytest.mark.real_model
-def test_masks_after_rollbacks_equal_a_fresh_matchers():
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_masks_after_rollbacks_equal_a_fresh_matchers(every, monkeypatch):
     """The masks a request sequence asked for (a baseline request, then a speculative one over
     the same schema, with lookup drafts rejected), replayed on the default model's vocabulary:
     each equals a fresh llguidance matcher's on the same path. With llguidance's own rollback
@@ -789,6 +793,7 @@ def test_masks_after_rollbacks_equal_a_fresh_matchers():
 
     from constrained_spec.models import load_tokenizer
 
+    monkeypatch.setattr(guidance, "SNAPSHOT_EVERY", every)
     case = json.loads((Path(__file__).parent / "data" / "llg_rollback_case.json").read_text())
     tokenizer = load_tokenizer()
     vocab = token_vocabulary(tokenizer)
