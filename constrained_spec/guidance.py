@@ -32,7 +32,7 @@ from .errors import ConstraintError, SchemaTooComplex, UnsupportedSchemaError
 from .kernels import fused_if_built
 from .vocab import TokenVocabulary
 
-MASK_CACHE = 256  # masks kept per constraint (LRU): a 49k vocabulary's bool mask is 49 kB
+MASK_CACHE = 256  # bitmasks and bool masks kept per constraint (a 49k vocabulary's: 6 / 49 kB)
 SNAPSHOTS = 256  # matcher copies kept per constraint (LRU)
 # A copy is kept of every SNAPSHOT_EVERY-th state along a path whose mask was computed: going back
 # to a state then consumes at most SNAPSHOT_EVERY - 1 tokens more after the copy; a copy costs
@@ -100,10 +100,10 @@ class GuidanceConstraint(Constraint):
 
     def _legal_bits(self, state: int) -> bytes:
         """The legal ids as a bitmask (bit t of byte t // 8, V bits), EOS included iff accepting;
-        cached (the oldest go first). Bytes rather than an array because in decoding every numpy or torch call
-        right after a forward costs 10–35 µs (the forward's weights evict their code and data
-        from the caches; benchmarks/mask_eviction.py): a step tests one bit in plain Python, a
-        round's masks become tensors in one conversion (``masks``)."""
+        cached (the oldest go first). Bytes rather than an array because in decoding every numpy
+        or torch call right after a forward costs 10–35 µs (the forward's weights evict their
+        code and data from the caches; benchmarks/mask_eviction.py): a step tests one bit in
+        plain Python, a round's masks become tensors in one conversion (``masks``)."""
         bits = self._bits.get(state)
         if bits is not None:
             return bits
