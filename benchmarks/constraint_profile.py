@@ -23,6 +23,37 @@ from run import Meter, forget_prompts  # noqa: E402
 from constrained_spec import Generator  # noqa: E402
 
 
+def profile(gen, requests, max_new_tokens: int, temperature: float):
+    """(meter, seconds in the decode rounds, output tokens, output ids) of one seeded run of
+    ``requests``, each constraint's caches and matcher copies emptied and the kept prompts
+    forgotten before its request."""
+    meter, rounds_s, tokens, outputs = Meter(gen.target), 0.0, 0, []
+    for i, request in enumerate(requests):
+        gen.compile(schema=request["schema"]).clear_caches()  # llguidance's: its copies too
+        forget_prompts(gen.target)
+        result = gen.generate(
+            request["messages"],
+            schema=request["schema"],
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=i,
+        )
+        rounds_s += result.stats.total_s - result.stats.prefill_s
+        tokens += len(result.token_ids) + (result.finish_reason == "stop")
+        outputs.append(result.token_ids)
+    meter.close()
+    return meter, rounds_s, tokens, outputs
+
+
+def load(workload: str, n: int):
+    """The default generator and the first ``n`` requests of a headline run."""
+    requests = json.loads((HERE / f"results/{workload}-fast/requests.json").read_text())
+    gen = Generator.from_pretrained()
+    for table in ("ids_by_bytes", "longest_by_start"):  # built once per process, not per request
+        getattr(gen.vocab, table)
+    return gen, requests["requests"][:n]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="extract", choices=["extract", "generate"])
@@ -30,25 +61,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-new-tokens", type=int, default=160)
     args = parser.parse_args()
-    requests = json.loads((HERE / f"results/{args.workload}-fast/requests.json").read_text())
-    gen = Generator.from_pretrained()
-    for table in ("ids_by_bytes", "longest_by_start"):  # built once per process, not per request
-        getattr(gen.vocab, table, None)  # (an older commit may lack the second)
-    meter, rounds_s, tokens = Meter(gen.target), 0.0, 0
-    for i, request in enumerate(requests["requests"][: args.n]):
-        constraint = gen.compile(schema=request["schema"])
-        constraint.clear_caches()  # llguidance's: its matcher copies too
-        forget_prompts(gen.target)
-        result = gen.generate(
-            request["messages"],
-            schema=request["schema"],
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            seed=i,
-        )
-        rounds_s += result.stats.total_s - result.stats.prefill_s
-        tokens += len(result.token_ids) + (result.finish_reason == "stop")
-    meter.close()
+    gen, requests = load(args.workload, args.n)
+    meter, rounds_s, tokens, _ = profile(gen, requests, args.max_new_tokens, args.temperature)
     print(
         f"{args.workload}, {args.n} requests, T = {args.temperature:g}: {tokens} output tokens, "
         f"rounds {1e3 * rounds_s / tokens:.2f} ms per token; constraint "

@@ -9,38 +9,15 @@ drafter's learned tokens forgotten before each run, so every run decodes the sam
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import Meter, forget_prompts  # noqa: E402
+from constraint_profile import load, profile  # noqa: E402
 
-from constrained_spec import Generator, guidance  # noqa: E402
-
-
-def profile(gen, requests, every: int, max_new_tokens: int, temperature: float):
-    """(µs per output token, share of the rounds, the output ids) of one run at ``every``."""
-    guidance.SNAPSHOT_EVERY = every
-    gen.drafter.target_tokens.clear()
-    meter, rounds_s, tokens, outputs = Meter(gen.target), 0.0, 0, []
-    for i, request in enumerate(requests):
-        gen.compile(schema=request["schema"]).clear_caches()
-        forget_prompts(gen.target)
-        result = gen.generate(
-            request["messages"],
-            schema=request["schema"],
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=i,
-        )
-        rounds_s += result.stats.total_s - result.stats.prefill_s
-        tokens += len(result.token_ids) + (result.finish_reason == "stop")
-        outputs.append(result.token_ids)
-    meter.close()
-    return 1e6 * meter.mask_s / tokens, meter.mask_s / rounds_s, outputs
+from constrained_spec import guidance  # noqa: E402
 
 
 def main() -> None:
@@ -52,17 +29,16 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-new-tokens", type=int, default=160)
     args = parser.parse_args()
-    path = HERE / f"results/{args.workload}-fast/requests.json"
-    requests = json.loads(path.read_text())["requests"][: args.n]
-    gen = Generator.from_pretrained()
-    for table in ("ids_by_bytes", "longest_by_start"):  # built once per process, not per request
-        getattr(gen.vocab, table)
+    gen, requests = load(args.workload, args.n)
     runs, first = {e: [] for e in args.every}, None
     for turn in range(args.turns):
         for every in args.every:
-            us, share, outputs = profile(
-                gen, requests, every, args.max_new_tokens, args.temperature
+            guidance.SNAPSHOT_EVERY = every
+            gen.drafter.target_tokens.clear()  # what it learned in the last run shapes its drafts
+            meter, rounds_s, tokens, outputs = profile(
+                gen, requests, args.max_new_tokens, args.temperature
             )
+            us, share = 1e6 * meter.mask_s / tokens, meter.mask_s / rounds_s
             first = first or outputs
             assert outputs == first, "a spacing changed the output tokens"
             runs[every].append((us, share))

@@ -6,12 +6,7 @@
 # turns: tuned on the extract requests, reported on the generate ones.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-OUT=$PWD/benchmarks/results/constraint-round7
-source benchmarks/old_checkout.sh
-old_checkout d6a0067 "${OLD:-/tmp/constraint-round7-old}"
-for turn in ${TURNS:-1 2 3}; do
-  in_old python benchmarks/constraint_profile.py > "$OUT/before-$turn.txt"
-  python benchmarks/constraint_profile.py > "$OUT/after-$turn.txt"
-done
+OUT=benchmarks/results/constraint-round7
+bash benchmarks/constraint_turns.sh d6a0067 "$OUT"
 python benchmarks/snapshot_spacing.py --workload extract --every 1 2 3 --turns 3 > "$OUT/spacing-extract.txt"
 python benchmarks/snapshot_spacing.py --workload generate --every 1 2 --turns 2 > "$OUT/spacing-generate.txt"

@@ -4,10 +4,4 @@
 # times; the old commit in a worktree with its own kernel build (its cache links the model).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-OUT=$PWD/benchmarks/results/constraint-rows
-source benchmarks/old_checkout.sh
-old_checkout c5f6ead "${OLD:-/tmp/constraint-rows-old}"
-for turn in ${TURNS:-1 2 3}; do
-  in_old python benchmarks/constraint_profile.py > "$OUT/before-$turn.txt"
-  python benchmarks/constraint_profile.py > "$OUT/after-$turn.txt"
-done
+bash benchmarks/constraint_turns.sh c5f6ead benchmarks/results/constraint-rows
