@@ -1,8 +1,13 @@
-"""constrained_spec: exact speculative decoding under JSON Schema / regex grammar masks."""
+"""constrained_spec: exact speculative decoding under JSON Schema, regex and grammar masks.
 
-from .compile import Constraint
-from .decode import Generator, Result, Round, Stats
-from .draft import Draft, Drafter, model_drafter
+Layers, arrows pointing down: ``constraints`` (schema/regex/grammar → token automaton) and
+``target`` (the model, its kernels and caches) know nothing of each other; ``decoding`` (the
+exact rule, drafters, the one loop) uses both; ``generator`` (Generator, Request, Result) and the
+CLI, server and corpus jobs sit on top.
+"""
+
+from .constraints import Constraint
+from .decoding import Draft, Drafter, DraftHead, Round, SamplingConfig, Stats, model_drafter
 from .errors import (
     ConstraintError,
     DraftHeadError,
@@ -13,11 +18,11 @@ from .errors import (
     VocabularyMismatch,
     WeightsError,
 )
-from .head import DraftHead
-from .sample import SamplingConfig
+from .generator import Generator, Request, Result
 
 __all__ = [
     "Generator",
+    "Request",
     "Result",
     "Round",
     "Stats",

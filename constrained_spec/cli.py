@@ -20,13 +20,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from rich.console import Console, Group
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 from rich.text import Text
 
-from .compile import check_regex, compile_limits
-from .decode import DRAFTS, MIN_TEMPERATURE
+from .constraints import grammar_for, grammar_kind, grammar_names, load_grammar, load_schema
+from .decoding.head import shipped_head
 from .errors import (
     ConstraintError,
     DraftHeadError,
@@ -34,11 +36,9 @@ from .errors import (
     SettingError,
     VocabularyMismatch,
 )
-from .grammars import grammar_kind, grammar_names, load_grammar
-from .guidance import ENGINES, translate
-from .head import shipped_head
-from .models import BUILTIN_MODELS, DEFAULT_MODEL, WEIGHTS, ModelFetchError
-from .schema import load_schema
+from .generator import DRAFTS, MIN_TEMPERATURE, Generator, Request
+from .jobs import done_ids, read_rows, run_job, run_job_on_ray
+from .target import BUILTIN_MODELS, DEFAULT_MODEL, WEIGHTS, ModelFetchError
 
 try:  # POSIX only: the --stats peak memory row says "-" without it
     import resource
@@ -62,7 +62,7 @@ class UsageError(Exception):
 
 
 @dataclass(frozen=True)
-class Request:
+class Invocation:
     """A validated ``generate`` invocation."""
 
     constraint: dict  # {"schema": dict}, {"regex": str} or {"grammar": str} (Lark/GBNF)
@@ -192,19 +192,11 @@ def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
         "grammars`), or a grammar file: .lark, .gbnf, .regex or .json (a schema)",
     )
     gen.add_argument(
-        "--engine",
-        default="auto",
-        choices=list(ENGINES),
-        help="what compiles the constraint: "
-        + "; ".join(f"'{k}' = {v}" for k, v in ENGINES.items())
-        + " (default: auto)",
-    )
-    gen.add_argument(
         "--open-objects",
         action="store_true",
         help="let objects that declare properties have undeclared ones too, where the schema "
         "says nothing about them (JSON Schema's meaning; by default they are closed, so that "
-        "the model cannot invent keys; the regex engine always closes them)",
+        "the model cannot invent keys)",
     )
     gen.add_argument(
         "--raw-prompt",
@@ -376,15 +368,12 @@ def _add_batch_arguments(job: argparse.ArgumentParser) -> None:
 
 def _batch(args, out: Console, err: Console) -> int:
     """The corpus job: everything checked before the model loads, then rows stream to --output."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    from .decode import Generator, _check_sampling
-    from .jobs import done_ids, read_rows, run_job
-
     if args.batch_size < 1:
         raise UsageError(f"--batch-size {args.batch_size} must be >= 1.")
-    _check_sampling(args.temperature, args.top_k, args.top_p, 0, args.max_new_tokens)
-    compile_limits()  # a bad CONSTRAINED_SPEC_COMPILE_* setting is a SettingError now
+    Request(
+        "", temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, max_new_tokens=args.max_new_tokens,
+    ).sampling()  # fmt: skip
     constraint = _constraint(args) if (args.schema or args.regex or args.grammar) else None
     rows = read_rows(Path(args.input))
     if constraint is None and (bare := next((r for r in rows if r.schema is None), None)):
@@ -446,8 +435,6 @@ def _on_ray(args, make_generator):
         import ray
     except ImportError:
         raise UsageError("--ray needs Ray: pip install -e '.[ray]'.") from None
-    from .jobs import run_job_on_ray
-
     if args.ray_actors < 1:
         raise UsageError(f"--ray-actors {args.ray_actors} must be >= 1.")
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False)
@@ -467,19 +454,11 @@ def _constraint(args) -> dict:
         constraint = {"schema": load_schema(args.schema)}
     else:
         constraint = {"regex": args.regex}
-    engine, _ = translate(
-        getattr(args, "engine", "auto"), "", getattr(args, "open_objects", False), **constraint
-    )
-    if engine == "regex" and "regex" in constraint:
-        try:
-            re.compile(constraint["regex"])
-        except re.error as e:
-            raise UsageError(f"invalid regex {constraint['regex'][:80]!r}: {e}.") from None
-        check_regex(constraint["regex"])  # Python's syntax, yet beyond the compiler: say so now
+    grammar_for("", getattr(args, "open_objects", False), **constraint)
     return constraint
 
 
-def _validate(args) -> Request:
+def _validate(args) -> Invocation:
     """Everything that can be checked without the model; raises UsageError / ConstraintError."""
     problems = []
     if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < math.inf):
@@ -503,8 +482,6 @@ def _validate(args) -> Request:
         problems.append("--system needs the chat template: drop --raw-prompt")
     if problems:
         raise UsageError("; ".join(problems) + ".")
-    compile_limits()  # a bad CONSTRAINED_SPEC_COMPILE_* setting is a SettingError now
-
     constraint = _constraint(args)
     _check_model_name(args.model, "--model")
     draft = None if args.draft.lower() == "none" or args.no_speculation else args.draft
@@ -533,7 +510,7 @@ def _validate(args) -> Request:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}
         ]
-    return Request(constraint, prompt, draft)
+    return Invocation(constraint, prompt, draft)
 
 
 def _check_model_name(name: str, flag: str) -> None:
@@ -564,10 +541,6 @@ def _list_grammars(args, out: Console, err: Console) -> int:
 
 def _generate(args, out: Console, err: Console) -> int:
     request = _validate(args)  # before the model: loading it takes seconds
-    import torch
-
-    from .decode import Generator
-
     t0 = time.perf_counter()
     try:  # no spinner here: the first load shows its own download / conversion progress
         gen = Generator.from_pretrained(
@@ -575,7 +548,6 @@ def _generate(args, out: Console, err: Console) -> int:
             draft=request.draft,
             weights=args.weights,
             dtype=getattr(torch, args.dtype),
-            engine=args.engine,
             open_objects=args.open_objects,
         )
     except ModelFetchError as e:  # not the user's input: no network, corrupt download

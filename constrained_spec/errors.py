@@ -17,16 +17,9 @@ class UnsupportedSchemaError(ConstraintError):
         )
         self.hint = hint
 
-    def __reduce__(self):  # rebuilt from its own arguments (it crosses the compile child's pipe)
-        return type(self), (self.keyword, self.pointer, self.hint)
-
 
 class SchemaTooComplex(ConstraintError):
-    """Compiling the constraint exceeded the time or memory bound."""
-
-    def __init__(self, message: str, timed_out: bool = False):
-        super().__init__(message)
-        self.timed_out = timed_out  # the time bound (else the memory bound)
+    """The constraint is past what llguidance builds (its size and depth limits)."""
 
 
 class SettingError(ValueError):

@@ -179,10 +179,11 @@ class _RayWorker:
 
 
 def _request(row: Row, constraint: dict, options: dict) -> dict:
-    """generate() arguments of a row; options["raw_prompt"]: a "prompt" is fed as is, not as a
-    user chat message."""
+    """The Generator request (Request's fields) of a row; options["raw_prompt"]: a "prompt" is
+    fed as is, not as a user chat message."""
     options = dict(options)
-    chat = isinstance(row.prompt, str) and not options.pop("raw_prompt", False)
+    raw = options.pop("raw_prompt", False)
+    chat = isinstance(row.prompt, str) and not raw
     request = {
         **options,
         "prompt": [{"role": "user", "content": row.prompt}] if chat else row.prompt,

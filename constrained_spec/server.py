@@ -2,11 +2,11 @@
 
 POST /v1/chat/completions turns ``response_format`` (json_schema / json_object), ``tools`` with a
 forced ``tool_choice``, or the extension fields ``regex`` / ``grammar`` into a constraint, checks
-everything it can before queueing (schema → regex runs here, bounded: a bad schema is a 400 at
+everything it can before queueing (the schema is compiled here, in milliseconds: a bad schema is a 400 at
 once), and hands the request to the one worker thread that owns the Generator.
 
 With ``batch_size`` 1 requests run one at a time through ``Generator.stream``; with more, up to
-that many decode together through the batched engine (batch.py: one target forward per round
+that many decode together through the one decode loop (decoding/loop.py: one target forward per round
 for all of them), a queued request joining as soon as a slot is free (``Worker.take``).
 A job's events (start, text pieces, done or error) go back to its HTTP handler through an asyncio
 queue; a handler whose client has gone cancels its job, which frees its queue slot at once and
@@ -27,16 +27,17 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .compile import check_regex
+from .constraints import grammar_for, grammar_names, load_grammar, load_schema
+from .decoding import loop
 from .errors import ConstraintError, GenerationInputError
-from .grammars import grammar_names, load_grammar
-from .guidance import translate
-from .models import DEFAULT_MODEL
-from .schema import load_schema
+from .generator import Generator
+from .generator import Request as GenerationRequest
+from .target import DEFAULT_MODEL
 
 FREE_TEXT = r"[\s\S]*"  # no constraint asked for: any text, ended by the model's EOS
 POLL_S = 0.25  # how often a waiting handler checks whether its client has gone
@@ -45,9 +46,8 @@ POLL_S = 0.25  # how often a waiting handler checks whether its client has gone
 @dataclass(frozen=True)
 class ServerConfig:
     model: str = DEFAULT_MODEL
-    draft: str = "auto"  # decode.DRAFTS
-    weights: str = "auto"  # models.WEIGHTS
-    engine: str = "auto"  # guidance.ENGINES: the constraint engine (schemas checked by it too)
+    draft: str = "auto"  # generator.DRAFTS
+    weights: str = "auto"  # target.WEIGHTS
     open_objects: bool = False  # Generator's: undeclared properties allowed where unspecified
     api_key: str | None = None  # None: no key needed
     max_body_bytes: int = 1 << 20  # 413 above this
@@ -56,7 +56,7 @@ class ServerConfig:
     default_max_tokens: int = 512  # when a request names none
     max_queue: int = 64  # requests waiting or running; 429 above it
     threads: int | None = None  # torch's intra-op threads (None: torch's default, the cores)
-    # requests decoded together (batch.py); 1: one at a time via stream(), with any drafter.
+    # requests decoded together (decoding/loop.py); 1: one at a time via stream(), with any drafter.
     # 16 clients got 1.55x one client's throughput at 16, 1.04x at 1 (docs/server.md).
     batch_size: int = 16
 
@@ -200,7 +200,7 @@ def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[dict, str | Non
     if req.regex is not None:
         _check_size(req.regex, config, "regex")
         try:
-            check_regex(req.regex)  # look-around, backreferences...: refused before queueing
+            grammar_for(regex=req.regex)  # refused before queueing
         except ConstraintError as e:
             raise APIError(400, str(e), "invalid_regex", "regex") from None
         return {"regex": req.regex}, None, ""
@@ -283,12 +283,12 @@ def _envelope(name: str, parameters: dict) -> dict:
 
 
 def _schema_constraint(schema: dict, config: ServerConfig, param: str) -> dict:
-    """{"schema": ...} once the engine would compile it (llguidance in milliseconds; what it
-    cannot honour goes to the regex front end, bounded, as Generator.compile does)."""
+    """{"schema": ...} once llguidance would compile it (in milliseconds, as Generator.compile
+    does)."""
     _check_size(schema, config, param)
     try:
         schema = load_schema(schema)
-        translate(config.engine, open_objects=config.open_objects, schema=schema)
+        grammar_for(open_objects=config.open_objects, schema=schema)
     except ConstraintError as e:  # UnsupportedSchemaError names the keyword and its place
         code = "unsupported_schema" if hasattr(e, "keyword") else "invalid_schema"
         raise APIError(400, str(e), code, param) from None
@@ -391,14 +391,7 @@ class Worker:
         try:
             if self.gen is None:
                 raise APIError(500, f"the model failed to load: {self.load_error}", "load_failed")
-            stream = self.gen.stream(  # checks and compiles here, before any model work
-                p.messages,
-                **p.constraint,
-                max_new_tokens=p.max_tokens,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                seed=p.seed,
-            )
+            stream = self.gen.stream(_request(p))  # checks and compiles, before model work
             job.send("start", len(self.gen.encode_prompt(p.messages)))
             for item in stream:
                 if job.cancelled.is_set():  # the client has gone: stop decoding now
@@ -416,11 +409,9 @@ class Worker:
             self.release(job, outcome)
 
     def _run_batched(self) -> None:
-        """Decode up to batch_size jobs together (batch.batch_round: one target forward per
-        round for all of them, the exact rule per row); a job joins as soon as a slot is free,
-        and a job whose client left is dropped before the next round."""
-        from .batch import batch_round
-
+        """Decode up to batch_size jobs together (loop.step: one target forward per round for
+        all of them, the exact rule per row); a job joins as soon as a slot is free, and a job
+        whose client left is dropped before the next round."""
         active: list[_Live] = []
         while True:
             for job in self.take(self.config.batch_size - len(active), wait=not active):
@@ -430,7 +421,7 @@ class Worker:
             if not active:
                 continue
             try:
-                batch_round(self.gen.target, [a.row for a in active])
+                loop.step(self.gen.target, [a.row for a in active])
             except Exception as e:  # a bug: every job in the round answers 500
                 for a in active:
                     a.job.send("error", APIError(500, f"{type(e).__name__}: {e}", "internal_error"))
@@ -441,21 +432,16 @@ class Worker:
                     a.job.send("piece", piece)
                 if a.row.finished:
                     a.row.stats.total_s = time.perf_counter() - a.row.started
-                    a.job.send("done", self.gen.row_result(a.row))
+                    a.job.send("done", self.gen.result(a.row))
                     self.release(a.job, "completed")
                     active.remove(a)
 
     def _admit(self, job: Job) -> _Live | None:
         """The job as a batch row, checked, compiled and prefilled; None (and its error sent)
         if its request is unusable."""
-        from .batch import admit
-
-        p = job.plan
-        request = {"prompt": p.messages, **p.constraint, "max_new_tokens": p.max_tokens}
-        request.update(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
         try:
-            row = self.gen.prepare_row(0, request)
-            admit(self.gen.target, row)
+            row = self.gen.row(_request(job.plan), batched=True)
+            loop.admit(self.gen.target, row)
         except (ConstraintError, GenerationInputError) as e:
             job.send("error", APIError(400, str(e), "invalid_request"))
             self.release(job, "failed")
@@ -468,12 +454,24 @@ class Worker:
         return _Live(job, row, len(row.prompt))
 
 
+def _request(p) -> GenerationRequest:
+    """A job's plan as the Generator's request."""
+    return GenerationRequest(
+        p.messages,
+        **p.constraint,
+        max_new_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        seed=p.seed,
+    )
+
+
 @dataclass
 class _Live:
     """A job decoding as a batch row, and how much of its text was sent."""
 
     job: Job
-    row: Any  # batch.Row
+    row: Any  # loop.Row
     sent: int  # tokens whose text was sent (the prompt counts as sent)
     utf8: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
@@ -583,17 +581,12 @@ def create_app(config: ServerConfig, load: Callable[[], Any] | None = None) -> F
 
 
 def _load(config: ServerConfig):
-    import torch
-
-    from .decode import Generator
-
     if config.threads is not None:  # on a shared CPU one thread can be many times faster
         torch.set_num_threads(config.threads)
     return Generator.from_pretrained(
         config.model,
         draft=config.draft,
         weights=config.weights,
-        engine=config.engine,
         open_objects=config.open_objects,
     )
 

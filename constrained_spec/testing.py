@@ -18,13 +18,19 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import jsonschema
 import torch
 
-from . import cache as kv
-from .compile import FINISHED, Constraint
-from .draft import logits_width
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from .constraints import FINISHED, Constraint
+from .constraints.schemas import NO_RETRIEVAL
+from .decoding.drafters import CompositeDrafter, logits_width
+from .decoding.head import DraftHead
 from .errors import ConstraintError
-from .head import DraftHead
+from .generator import Generator
+from .target import kv, llama
 
 # A greedy output may differ from the masked baseline only where the baseline's top-2 masked
 # logits are closer than this: the logits of a k-token verify pass and of k one-token steps
@@ -63,9 +69,6 @@ def tiny_tokenizer(
 ):
     """A byte-level BPE tokenizer trained here on ``corpus`` (20 times over); ``special``:
     more special-token roles for PreTrainedTokenizerFast (bos_token=, pad_token=)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -84,8 +87,6 @@ def tiny_tokenizer(
 def tiny_model(tokenizer, seed: int, layers: int = 2, max_positions: int = 256):
     """A random Llama over ``tokenizer``'s vocabulary, logits padded 6 wide (as real models
     pad them), its LM head scaled by SCALE."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer) + 6,
@@ -108,13 +109,9 @@ def tiny_model(tokenizer, seed: int, layers: int = 2, max_positions: int = 256):
 def tiny_int4_generator():
     """A Generator over the tiny target quantized as the default model ships, drafting forced
     tokens and prompt lookup: importable by worker processes (a Ray actor builds its own)."""
-    from . import llama
-    from .decode import Generator
-    from .draft import CompositeDrafter
-
     tokenizer = tiny_tokenizer()
     target = llama.from_transformers(tiny_model(tokenizer, seed=0), "int4")
-    return Generator(target, tokenizer, draft=CompositeDrafter(), cache_dir=None)
+    return Generator(target, tokenizer, draft=CompositeDrafter())
 
 
 def random_head(target, seed: int = 0) -> DraftHead:
@@ -374,13 +371,12 @@ def random_text(constraint: Constraint, rng, max_len: int = 300) -> str | None:
     bytes favoured late, so that walks tend to finish); None if the walk did not finish."""
     state, out = constraint.initial_state, bytearray()
     closers = set(b'"}],0123456789el')
+    byte_ids = {b[0]: i for b, i in constraint.vocab.ids_by_bytes.items() if len(b) == 1}
     for step in range(max_len):
         if constraint.accepting(state) and rng.random() < 0.2:
             break
         options = [
-            (b, s)
-            for b, tid in constraint._byte_ids.items()
-            if (s := constraint.index.get_next_state(state, tid)) is not None
+            (b, s) for b, tid in byte_ids.items() if (s := constraint.step(state, tid)) is not None
         ]
         if step > max_len // 3:
             options = [o for o in options if o[0] in closers] or options
@@ -393,10 +389,6 @@ def random_text(constraint: Constraint, rng, max_len: int = 300) -> str | None:
 
 def schema_validator(schema: dict):
     """jsonschema's own validator for ``schema`` (its draft, the format checker, no network)."""
-    import jsonschema
-
-    from .schema.context import NO_RETRIEVAL
-
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     return cls(schema, format_checker=cls.FORMAT_CHECKER, registry=NO_RETRIEVAL)
 

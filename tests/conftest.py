@@ -1,16 +1,11 @@
 """Fixtures: the tiny tokenizer and models of constrained_spec.testing, built once a session."""
 
-import os
-
 import pytest
 import torch
 
 from constrained_spec import testing
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead, and CI has 2 cores
-# engine="auto" gives the regex engine 2 s, a time: on a loaded machine a schema the tests
-# expect compiled could pass it. The tests of the budget set their own (monkeypatch).
-os.environ.setdefault("CONSTRAINED_SPEC_FALLBACK_TIMEOUT", "0")
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +27,7 @@ def int4_target(tokenizer, way: str):
     """The tiny target's weights quantized as the default model ships (Q4_1 linears, Q8_0 LM
     head), in the compact forward, its layers and 4-bit matmuls run ``way`` ("fused/torch", ...);
     a way that cannot run here skips, saying why."""
-    from constrained_spec import kernels, llama
+    from constrained_spec.target import kernels, llama
 
     layers, matmul = way.split("/")
     if layers == "fused" and (missing := kernels.fused_missing()):
@@ -52,7 +47,7 @@ def tiny_int4_target(request, tiny_tokenizer):
     where it has avx512_bf16) and on the Python loop with torch's kernel (a machine without a
     compiler). The fused layers with the other kernels run in the kernel-level tests
     (tests/test_llama.py) and in every_int4_target's."""
-    from constrained_spec import kernels
+    from constrained_spec.target import kernels
 
     if request.param == "python":
         return int4_target(tiny_tokenizer, "python/torch")
@@ -66,9 +61,3 @@ def tiny_int4_target(request, tiny_tokenizer):
 def every_int4_target(request, tiny_tokenizer):
     """The 4-bit tiny target on every way of running it (int4_target)."""
     return int4_target(tiny_tokenizer, request.param)
-
-
-@pytest.fixture(params=["llguidance", "regex"])
-def engine(request):
-    """Both constraint engines: every test taking this fixture runs on each."""
-    return request.param

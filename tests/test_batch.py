@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from constrained_spec import GenerationInputError, Generator
-from constrained_spec import batch as batching
-from constrained_spec import cache as kv
-from constrained_spec.batch import decode_batch
-from constrained_spec.draft import CompositeDrafter
+from constrained_spec.decoding import loop
+from constrained_spec.decoding.drafters import CompositeDrafter
+from constrained_spec.target import kv
 from constrained_spec.testing import (
     PERSON,
     assert_greedy_match,
@@ -34,7 +33,7 @@ REQUESTS = [
 
 
 def lookup_generator(target, tokenizer) -> Generator:
-    return Generator(target, tokenizer, draft=CompositeDrafter(), cache_dir=None)
+    return Generator(target, tokenizer, draft=CompositeDrafter())
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
@@ -62,22 +61,22 @@ def test_greedy_rows_equal_their_single_runs(
 def test_a_wide_batch_drafts_at_most_its_cap_and_each_row_commits_what_it_commits_alone(
     tiny_int4_target, tiny_tokenizer, monkeypatch
 ):
-    """From batching.WIDE_BATCH rows on, each row drafts at most WIDE_MAX_DRAFT tokens; the
+    """From loop.WIDE_BATCH rows on, each row drafts at most WIDE_MAX_DRAFT tokens; the
     rows that are left once the queue runs dry draft longer again. Greedy rows are unchanged."""
     gen = lookup_generator(tiny_int4_target, tiny_tokenizer)
     requests = REQUESTS * 2  # 12 rows, 8 at a time: full rounds, then the tail
     passes, forward_rows = [], kv.forward_rows
 
-    def recorded(model, caches, rows, device, masks=None):
+    def recorded(model, caches, rows, device, masks=None, features=False):
         passes.append([len(fed) for fed in rows])
-        return forward_rows(model, caches, rows, device, masks)
+        return forward_rows(model, caches, rows, device, masks, features)
 
     monkeypatch.setattr(kv, "forward_rows", recorded)
-    batch = gen.generate_batch(requests, batch_size=batching.WIDE_BATCH)
-    wide = [fed for fed in passes if len(fed) >= batching.WIDE_BATCH]
-    narrow = [fed for fed in passes if len(fed) < batching.WIDE_BATCH]
-    assert wide and max(max(fed) for fed in wide) == 1 + batching.WIDE_MAX_DRAFT
-    assert max(max(fed) for fed in narrow) > 1 + batching.WIDE_MAX_DRAFT
+    batch = gen.generate_batch(requests, batch_size=loop.WIDE_BATCH)
+    wide = [fed for fed in passes if len(fed) >= loop.WIDE_BATCH]
+    narrow = [fed for fed in passes if len(fed) < loop.WIDE_BATCH]
+    assert wide and max(max(fed) for fed in wide) == 1 + loop.WIDE_MAX_DRAFT
+    assert max(max(fed) for fed in narrow) > 1 + loop.WIDE_MAX_DRAFT
     for request, got in zip(requests, batch):
         assert got.token_ids == gen.generate(**request).token_ids
 
@@ -106,9 +105,10 @@ def test_each_rows_cache_after_ragged_rollbacks_equals_a_fresh_forward(
 ):
     gen = lookup_generator(tiny_int4_target, tiny_tokenizer)
     rows = [
-        gen.prepare_row(i, {**r, "temperature": 1.0, "seed": i}) for i, r in enumerate(REQUESTS)
+        gen.row({**r, "temperature": 1.0, "seed": i}, i, batched=True)
+        for i, r in enumerate(REQUESTS)
     ]
-    finished = list(decode_batch(tiny_int4_target, rows, batch_size=4))
+    finished = [row for row, _ in loop.decode(tiny_int4_target, rows, 4) if row.finished]
     assert sorted(row.index for row in finished) == list(range(len(REQUESTS)))
     assert sum(row.stats.drafted - row.stats.accepted for row in rows) > 0, "nothing rolled back"
     for row in rows:

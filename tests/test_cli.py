@@ -10,8 +10,8 @@ import pytest
 from rich.console import Console
 
 from constrained_spec import cli
-from constrained_spec.decode import Generator, Round
-from constrained_spec.grammars import grammar_names
+from constrained_spec.generator import Generator, Round
+from constrained_spec.constraints.grammars import grammar_names
 
 ROOT = Path(__file__).resolve().parent.parent
 PERSON = ROOT / "examples" / "person.json"
@@ -19,7 +19,6 @@ FLAGS = [
     "--schema",
     "--regex",
     "--grammar",
-    "--engine",
     "--open-objects",
     "--raw-prompt",
     "--system",
@@ -92,10 +91,8 @@ BAD = [
     (["--schema", '{"type": "objekt"}'], "objekt"),
     (["--grammar", "nope"], "available grammars are"),
     (["--regex", "(ab"], "cannot compile the regex '(ab'"),
-    (["--regex", "(ab", "--engine", "regex"], "invalid regex"),
     (["--grammar", "BAD_LARK"], "cannot compile the grammar: line 2, column 9"),
-    (["--grammar", "sql-select", "--engine", "regex"], "need engine='llguidance'"),
-    (["--regex", "a", "--engine", "fast"], "invalid choice"),
+    (["--regex", "a", "--weights", "fast"], "invalid choice"),
     (["--regex", "a", "--model", "no-such-model"], "built-in models are smollm2-135m-instruct"),
     (["--regex", "a", "--draft", "no-such-draft"], "--draft 'no-such-draft'"),
     (
@@ -180,7 +177,7 @@ def test_render_round_styles():
 
 
 def test_live_view_follows_generation(tiny_target, tiny_draft, tiny_tokenizer, tmp_path):
-    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=tmp_path)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft)
     regex = r'\{"name":"(Alice|Bob|Zoë)","age":[0-9]{1,2}\}'
     console = Console(file=open(tmp_path / "view.txt", "w"), width=100)
     view = cli.RoundView(gen, gen.compile(regex=regex), console)
@@ -212,7 +209,7 @@ def test_live_view_follows_generation(tiny_target, tiny_draft, tiny_tokenizer, t
         0.1,
         0.2,
         cli.build_parser().parse_args(["generate", "--regex", regex, "x"]),
-        cli.Request({"regex": regex}, "x", "int8"),
+        cli.Invocation({"regex": regex}, "x", "int8"),
     )
     Console(file=open(tmp_path / "stats.txt", "w"), width=120).print(table)
     assert "target calls" in (tmp_path / "stats.txt").read_text()

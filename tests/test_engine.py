@@ -14,9 +14,10 @@ from constrained_spec import (
     UnsupportedSchemaError,
     VocabularyMismatch,
 )
-from constrained_spec import decode as decode_module
-from constrained_spec.compile import FINISHED
-from constrained_spec.llama import CompactCache
+from constrained_spec.decoding import loop
+from constrained_spec.constraints import FINISHED
+from constrained_spec.target import kv
+from constrained_spec.target.llama import CompactCache
 from constrained_spec.testing import PERSON, assert_greedy_match, last_logits, random_head
 
 # PERSON with a bounded age: a finite language whose longest text (~110 bytes) fits in 200 tokens
@@ -30,10 +31,10 @@ BOUNDED = {
 PROMPTS = ["hello", '{"name": "Alice", "age": 30}', "yes no yes"]
 
 
-def greedy_runs(target, draft, tokenizer, prompt: str, k: int, engine: str = "auto"):
+def greedy_runs(target, draft, tokenizer, prompt: str, k: int):
     """The masked baseline and greedy speculation on one prompt, checked to agree (up to a
     near-tie); returns the speculative run's stats."""
-    gen = Generator(target, tokenizer, draft=draft, cache_dir=None, engine=engine)
+    gen = Generator(target, tokenizer, draft=draft)
     base = gen.generate(prompt, schema=PERSON, speculative=False, max_new_tokens=80)
     spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=k, max_new_tokens=80)
     assert base.stats.target_calls == len(base.token_ids) + (base.finish_reason == "stop")
@@ -47,9 +48,9 @@ def greedy_runs(target, draft, tokenizer, prompt: str, k: int, engine: str = "au
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_speculative_equals_the_masked_baseline(
-    prompt, k, tiny_target, tiny_draft, tiny_tokenizer, engine
+    prompt, k, tiny_target, tiny_draft, tiny_tokenizer
 ):
-    assert greedy_runs(tiny_target, tiny_draft, tiny_tokenizer, prompt, k, engine).drafted > 0
+    assert greedy_runs(tiny_target, tiny_draft, tiny_tokenizer, prompt, k).drafted > 0
 
 
 @pytest.mark.parametrize("drafter", ["model", "head"])
@@ -84,9 +85,9 @@ class IllegalDrafter:
         return Draft(([legal[0]] + [self.bad] * k)[:k])
 
 
-def test_forbidden_draft_tokens_are_never_committed(tiny_target, tiny_tokenizer, engine):
+def test_forbidden_draft_tokens_are_never_committed(tiny_target, tiny_tokenizer):
     drafter = IllegalDrafter(tiny_tokenizer)
-    gen = Generator(tiny_target, tiny_tokenizer, draft=drafter, cache_dir=None, engine=engine)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=drafter)
     constraint = gen.compile(schema=BOUNDED)
     for temperature in (0.0, 1.0):
         rounds = []
@@ -111,15 +112,15 @@ def test_forbidden_draft_tokens_are_never_committed(tiny_target, tiny_tokenizer,
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_kv_caches_after_rollback_equal_a_fresh_forward(
-    temperature, tiny_target, tiny_draft, tiny_tokenizer, monkeypatch, engine
+    temperature, tiny_target, tiny_draft, tiny_tokenizer, monkeypatch
 ):
     """After every round (rejections included), the target's cache + the last committed token
     gives the same logits as a fresh forward over all committed tokens; the draft's likewise."""
-    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None, engine=engine)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft)
     caches, committed, checked = [], tiny_tokenizer.encode("hello"), []
-    real_new_cache = decode_module.kv.new_cache
+    real_new_cache = kv.new_cache
     monkeypatch.setattr(
-        decode_module.kv,
+        kv,
         "new_cache",
         lambda model: caches.append(real_new_cache(model)) or caches[-1],
     )
@@ -152,11 +153,11 @@ def test_compact_cache_after_rollback_equals_a_fresh_forward(
     a fresh forward's logits (a fresh forward of 33+ tokens is a prompt's prefill: the Python
     loop, on the same 4-bit kernel)."""
     tiny_int4_target = every_int4_target
-    gen = Generator(tiny_int4_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
+    gen = Generator(tiny_int4_target, tiny_tokenizer, draft=tiny_draft)
     caches, committed, checked = [], tiny_tokenizer.encode("hello"), []
-    real_new_cache = decode_module.kv.new_cache
+    real_new_cache = kv.new_cache
     monkeypatch.setattr(
-        decode_module.kv,
+        kv,
         "new_cache",
         lambda model: caches.append(real_new_cache(model)) or caches[-1],
     )
@@ -165,9 +166,7 @@ def test_compact_cache_after_rollback_equals_a_fresh_forward(
         committed.extend(rnd.committed)
         cache = caches[0]
         assert isinstance(cache, CompactCache) and cache.get_seq_length() == len(committed) - 1
-        via_cache = decode_module.kv.forward(
-            tiny_int4_target, copy.deepcopy(cache), committed[-1:], "cpu"
-        )[-1]
+        via_cache = kv.forward(tiny_int4_target, copy.deepcopy(cache), committed[-1:], "cpu")[-1]
         torch.testing.assert_close(
             via_cache, last_logits(tiny_int4_target, committed), atol=1e-4, rtol=1e-4
         )
@@ -179,8 +178,8 @@ def test_compact_cache_after_rollback_equals_a_fresh_forward(
     assert any(checked), "no round rejected a draft: the rollback was not exercised"
 
 
-def test_every_stopped_output_validates(tiny_target, tiny_draft, tiny_tokenizer, engine):
-    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None, engine=engine)
+def test_every_stopped_output_validates(tiny_target, tiny_draft, tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft)
     stopped = 0
     for seed in range(8):
         res = gen.generate("hello", schema=PERSON, temperature=1.0, seed=seed, max_new_tokens=120)
@@ -192,21 +191,21 @@ def test_every_stopped_output_validates(tiny_target, tiny_draft, tiny_tokenizer,
 
 
 def test_max_new_tokens_stops_with_length(tiny_target, tiny_draft, tiny_tokenizer):
-    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft)
     res = gen.generate("hello", regex="[a-z]{20}", max_new_tokens=5, temperature=1.0, seed=0)
     assert res.finish_reason == "length" and len(res.token_ids) == 5 and res.value is None
 
 
 def test_prompt_forms(tiny_target, tiny_tokenizer):
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer)
     ids = tiny_tokenizer.encode("hello")
     a = gen.generate("hello", regex="(yes|no)", max_new_tokens=4)
     b = gen.generate(ids, regex="(yes|no)", max_new_tokens=4)
     assert a.token_ids == b.token_ids and a.text in ("yes", "no")
 
 
-def test_constraint_queries(tiny_target, tiny_tokenizer, engine):
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine)
+def test_constraint_queries(tiny_target, tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer)
     c = gen.compile(regex='\\{"a":(1|22)\\}')
     assert c.accepts('{"a":22}') and not c.accepts('{"a":2}') and not c.accepts('{"a":1')
     brace, brace_quote, quote = tiny_tokenizer.convert_tokens_to_ids(["{", '{"', '"'])
@@ -225,15 +224,13 @@ def test_constraint_queries(tiny_target, tiny_tokenizer, engine):
 
 
 def test_tokenize_spells_with_the_longest_legal_token_preferring_the_given_ones(
-    tiny_target, tiny_tokenizer, engine
+    tiny_target, tiny_tokenizer
 ):
     """Against every legal candidate at each position (what ``tokenize`` chooses among): the
     longest one in ``prefer``, else the longest; the spelling stops where none is legal."""
     import random
 
-    c = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine).compile(
-        regex='\\{"(name|nap|no)":"[a-z ]{0,12}"\\}'
-    )
+    c = Generator(tiny_target, tiny_tokenizer).compile(regex='\\{"(name|nap|no)":"[a-z ]{0,12}"\\}')
     vocab, rng = c.vocab, random.Random(0)
 
     def reference(state, data, limit, prefer):
@@ -265,8 +262,8 @@ def test_tokenize_spells_with_the_longest_legal_token_preferring_the_given_ones(
     assert checked > 200
 
 
-def test_non_ascii_values_are_generatable(tiny_target, tiny_tokenizer, engine):
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine)
+def test_non_ascii_values_are_generatable(tiny_target, tiny_tokenizer):
+    gen = Generator(tiny_target, tiny_tokenizer)
     res = gen.generate("hello", regex="(Zoë|東京)", max_new_tokens=12)
     assert res.text in ("Zoë", "東京") and res.finish_reason == "stop"
 
@@ -281,8 +278,8 @@ class ExplodingModel(torch.nn.Module):
 
 @pytest.fixture
 def guarded_gen(tiny_target, tiny_tokenizer, monkeypatch):
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
-    monkeypatch.setattr(decode_module, "decode_rounds", lambda *a, **k: ExplodingModel()())
+    gen = Generator(tiny_target, tiny_tokenizer)
+    monkeypatch.setattr(loop, "decode", lambda *a, **k: ExplodingModel()())
     return gen
 
 
@@ -310,21 +307,17 @@ def test_bad_constraint_or_settings_fail_before_model_work(guarded_gen, kwargs, 
 
 
 @pytest.mark.parametrize(
-    "engine, schema, keyword",
+    "schema, keyword",
     [
-        ("regex", {"type": "integer", "multipleOf": 3}, "multipleOf"),
-        ("llguidance", {"not": {"type": "integer"}}, "not"),  # no type says "a fraction"
-        ("llguidance", {"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames"),
+        ({"not": {"type": "integer"}}, "not"),  # no type says "a fraction"
+        ({"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames"),
+        ({"type": "array", "uniqueItems": True}, "uniqueItems"),
     ],
 )
-def test_each_engine_refuses_what_it_cannot_honour_by_name(
-    tiny_target, tiny_tokenizer, engine, schema, keyword
-):
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine)
+def test_what_cannot_be_honoured_is_refused_by_name(tiny_target, tiny_tokenizer, schema, keyword):
+    gen = Generator(tiny_target, tiny_tokenizer)
     with pytest.raises(UnsupportedSchemaError, match=keyword):
         gen.compile(schema=schema)
-    auto = Generator(tiny_target, tiny_tokenizer, cache_dir=None)  # the other engine honours it
-    assert auto.compile(schema=schema).accepts("3" if "multipleOf" in schema else "{}")
 
 
 @pytest.mark.parametrize(
@@ -340,7 +333,7 @@ def test_draft_with_another_vocabulary_is_refused(tiny_target, tiny_tokenizer):
     small = copy.deepcopy(tiny_target)
     small.resize_token_embeddings(100)
     with pytest.raises(VocabularyMismatch, match="share the target's vocabulary"):
-        Generator(tiny_target, tiny_tokenizer, draft=small, cache_dir=None)
+        Generator(tiny_target, tiny_tokenizer, draft=small)
 
 
 @pytest.mark.parametrize(
@@ -352,23 +345,21 @@ def test_draft_with_another_vocabulary_is_refused(tiny_target, tiny_tokenizer):
     ],
 )
 def test_matches_continue_past_an_accepting_prefix(
-    regex, accepted, rejected, tiny_target, tiny_tokenizer, engine
+    regex, accepted, rejected, tiny_target, tiny_tokenizer
 ):
-    """outlines-core alone drops transitions out of accepting states ("1" could never become
-    "1,2"); the compiler's end-of-match terminator restores them."""
-    c = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine).compile(regex=regex)
+    """A complete match may go on ("1" becomes "1,2"): EOS is legal there, and so is more."""
+    c = Generator(tiny_target, tiny_tokenizer).compile(regex=regex)
     assert [t for t in accepted if not c.accepts(t)] == []
     assert [t for t in rejected if c.accepts(t)] == []
-    assert c.vocab.token_bytes.index(b"\x00") not in c.allowed(c.initial_state)
 
 
 def test_greedy_identity_with_skinny_matmul(tiny_target, tiny_draft, tiny_tokenizer):
     """Verify passes through models.SkinnyLinear (from_pretrained's CPU default) keep the
     baseline's greedy tokens (up to near-ties)."""
-    from constrained_spec.models import skinny_matmul
+    from constrained_spec.target.models import skinny_matmul
 
     target = skinny_matmul(copy.deepcopy(tiny_target))
-    gen = Generator(target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
+    gen = Generator(target, tiny_tokenizer, draft=tiny_draft)
     base = gen.generate(PROMPTS[1], schema=PERSON, speculative=False, max_new_tokens=80)
     spec = gen.generate(PROMPTS[1], schema=PERSON, num_draft_tokens=4, max_new_tokens=80)
     assert_greedy_match(
@@ -387,8 +378,8 @@ def test_a_drafter_must_implement_the_whole_protocol(tiny_target, tiny_tokenizer
             return Draft([])
 
     with pytest.raises(TypeError, match="uses_features, begin, observe of the Drafter protocol"):
-        Generator(tiny_target, tiny_tokenizer, draft=ProposeOnly(), cache_dir=None)
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+        Generator(tiny_target, tiny_tokenizer, draft=ProposeOnly())
+    gen = Generator(tiny_target, tiny_tokenizer)
     with pytest.raises(TypeError, match="Drafter protocol"):
         gen.generate("hello", regex="yes", drafter=ProposeOnly())
 
@@ -398,7 +389,7 @@ def test_a_drafter_reused_round_after_round_proposes_what_a_fresh_one_would(
 ):
     """The lookup's text grows with each round's tokens instead of being rebuilt: every draft
     of a request, and of the next request, equals a fresh drafter's from the same context."""
-    from constrained_spec.draft import CompositeDrafter
+    from constrained_spec.decoding.drafters import CompositeDrafter
 
     class Recording(CompositeDrafter):
         def propose(self, tokens, state, constraint, k, sampling, generator):
@@ -407,7 +398,7 @@ def test_a_drafter_reused_round_after_round_proposes_what_a_fresh_one_would(
             return draft
 
     calls = []
-    gen = Generator(tiny_target, tiny_tokenizer, draft=Recording(), cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=Recording())
     for prompt in ("hello yes{}ab no{}ba yes{}", "no{}ba yes"):
         gen.generate(
             prompt, regex="(yes|no)\\{\\}(ab|ba)( (yes|no)\\{\\}(ab|ba))*", max_new_tokens=30

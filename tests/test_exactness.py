@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from constrained_spec import Generator, SamplingConfig
-from constrained_spec.draft import CompositeDrafter, logits_width, model_drafter
+from constrained_spec.decoding.drafters import CompositeDrafter, logits_width, model_drafter
 from constrained_spec.testing import chi_square, random_head, sequence_distribution
 
 REGEX = "(ab|ba|yes|no){1,2}"
@@ -107,11 +107,11 @@ def drafter_for(kind, target, draft):
         "model-min-confidence",
     ],
 )
-def test_speculative_sampling_is_exact(case, tiny_target, tiny_draft, tiny_tokenizer, engine):
+def test_speculative_sampling_is_exact(case, tiny_target, tiny_draft, tiny_tokenizer):
     case = dict(case)
     draft = drafter_for(case.pop("drafter", None), tiny_target, tiny_draft)
     case["prompt"] = tiny_tokenizer.encode(case.get("prompt", "hello"))
-    gen = Generator(tiny_target, tiny_tokenizer, draft=draft, cache_dir=None, engine=engine)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=draft)
     cfg = SamplingConfig(case["temperature"], case.get("top_k"), case.get("top_p"))
     constraint = gen.compile(regex=case.get("regex", REGEX))
     exact = masked_sequence_distribution(tiny_target, constraint, case["prompt"], cfg)
@@ -148,7 +148,7 @@ def test_speculative_sampling_is_exact_on_int4_weights(
     case = dict(case)
     draft = drafter_for(case.pop("drafter", None), tiny_int4_target, tiny_draft)
     case["prompt"] = tiny_tokenizer.encode(case.get("prompt", "hello"))
-    gen = Generator(tiny_int4_target, tiny_tokenizer, draft=draft, cache_dir=None)
+    gen = Generator(tiny_int4_target, tiny_tokenizer, draft=draft)
     assert gen.weights == "int4"
     cfg = SamplingConfig(case["temperature"], case.get("top_k"), case.get("top_p"))
     constraint = gen.compile(regex=case.get("regex", REGEX))
@@ -165,7 +165,7 @@ def test_speculative_sampling_is_exact_on_int4_weights(
 def test_the_statistical_test_has_power(tiny_target, tiny_draft, tiny_tokenizer):
     prompt = tiny_tokenizer.encode("hello")
     """Negative control: samples from the draft's own masked policy must fail the same test."""
-    gen = Generator(tiny_draft, tiny_tokenizer, cache_dir=None)
+    gen = Generator(tiny_draft, tiny_tokenizer)
     exact = masked_sequence_distribution(
         tiny_target, gen.compile(regex=REGEX), prompt, SamplingConfig(1.0)
     )
@@ -221,7 +221,7 @@ def test_early_stop_is_exact_only_when_decided_before_drawing(rule, tiny_target,
     Negative control: stopping on the drawn token's own probability must fail the same test."""
     prompt = tiny_tokenizer.encode("hello")
     drafter = rule(SwappedTarget(tiny_target), use_lookup=False, min_confidence=CONFIDENCE)
-    gen = Generator(tiny_target, tiny_tokenizer, draft=drafter, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=drafter)
     exact = masked_sequence_distribution(
         tiny_target, gen.compile(regex=REGEX), prompt, SamplingConfig(1.0)
     )
@@ -234,7 +234,7 @@ def test_early_stop_is_exact_only_when_decided_before_drawing(rule, tiny_target,
 
 
 def test_min_confidence_bounds_model_drafts(tiny_target, tiny_draft, tiny_tokenizer):
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer)
     constraint, prompt = gen.compile(regex=REGEX), tiny_tokenizer.encode("hello")
     args = (
         prompt,
@@ -263,7 +263,7 @@ class UniformModel:
 def test_no_model_drafts_after_a_lookup_copy(tiny_target, tiny_tokenizer):
     """By default the model stops once a lookup copy is in the draft (a deterministic rule on
     the draft so far, so exact); with model_after_lookup it continues after the copy."""
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer)
     constraint = gen.compile(regex=REGEX)
     prompt = tiny_tokenizer.encode("say yes no. say ")  # the lookup copies "yes" / "no"
 

@@ -9,13 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from constrained_spec import grammars
-from constrained_spec.compile import compile_regex
+from constrained_spec.constraints import grammars
 from constrained_spec.errors import ConstraintError
-from constrained_spec.grammars import grammar_names, load_grammar
-from constrained_spec.guidance import compile_constraint
-from constrained_spec.schema import schema_to_regex
-from constrained_spec.vocab import token_vocabulary
+from constrained_spec.constraints.grammars import grammar_names, load_grammar
+from constrained_spec.constraints.engine import compile_constraint
+from constrained_spec.constraints.vocabulary import token_vocabulary
 
 # name: (accepted texts, rejected texts). Every grammar file must have an entry here.
 EXAMPLES = {
@@ -168,14 +166,7 @@ def compiled(tiny_tokenizer):
 
     def compile_grammar(name):
         if name not in cache:
-            grammar = load_grammar(name)
-            if "grammar" in grammar:  # context-free: the llguidance engine only
-                cache[name] = compile_constraint(
-                    "llguidance", vocab, len(tiny_tokenizer), grammar=grammar["grammar"]
-                )
-                return cache[name]
-            regex = grammar["regex"] if "regex" in grammar else schema_to_regex(grammar["schema"])
-            cache[name] = compile_regex(regex, vocab, len(tiny_tokenizer), None)
+            cache[name] = compile_constraint(vocab, len(tiny_tokenizer), **load_grammar(name))
         return cache[name]
 
     return compile_grammar
@@ -218,7 +209,7 @@ def test_kinds():
 
 
 def test_missing_grammar_files_are_an_error_not_an_empty_list(monkeypatch, tmp_path):
-    monkeypatch.setattr(grammars, "GRAMMAR_DIR", tmp_path / "grammar_files")
+    monkeypatch.setattr(grammars, "GRAMMAR_DIR", tmp_path / "grammars")
     with pytest.raises(FileNotFoundError, match="no grammar files in .*reinstall"):
         grammar_names()
 
@@ -227,11 +218,12 @@ def test_the_wheel_ships_every_grammar(tmp_path):
     """A non-editable install reads the grammars from the package: they must be in the wheel."""
     root = Path(__file__).resolve().parents[1]
     src = tmp_path / "src"  # a copy, so building leaves no build/ or egg-info in the checkout
-    shutil.copytree(
-        root / "constrained_spec",
-        src / "constrained_spec",
-        ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"),
-    )
+    for folder in ("constrained_spec", "grammars"):
+        shutil.copytree(
+            root / folder,
+            src / folder,
+            ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"),
+        )
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(root / name, src / name)
     subprocess.run(
@@ -253,7 +245,7 @@ def test_the_wheel_ships_every_grammar(tmp_path):
     shipped = {
         Path(n).name
         for n in zipfile.ZipFile(wheel).namelist()
-        if n.startswith("constrained_spec/grammar_files/")
+        if n.startswith("constrained_spec/grammars/")
     }
-    assert shipped == {p.name for p in (root / "constrained_spec" / "grammar_files").iterdir()}
+    assert shipped == {p.name for p in (root / "grammars").iterdir()}
     assert {n.rpartition(".")[0] for n in shipped} == set(grammar_names())

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from constrained_spec import Generator
-from constrained_spec import cache as kv
-from constrained_spec.errors import DraftHeadError, VocabularyMismatch
-from constrained_spec.head import (
+from constrained_spec.constraints.vocabulary import token_vocabulary
+from constrained_spec.decoding.head import (
     COPY_NGRAMS,
     HeadCache,
     HeadDraft,
@@ -20,10 +19,12 @@ from constrained_spec.head import (
     load_head,
     pair_embeddings,
     shipped_head,
+    unrolled,
     vocabulary_positions,
 )
+from constrained_spec.errors import DraftHeadError, VocabularyMismatch
+from constrained_spec.target import kv
 from constrained_spec.testing import PERSON, assert_greedy_match, random_head
-from constrained_spec.vocab import token_vocabulary
 
 
 def pair_width(head):
@@ -33,7 +34,7 @@ def pair_width(head):
 
 @pytest.mark.parametrize("prompt", ["hello", '{"name": "Alice", "age": 30}'])
 def test_greedy_with_a_head_equals_the_masked_baseline(prompt, tiny_target, tiny_tokenizer):
-    gen = Generator(tiny_target, tiny_tokenizer, draft=random_head(tiny_target), cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=random_head(tiny_target))
     base = gen.generate(prompt, schema=PERSON, speculative=False, max_new_tokens=80)
     spec = gen.generate(prompt, schema=PERSON, num_draft_tokens=4, max_new_tokens=80)
     assert_greedy_match(
@@ -74,7 +75,7 @@ def test_head_reads_the_true_features_and_its_cache_rolls_back(
     last (equal to a fresh forward), and its cache + the pending pairs give the same output as a
     fresh pass of the head over all pairs, copy proposals computed afresh; some rounds rejected
     a head-drafted token."""
-    gen = Generator(tiny_target, tiny_tokenizer, draft=random_head(tiny_target), cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=random_head(tiny_target))
     drafter: HeadDraft = gen.drafter.model
     committed, rejected = tiny_tokenizer.encode("hello"), []
 
@@ -108,7 +109,7 @@ def test_copy_proposals_are_the_token_after_the_latest_earlier_ngram():
     n tokens ending at j: against a brute-force search, incremental or all at once."""
     import random
 
-    from constrained_spec.head import CopyProposals
+    from constrained_spec.decoding.head import CopyProposals
 
     def brute(ids, n, j):
         for m in range(j - 1, n - 2, -1):
@@ -169,7 +170,7 @@ def test_saved_head_loads_back(tmp_path, tiny_target, tiny_tokenizer):
     assert torch.equal(loaded.draft_ids, head.draft_ids)
     x, e = torch.randn(1, 5, tiny_target.config.hidden_size), torch.randn(1, 5, pair_width(head))
     torch.testing.assert_close(loaded(x, e), head(x, e), atol=2e-2, rtol=2e-2)  # fp16 on disk
-    gen = Generator(tiny_target, tiny_tokenizer, draft=loaded, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=loaded)
     assert gen.generate("hello", regex="(ab|ba)+", max_new_tokens=6).text
 
 
@@ -236,7 +237,7 @@ def test_a_head_from_before_the_copy_proposals_loads_as_itself(
 
 
 def test_auto_picks_the_head_only_where_one_ships():
-    from constrained_spec.head import has_shipped_head
+    from constrained_spec.decoding.head import has_shipped_head
 
     assert has_shipped_head("smollm2-135m-instruct")
     assert not has_shipped_head("some-other-model")
@@ -245,9 +246,9 @@ def test_auto_picks_the_head_only_where_one_ships():
 
 
 def test_unknown_head_fails_before_loading_a_model(monkeypatch):
-    import constrained_spec.models as models
+    import constrained_spec.generator as generator
 
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr(generator, "load_model", lambda *a, **k: pytest.fail("model loaded"))
     with pytest.raises(DraftHeadError, match="no trained draft head"):
         Generator.from_pretrained("some/other-model", draft="head")
 
@@ -277,11 +278,9 @@ def test_shipped_head_on_the_default_model():
 
 
 def test_training_unroll_is_what_drafting_computes(tiny_target):
-    """train_head.unrolled (EAGLE-3's training-time test) at step s, position j must equal the
+    """head.unrolled (EAGLE-3's training-time test) at step s, position j must equal the
     drafting head after true pairs 0..j-s and s chained steps on its own outputs: the loss trains
     what the drafter runs."""
-    from train_head import unrolled  # benchmarks/ is on pytest's pythonpath (pyproject)
-
     head = random_head(tiny_target)
     torch.manual_seed(1)
     width = head.fuse.out_features
@@ -295,39 +294,3 @@ def test_training_unroll_is_what_drafting_computes(tiny_target):
             for s in (1, 2):
                 out = head(out[None, None], e[None, anchor + s : anchor + s + 1], cache)[0, -1]
                 torch.testing.assert_close(out, steps[s][anchor + s], atol=1e-5, rtol=1e-5)
-
-
-def test_replay_gives_the_decode_loops_rounds(tiny_target, tiny_tokenizer):
-    """benchmarks/replay_head.py replays head/k4's greedy rounds offline from the baseline's
-    output: its round counts must be the decode loop's own, position by position."""
-    from replay_head import prepared, replay  # benchmarks/ is on pytest's pythonpath
-
-    from constrained_spec.draft import CompositeDrafter
-
-    head = random_head(tiny_target, seed=4)
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
-    totals = {"calls": 0, "committed": 0, "accepted": [0] * 4, "drafted": [0] * 4}
-    items = []
-    for prompt in ("hello", '{"name": "Al'):
-        constraint = gen.compile(schema=PERSON)
-        base = gen.generate(prompt, schema=PERSON, max_new_tokens=40)
-        drafter = CompositeDrafter(HeadDraft(head, tiny_target), use_forced=False, use_lookup=False)
-        spec = gen.generate(
-            prompt, schema=PERSON, num_draft_tokens=4, max_new_tokens=40, drafter=drafter
-        )
-        assert spec.token_ids == base.token_ids
-        eos = [tiny_tokenizer.eos_token_id] if base.finish_reason == "stop" else []
-        items.append(prepared(gen, gen.encode_prompt(prompt), base.token_ids + eos, constraint))
-        totals["calls"] += spec.stats.target_calls
-        totals["committed"] += len(base.token_ids + eos)
-        for key, counts in (
-            ("accepted", spec.stats.accepted_by_position),
-            ("drafted", spec.stats.drafted_by_position),
-        ):
-            for i, n in enumerate(counts):
-                totals[key][i] += n
-    result = replay(head, gen, items, k=4, max_new_tokens=40)
-    assert sum(totals["accepted"]) > 0, "no draft was accepted: the replay's matching is untested"
-    assert result["accepted_by_position"] == totals["accepted"]
-    assert result["drafted_by_position"] == totals["drafted"]
-    assert result["tokens_per_call"] == round(totals["committed"] / totals["calls"], 3)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from constrained_spec import Generator, cli, testing
-from constrained_spec.draft import CompositeDrafter
+from constrained_spec.decoding.drafters import CompositeDrafter
 from constrained_spec.jobs import JobInputError, done_ids, read_rows, run_job
 from constrained_spec.testing import PERSON
 
@@ -20,7 +20,7 @@ def write_rows(path, rows):
 
 @pytest.fixture
 def gen(tiny_int4_target, tiny_tokenizer):
-    return Generator(tiny_int4_target, tiny_tokenizer, draft=CompositeDrafter(), cache_dir=None)
+    return Generator(tiny_int4_target, tiny_tokenizer, draft=CompositeDrafter())
 
 
 ROWS = [{"id": i, "prompt": f"hello {'yes no ' * i}"} for i in range(7)] + [

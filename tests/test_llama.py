@@ -13,9 +13,10 @@ import pytest
 import torch
 from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
 
-from constrained_spec import cache as kv
-from constrained_spec import kernels, llama, models, testing
-from constrained_spec.decode import Generator
+from constrained_spec.target import kv
+from constrained_spec import testing
+from constrained_spec.target import kernels, llama, models
+from constrained_spec.generator import Generator
 from constrained_spec.errors import SettingError, WeightsError
 
 BF16 = 2.0**-8  # unit roundoff of bf16 (8 significant bits): relative error of one rounding
@@ -199,7 +200,7 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
 
     folder = Path(kernels.fused_build()[0].__file__).parent
     (folder / "lock").touch()
-    code = "from constrained_spec import kernels; print(kernels.fused_build()[1])"
+    code = "from constrained_spec.target import kernels; print(kernels.fused_build()[1])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr[-2000:]
     assert not (folder / "lock").exists()
@@ -366,7 +367,7 @@ def test_generation_after_a_kept_prompt_equals_a_cold_one(tiny_int4_target, tiny
     commit what they would with nothing kept, greedy and sampled; stats count the copied
     tokens. The Python layers keep nothing (a long prompt's prefill kernel is not row-exact)."""
     target = copy.deepcopy(tiny_int4_target)
-    gen = Generator(target, tiny_tokenizer, cache_dir=None)
+    gen = Generator(target, tiny_tokenizer)
     shared = tiny_tokenizer.encode('{"name": "Alice", "age": 30} yes no yes ' * 3)
     prompts = [shared + tiny_tokenizer.encode(tail) for tail in (" abba", " yes yes", " no")]
     settings = [dict(), dict(temperature=0.9, seed=3)]
@@ -658,7 +659,7 @@ def test_int8_draft_of_a_compact_target_is_refused(tiny_target, tiny_tokenizer, 
     )
     for draft in ("int8", "bf16"):
         with pytest.raises(WeightsError, match=f"draft='{draft}'.*weights='int4'.*weights='float'"):
-            Generator.from_pretrained("tiny", draft=draft, weights="int4", cache_dir=None)
+            Generator.from_pretrained("tiny", draft=draft, weights="int4")
 
 
 # --- the cached kernel measurement behind weights="auto" ------------------------------------------
@@ -843,7 +844,7 @@ def test_greedy_speculation_equals_the_baseline_after_a_bf16_prefill(
         why = "; ".join(f"{k}: {kernels.int4_kernel_missing(k)}" for k in kernels.DENSE_KERNELS)
         pytest.skip(f"the fused layers' prompts have no kernel on the bf16 copy here ({why})")
     target.use_prefill("bf16" if target.layer_kernel == "python" else ours[0])
-    gen = Generator(target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
+    gen = Generator(target, tiny_tokenizer, draft=tiny_draft)
     prompt = tiny_tokenizer.encode('{"name": "Alice", "age": 30} yes no yes ' * 4)
     assert len(prompt) > kernels.PREFILL_ROWS, "the prompt must take the prefill kernel"
     base = gen.generate(prompt, schema=testing.PERSON, speculative=False, max_new_tokens=60)
@@ -1067,9 +1068,9 @@ def test_speculation_takes_the_narrow_head_and_still_equals_the_baseline(
         return head(self, features, masks)
 
     monkeypatch.setattr(llama.CompactLlama, "head", counting)
-    from constrained_spec.draft import CompositeDrafter
+    from constrained_spec.decoding.drafters import CompositeDrafter
 
-    gen = Generator(tiny_int4_target, tiny_tokenizer, draft=CompositeDrafter(), cache_dir=None)
+    gen = Generator(tiny_int4_target, tiny_tokenizer, draft=CompositeDrafter())
     prompt = tiny_tokenizer.encode('{"name": "Alice", "age": 30} yes no yes')
     base = gen.generate(prompt, schema=testing.PERSON, speculative=False, max_new_tokens=40)
     spec = gen.generate(prompt, schema=testing.PERSON, num_draft_tokens=4, max_new_tokens=40)

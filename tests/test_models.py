@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from constrained_spec import models
-from constrained_spec.models import BuiltinModel, ModelFetchError, load_model, quantize_int8
+from constrained_spec.target import models
+from constrained_spec.target.models import BuiltinModel, ModelFetchError, load_model, quantize_int8
 
 NAME = "tiny-test"
 MEMBER = "fake_model/tiny.gguf"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from constrained_spec.sample import (
+from constrained_spec.decoding.sample import (
     SamplingConfig,
     acceptance_probs,
     draw,

@@ -228,9 +228,9 @@ def test_regex_grammar_and_json_object(client, extra, check):
     assert check(r.choices[0].message.content), r.choices[0].message.content
 
 
-def test_a_schema_only_llguidance_compiles_is_served(client):
-    """minProperties: the regex engine refuses it, llguidance compiles it; the server serves
-    what the library's engine="auto" does (it once pre-translated schemas to regexes)."""
+def test_a_schema_with_a_property_count_is_served(client):
+    """minProperties on an object with optional properties: said as which are present
+    (rewrite._property_counts); the server serves what the library compiles."""
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},

@@ -19,7 +19,7 @@ def split(items):
 def test_greedy_stream_equals_generate_and_the_baseline(
     prompt, tiny_target, tiny_draft, tiny_tokenizer
 ):
-    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft)
     base = gen.generate(prompt, schema=PERSON, speculative=False, max_new_tokens=80)
     rounds = []
     pieces, streamed = split(
@@ -35,7 +35,7 @@ def test_greedy_stream_equals_generate_and_the_baseline(
 
 
 def test_each_piece_is_the_text_of_committed_tokens(tiny_target, tiny_draft, tiny_tokenizer):
-    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft)
     committed, pieces = [], []
 
     def on_round(r):
@@ -52,7 +52,7 @@ def test_each_piece_is_the_text_of_committed_tokens(tiny_target, tiny_draft, tin
 
 
 def test_a_character_split_across_tokens_comes_out_whole(tiny_target, tiny_tokenizer):
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer)
     pieces, result = split(gen.stream("hello", regex="東京!", max_new_tokens=12))
     assert result.finish_reason == "stop" and result.text == "東京!"
     assert not all(_is_utf8(gen.vocab.output_bytes([t])) for t in result.token_ids), (
@@ -70,7 +70,7 @@ def _is_utf8(data: bytes) -> bool:
 
 
 def test_closing_the_stream_stops_decoding(tiny_target, tiny_tokenizer):
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer)
     calls = []
     hook = tiny_target.register_forward_hook(lambda *a: calls.append(1))
     try:
@@ -88,7 +88,7 @@ def test_closing_the_stream_stops_decoding(tiny_target, tiny_tokenizer):
 
 
 def test_bad_input_fails_when_stream_is_called(tiny_target, tiny_tokenizer):
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer)
     with pytest.raises(GenerationInputError, match="temperature"):
         gen.stream("hello", regex="yes", temperature=-1.0)  # not iterated: raised at the call
 
@@ -96,7 +96,7 @@ def test_bad_input_fails_when_stream_is_called(tiny_target, tiny_tokenizer):
 def test_an_open_stream_holds_the_generators_lock(tiny_target, tiny_tokenizer):
     import threading
 
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer)
     stream = gen.stream("hello", regex="[a-z]{40}", max_new_tokens=40)
     next(stream)  # decoding has begun: the lock is held
     other = threading.Thread(target=gen.generate, args=("hello",), kwargs={"regex": "yes"})

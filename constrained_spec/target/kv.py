@@ -85,17 +85,21 @@ def forward(
 
 
 def forward_rows(
-    model, caches: list, rows: list[list[int]], device, masks: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Each row's ids fed after its own cache; the logits of every row's positions, one row after
-    another, (sum n_i, V) (``masks``: their legal tokens in the same order, as in ``forward``).
-    The compact forward takes every row in one pass (the weights read once); transformers'
-    forward takes them one after another (its caches would need padding and position
-    bookkeeping to share a pass)."""
+    model, caches: list, rows: list[list[int]], device, masks=None, features: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's ids fed after its own cache: the logits of every row's positions, one row after
+    another, (Σ n_i, V) (``masks``: their legal tokens in the same order, as in ``forward``),
+    and with ``features`` the LM head's inputs there, (Σ n_i, d). The compact forward takes
+    every row in one pass (the weights read once); transformers' forward takes them one after
+    another (its caches would need padding and position bookkeeping to share a pass)."""
     if isinstance(model, CompactLlama):
         ids = [torch.tensor(row, dtype=torch.long, device=device) for row in rows]
-        return model.forward_rows(ids, caches, masks=masks)[0]
-    return torch.cat([forward(model, cache, row, device) for cache, row in zip(caches, rows)])
+        logits, hidden = model.forward_rows(ids, caches, masks=masks)
+        return logits, hidden if features else None
+    outs = [forward(model, cache, row, device, features) for cache, row in zip(caches, rows)]
+    if not features:
+        return torch.cat(outs), None
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
 
 @memoize

@@ -24,10 +24,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gguf import GGUFReader
 from torch import nn
 
+from ..errors import WeightsError
 from . import kernels
-from .errors import WeightsError
+from .machine import setting
 
 # Positions a tile of keys holds (csrc/fused_layers.cpp's KEY_TILE): a cache's keys are (L, KV,
 # capacity / KEY_TILE, hd, KEY_TILE), position last within a tile.
@@ -190,8 +192,6 @@ DEFAULT_PROMPT_CACHE_MB = 128.0
 
 def prompt_cache_limit() -> int:
     """Bytes of kept prompts per model (PromptCache), from the environment."""
-    from .compile import setting
-
     mb = setting("CONSTRAINED_SPEC_PROMPT_CACHE_MB", DEFAULT_PROMPT_CACHE_MB, zero="keep none")
     return int(mb * 2**20)
 
@@ -654,8 +654,6 @@ GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up
 
 def from_gguf(path: str | Path, config) -> CompactLlama:
     """The model of a llama GGUF whose linears are Q4_1 and token embedding Q8_0, as shipped."""
-    from gguf import GGUFReader
-
     reader = GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
     s = _shape(config)

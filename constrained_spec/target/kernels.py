@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import cpp_extension
 
-from .errors import WeightsError
+from ..errors import WeightsError
+from .machine import cache_dir, cpu_name, say
 
 GROUP = 32
 SKINNY_MAX = 32  # up to this many rows, W·xᵀ streams the weight once where x·Wᵀ packs it
@@ -530,10 +532,6 @@ def fused_build():
     """(the compiled fused layers, None) or (None, why they cannot be built here). Compiled once
     per CPU model and torch version under the cache (about 20 s: C++ with OpenMP, for this CPU's
     vector units), loaded from there afterwards."""
-    from torch.utils import cpp_extension
-
-    from .models import _say, cache_dir, cpu_name
-
     key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{cpu_name()}-torch-{torch.__version__}")
     folder = cache_dir() / "kernels" / key
     try:
@@ -541,7 +539,7 @@ def fused_build():
 
         folder.mkdir(parents=True, exist_ok=True)
         if not any(folder.glob("*.so")):
-            _say(f"compiling the fused layers for this CPU, once (about 20 s) into {folder}")
+            say(f"compiling the fused layers for this CPU, once (about 20 s) into {folder}")
         # torch marks a build with a `lock` file and waits, forever, while one exists: a process
         # killed mid-build (a timeout, Ctrl-C) would leave every later load hanging. An flock is
         # let go by the kernel when its process dies, so whoever holds ours knows that a `lock`

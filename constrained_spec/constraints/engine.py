@@ -1,16 +1,16 @@
-"""The constraint engine backed by llguidance: JSON Schema, regex and Lark/GBNF grammars compiled
-in milliseconds, masks computed per state by its Earley parser over the same exact token bytes.
+"""The constraint engine: llguidance compiles JSON Schemas (said in its terms by ``rewrite``),
+regexes and Lark/GBNF grammars in milliseconds; its Earley parser computes each state's mask
+over the exact token bytes.
 
-Same contract as compile.Constraint (int states, ``step``, ``mask``, ``forced``, ...), so the
-decode loop and the drafters do not know which engine they run. llguidance's cursor (an
-``LLMatcher``) is stateful; the int states are not: state s names a token path from the start
-(a trie of (parent state, token)), and ``_goto`` is the one place that moves the matcher onto a
-path: it copies the matcher of the nearest state on that path it has a snapshot of (a copy costs
-~2 µs) and consumes the rest, never calling llguidance's rollback: after rollbacks with masks
-computed along the way, llguidance 1.9.1 returned a mask allowing a token that a fresh matcher on
-the same path refuses (tests/test_guidance.py replays such a sequence). Stepping never moves the
-matcher (a step is legal iff the parent's mask allows the token), so exploring a draft costs one
-mask per new state, and rolling back to the committed prefix is keeping the old int.
+llguidance's cursor (an ``LLMatcher``) is stateful; our states are ints: state s names a token
+path from the start (a trie of (parent state, token)), and ``_goto`` is the one place that moves
+the matcher onto a path: it copies the matcher of the nearest state on that path it has a
+snapshot of (a copy costs ~2 µs) and consumes the rest, never calling llguidance's rollback:
+after rollbacks with masks computed along the way, llguidance 1.9.1 returned a mask allowing a
+token that a fresh matcher on the same path refuses (tests/test_constraints.py replays such a
+sequence). Stepping never moves the matcher (a step is legal iff the parent's mask allows the
+token), so exploring a draft costs one mask per new state, and rolling back to the committed
+prefix is keeping the old int.
 """
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ from collections import OrderedDict
 from functools import cache
 
 import llguidance as llg
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 import numpy as np
 import torch
 
-from . import guidance_schema
-from .compile import FINISHED, Constraint
-from .errors import ConstraintError, SchemaTooComplex, UnsupportedSchemaError
-from .kernels import fused_if_built
-from .vocab import TokenVocabulary
+from ..errors import ConstraintError, SchemaTooComplex, UnsupportedSchemaError
+from . import rewrite
+from .schemas import load_schema
+from .vocabulary import TokenVocabulary
+
+FINISHED = -1  # the state after EOS: nothing is legal any more
 
 MASK_CACHE = 256  # bitmasks and bool masks kept per constraint (a 49k vocabulary's: 6 / 49 kB)
 SNAPSHOTS = 256  # matcher copies kept per constraint (LRU)
@@ -46,10 +48,9 @@ COMPILED_CACHE = 32  # constraints kept in memory (LRU), by grammar × vocabular
 MAX_STATES = 1_000_000
 
 
-class GuidanceConstraint(Constraint):
-    """A compiled llguidance grammar over a token vocabulary, with int states (see module doc).
-    It subclasses Constraint for the engine-independent queries (``legal_prefix``,
-    ``tokenize``, ``accepts_tokens``, ``accepts``), which only use ``step`` and ``accepting``."""
+class GuidanceConstraint:
+    """A compiled llguidance grammar over a token vocabulary, with int states (see module doc):
+    the one implementation of the ``Constraint`` protocol."""
 
     def __init__(self, grammar: str, vocab: TokenVocabulary, vocab_size: int, source: str):
         self.vocab, self.vocab_size, self.eos_id = vocab, vocab_size, vocab.eos_id
@@ -72,6 +73,15 @@ class GuidanceConstraint(Constraint):
         self._textless = _textless_spans(vocab, self._width)
         self._eos_at = divmod(self.eos_id, 8)  # EOS's byte and bit in a bitmask
         self._none_legal = bytes(self._width)
+        # the first mask now: a grammar whose language is empty (a schema that is only
+        # {"$ref": "#"}) fails here, at compile time, not at a request's first token
+        try:
+            if self._legal_bits(0) == self._none_legal:
+                raise ConstraintError(f"the {source} accepts no text: nothing can be generated.")
+        except SchemaTooComplex as e:  # llguidance's "no token extends the empty text"
+            if "NoExtensionBias" not in str(e):
+                raise
+            raise ConstraintError(f"the {source} accepts no text: nothing can be generated.") from None
 
     def _goto(self, state: int) -> None:
         """Put the matcher on ``state``'s path (callers hold the lock): from the matcher where it
@@ -114,7 +124,7 @@ class GuidanceConstraint(Constraint):
                 self._goto(state)
                 raw = self._matcher.compute_bitmask()
                 if self._matcher.is_error():  # a limit hit (compile_grammar then builds anew)
-                    raise ConstraintError(f"llguidance: {self._matcher.get_error()[:500]}")
+                    raise SchemaTooComplex(f"llguidance: {self._matcher.get_error()[:500]}")
                 accepting = self._accepting[state] = self._matcher.is_accepting()
                 if self._depth[state] - self._copied_at >= SNAPSHOT_EVERY:
                     self._snapshot()
@@ -210,18 +220,20 @@ class GuidanceConstraint(Constraint):
             self.mask(states[0], device)[None] if len(states) == 1 else self._tensor(states, device)
         )
 
-    def _tensor(self, states: list[int], device) -> torch.Tensor:
+    def bitmasks(self, states: list[int]) -> list[bytes]:
+        """The legal ids of each state as a bitmask (bit t of byte t // 8, V bits): what the
+        decoding layer unpacks into a pass's masks, with the target's own unpacking where it
+        has one. A state with no legal token is an error: nothing could be generated there."""
         rows = [self._legal_bits(s) for s in states]
         if self._none_legal in rows:
             raise ConstraintError(
                 f"state {states[rows.index(self._none_legal)]} has no legal token: the "
                 "constraint cannot be completed with this vocabulary."
             )
-        compiled = fused_if_built()  # one call where a model built the fused layers
-        if compiled is not None:
-            masks = compiled.unpack_bits(rows, self.vocab_size)
-        else:
-            masks = torch.from_numpy(self._unpack(rows))
+        return rows
+
+    def _tensor(self, states: list[int], device) -> torch.Tensor:
+        masks = torch.from_numpy(self._unpack(self.bitmasks(states)))
         on_cpu = getattr(device, "type", device) == "cpu"  # a torch.device or its name
         return masks if on_cpu else masks.to(device)  # (a cold torch call fewer on the CPU)
 
@@ -235,6 +247,46 @@ class GuidanceConstraint(Constraint):
         matcher = self._root.deep_copy()  # no rollback (see the module docstring)
         done = matcher.try_consume_tokens(body)
         return done == len(body) and matcher.is_accepting()
+
+    def allowed(self, state: int) -> list[int]:
+        """Legal token ids in ``state`` (EOS included iff accepting)."""
+        return self._legal(state).tolist()
+
+    def legal_prefix(self, state: int, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the automaton accepts from ``state``."""
+        for n, token in enumerate(tokens):
+            state = self.step(state, token)
+            if state is None:
+                return n
+        return len(tokens)
+
+    def tokenize(self, state: int, data: bytes, limit: int, prefer=frozenset()) -> list[int]:
+        """Up to ``limit`` tokens spelling a prefix of ``data`` that the automaton accepts from
+        ``state``: at each position the longest legal token in ``prefer`` (e.g. the tokens the
+        model has chosen before), else the longest legal token."""
+        tokens, pos, longest = [], 0, self.vocab.longest_by_start
+        while pos < len(data) and len(tokens) < limit:
+            candidates = []  # (token, state after, end), longest first
+            for end in range(min(len(data), pos + longest.get(data[pos : pos + 2], 1)), pos, -1):
+                token = self.vocab.ids_by_bytes.get(data[pos:end])
+                if token is not None and (after := self.step(state, token)) is not None:
+                    candidates.append((token, after, end))
+                    if not prefer or token in prefer:
+                        break  # the one chosen below: shorter ones would cost steps for nothing
+            if not candidates:
+                break  # no legal token spells the next bytes
+            token, state, pos = next((c for c in candidates if c[0] in prefer), candidates[0])
+            tokens.append(token)
+        return tokens
+
+    def accepts(self, text: str) -> bool:
+        """True iff the automaton accepts this complete text (walked one byte token at a time,
+        so no tokenization choice can hide an accept or a reject)."""
+        data = text.encode()
+        missing = {b for b in data if b not in self._byte_ids}
+        if missing:
+            raise ValueError(f"the vocabulary has no single-byte token for bytes {sorted(missing)}")
+        return self.accepts_tokens([self._byte_ids[b] for b in data])
 
     def clear_caches(self) -> None:
         """Drop the cached masks and matcher copies (states stay valid; both rebuild on use)."""
@@ -331,9 +383,9 @@ NO_FORCING = '\n%llguidance {"no_forcing": true}\n'
 def schema_grammar(schema: dict, whitespace: str = "", open_objects: bool = False) -> str:
     """llguidance's grammar for a JSON Schema: compact JSON (``whitespace`` = "") or ``whitespace``
     (a regex) between tokens; objects with declared properties closed to undeclared ones unless
-    ``open_objects`` (guidance_schema.for_llguidance). A keyword it cannot honour is refused by
+    ``open_objects`` (rewrite.for_llguidance). A keyword it cannot honour is refused by
     name and JSON pointer, never ignored."""
-    sent = guidance_schema.for_llguidance(schema, open_objects)
+    sent = rewrite.for_llguidance(schema, open_objects)
     options = {"whitespace_flexible": False, "lenient": False}
     if whitespace:
         options |= {"whitespace_flexible": True, "whitespace_pattern": whitespace}
@@ -345,7 +397,7 @@ def schema_grammar(schema: dict, whitespace: str = "", open_objects: bool = Fals
     try:
         _check(grammar, "the schema")
     except UnsupportedSchemaError as e:  # llguidance names the keyword; we say where it is
-        where = e.pointer or guidance_schema.pointer_of(schema, e.keyword, sent)
+        where = e.pointer or rewrite.pointer_of(schema, e.keyword, sent)
         raise UnsupportedSchemaError(e.keyword, where, e.hint) from None
     return grammar
 
@@ -361,8 +413,6 @@ def regex_grammar(regex: str) -> str:
 def lark_grammar(text: str) -> str:
     """llguidance's grammar for a Lark grammar, or a GBNF one (converted to Lark by llguidance's
     converter); a syntax error names its line and column."""
-    from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
-
     try:
         lark = any_to_lark(text)
     except GbnfToLarkError as e:
@@ -379,13 +429,10 @@ _NOT_SUPPORTED = re.compile(r"(\w+) constraints are not supported")  # oneOf
 _UNKNOWN_FORMAT = re.compile(r"[Uu]nknown format: ?\"?([\w-]+)")
 _LOCATION = re.compile(r"(?:^|at )(\d+)\((\d+)\): ", re.M)  # "at 3(4): ": line 3, column 4
 _UNSAID = {
-    "": "llguidance does not implement it; engine='auto' (the default) or 'regex' hands the "
-    "schema to the regex engine.",
+    "": "llguidance does not implement it (docs/schemas.md lists what is refused and why).",
     "oneOf": "llguidance has oneOf only as 'one branch and not the others', and these branches "
-    "could not be negated here (docs/schemas.md); engine='auto' (the default) or 'regex' hands "
-    "the schema to the regex engine.",
-    "not": "This negation could not be said in llguidance's keywords (docs/schemas.md); "
-    "engine='auto' (the default) or 'regex' hands the schema to the regex engine.",
+    "could not be negated here (docs/schemas.md).",
+    "not": "This negation could not be said in llguidance's keywords (docs/schemas.md).",
 }
 
 
@@ -403,122 +450,44 @@ def _check(grammar: str, what: str) -> None:
     error = "\n".join(x for x in error.splitlines() if '"no_forcing"' not in x)  # ours, not theirs
     if what != "the grammar":  # locations and the echo are in the generated grammar line
         error = re.sub(r"^at \d+\(\d+\): ", "", error.split("\n", 1)[0])
-    raise ConstraintError(f"cannot compile {what}: {error.strip()[:2000]}")
+    kind = SchemaTooComplex if _LIMITS.search(error) else ConstraintError
+    raise kind(f"cannot compile {what}: {error.strip()[:2000]}")
+
+
+# llguidance's own limits (sizes, nesting), as its messages name them: past them a constraint is
+# too complex for it, however valid.
+_LIMITS = re.compile(
+    r"too large|stack level exceeded|too many|max is \d+|limit|fuel|Unable to determine", re.I
+)
 
 
 def _line_col(text: str, pos: int) -> tuple[int, int]:
     return text.count("\n", 0, pos) + 1, pos - (text.rfind("\n", 0, pos) + 1) + 1
 
 
-# --- which engine compiles what ----------------------------------------------------------------
-
-ENGINES = {
-    "auto": "llguidance; a schema keyword it does not implement goes to the regex engine, "
-    "which honours it exactly or refuses it by name (docs/schemas.md: why)",
-    "llguidance": "llguidance's Earley parser: schemas, regexes and Lark/GBNF grammars, "
-    "compiled in milliseconds, masks computed per state",
-    "regex": "constrained_spec.schema → regex → outlines-core token automaton: masks "
-    "precomputed per state, compiled in a bounded child process (schemas, regexes)",
-}
+CONSTRAINTS = ("schema", "regex", "grammar")
 
 
-def check_engine(engine: str) -> str:
-    if engine not in ENGINES:
-        raise ConstraintError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}.")
-    return engine
-
-
-def translate(
-    engine: str, whitespace: str = "", open_objects: bool = False, **given
-) -> tuple[str, str]:
-    """``(engine, text)``: the grammar (llguidance) or regex (regex engine) a request compiles to
-    (``given``: one of schema=, regex=, grammar=), without a tokenizer: refusals and syntax
-    errors surface here, before any model work. Under "auto" a schema llguidance cannot compile
-    goes to the regex engine's front end, which compiles it exactly or refuses it naming the
-    keyword and its JSON pointer, within the fallback budget (``_fallback``)."""
-    check_engine(engine)
-    if sum(x is not None for x in given.values()) != 1 or not given.keys() <= CONSTRAINTS:
+def grammar_for(whitespace: str = "", open_objects: bool = False, **given) -> str:
+    """The llguidance grammar of one of ``schema=`` (what ``load_schema`` takes), ``regex=`` or ``grammar=``
+    (Lark or GBNF text), without a tokenizer: refusals and syntax errors surface here, before
+    any model work."""
+    if sum(given.get(k) is not None for k in CONSTRAINTS) != 1 or not given.keys() <= set(
+        CONSTRAINTS
+    ):
         raise ConstraintError("pass exactly one of schema=, regex= or grammar=.")
-    schema, regex, grammar = (given.get(k) for k in ("schema", "regex", "grammar"))
-    if grammar is not None:
-        if engine == "regex":
-            raise ConstraintError(
-                "grammars (Lark/GBNF) need engine='llguidance' or 'auto': the regex "
-                "engine compiles regular languages only."
-            )
-        return "llguidance", lark_grammar(grammar)
-    if regex is not None:
-        return ("regex", regex) if engine == "regex" else ("llguidance", regex_grammar(regex))
-    if engine == "regex":
-        from .compile import translate_schema  # the sound path (bounded)
-
-        return "regex", translate_schema(schema, whitespace)
-    try:
-        return "llguidance", schema_grammar(schema, whitespace, open_objects)
-    except ConstraintError as e:
-        if engine == "llguidance":
-            raise
-        return "regex", _regex_fallback(schema, whitespace, e, time.monotonic())
-
-
-CONSTRAINTS = {"schema", "regex", "grammar"}
+    if given.get("grammar") is not None:
+        return lark_grammar(given["grammar"])
+    if given.get("regex") is not None:
+        return regex_grammar(given["regex"])
+    return schema_grammar(load_schema(given["schema"]), whitespace, open_objects)
 
 
 def compile_constraint(
-    engine: str,
-    vocab: TokenVocabulary,
-    vocab_size: int,
-    cache_dir=None,
-    whitespace="",
-    open_objects=False,
-    **given,
-) -> Constraint:
-    """The compiled constraint for ``given`` (one of schema=, regex=, grammar=) by ``engine``."""
-    from .compile import compile_regex
-
-    started = time.monotonic()
-    chosen, text = translate(engine, whitespace, open_objects, **given)
-    if chosen == "llguidance":
-        what = next(k for k in given if given[k] is not None)
-        try:
-            return compile_grammar(text, vocab, vocab_size, what)
-        except ConstraintError as e:  # e.g. a lexer limit hit
-            if engine != "auto" or what != "schema":
-                raise
-            text = _regex_fallback(given["schema"], whitespace, e, started)
-    if engine != "auto":
-        return compile_regex(text, vocab, vocab_size, cache_dir)
-    step = lambda limit: compile_regex(text, vocab, vocab_size, cache_dir, limit)  # noqa: E731
-    return _fallback(step, None, started)
-
-
-def _regex_fallback(schema, whitespace: str, why, started: float) -> str:
-    """The regex engine's translation of ``schema`` for engine="auto", within its budget."""
-    from .compile import translate_schema
-
-    return _fallback(lambda limit: translate_schema(schema, whitespace, limit), why, started)
-
-
-def _fallback(step, why, started: float):
-    """``step(limit)`` (translating or building for the regex engine) within what is left of
-    the seconds engine="auto" gives the regex engine since ``started``; past them an error
-    naming the fixes. ``why``: llguidance's refusal, if known."""
-    from .compile import compile_limits, fallback_timeout
-
-    budget, bound = fallback_timeout(), compile_limits()[0]
-    if budget <= 0:
-        return step(None)  # the compile bounds alone
-    left = max(budget - (time.monotonic() - started), 1e-3)
-    try:
-        return step(min(left, bound) if bound > 0 else left)
-    except SchemaTooComplex as e:
-        if not e.timed_out or (0 < bound <= left):
-            raise  # the compile bounds' own error
-        reason = f" ({why})" if why is not None else ""
-        raise SchemaTooComplex(
-            f"llguidance cannot compile this schema{reason}, and the regex engine needs longer "
-            f"than the {budget:g} s engine='auto' gives it. Compile it with engine='regex' "
-            "(--engine regex), bounded by CONSTRAINED_SPEC_COMPILE_TIMEOUT instead, or raise "
-            "CONSTRAINED_SPEC_FALLBACK_TIMEOUT=<seconds> (0: the compile bounds alone).",
-            timed_out=True,
-        ) from None
+    vocab: TokenVocabulary, vocab_size: int, whitespace="", open_objects=False, **given
+) -> GuidanceConstraint:
+    """The compiled constraint for ``given`` (one of schema=, regex=, grammar=; see
+    ``grammar_for``) over ``vocab``, masks ``vocab_size`` wide."""
+    grammar = grammar_for(whitespace, open_objects, **given)
+    source = next(k for k in CONSTRAINTS if given.get(k) is not None)
+    return compile_grammar(grammar, vocab, vocab_size, source)

@@ -1,4 +1,5 @@
-"""Ready-made constraints shipped inside the package (``constrained_spec/grammar_files/``), by name.
+"""Ready-made constraints, the files of the top-level ``grammars/`` folder (shipped in the wheel
+as ``constrained_spec.grammars``), by name.
 
 Four file kinds, the name is the file name without its suffix:
 - ``NAME.regex``: first line ``# one-line description``, then the regex (line breaks removed, so a
@@ -14,14 +15,22 @@ from __future__ import annotations
 import json
 from importlib.resources import files
 from pathlib import Path
-from typing import TYPE_CHECKING
+from importlib.resources.abc import Traversable
 
-from .errors import ConstraintError
+from ..errors import ConstraintError
 
-if TYPE_CHECKING:
-    from importlib.resources.abc import Traversable
 
-GRAMMAR_DIR = files(__package__) / "grammar_files"  # package data (pyproject.toml), not a repo path
+
+def _grammar_dir() -> Traversable:
+    """The grammars/ folder: an install maps it into the package (pyproject.toml's
+    package-dir); a source checkout imported from the tree has it beside the package."""
+    try:
+        return files("constrained_spec.grammars")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "grammars"
+
+
+GRAMMAR_DIR = _grammar_dir()
 SUFFIXES = (".regex", ".json", ".lark", ".gbnf")
 
 

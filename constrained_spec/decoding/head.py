@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from .errors import DraftHeadError, VocabularyMismatch
+from ..errors import DraftHeadError, VocabularyMismatch
 
 HEADS = Path(__file__).parent / "heads"  # shipped weights: <name>.safetensors + <name>.json card
 COPY_NGRAMS = (2, 1)  # the head's copy proposals: after the last bigram, after the last token
@@ -162,6 +162,32 @@ class DraftHead(nn.Module):
             "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
         }
         path.with_suffix(".json").write_text(json.dumps(card, indent=1) + "\n")
+
+
+def unrolled(head, f: torch.Tensor, e: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head's outputs at draft steps 1..``steps`` for every position of one sequence, each
+    step reading the previous step's outputs as it does when drafting (EAGLE-3's training-time
+    test). Step s at position j reads (step s-1's output at j-1, e_j) and, as in the drafting
+    head's KV cache, attends to the true pairs up to j-s and to its own chain's pairs
+    j-s+1..j. One pass per step; the keys of earlier steps are kept. Step 1 = ``head(f, e)``."""
+    m = f.shape[0]
+    pos = torch.arange(m)
+    keys, values, outs, inputs = [], [], [], f
+    for s in range(steps):
+        x = head.fuse(torch.cat([inputs, e], dim=-1))[None]
+        q, k, v = head.project(x, pos)
+        keys.append(k)
+        values.append(v)
+        # block 0 (true pairs): keys j' <= j - s; block t >= 1: the chain's key j' = j - (s - t)
+        allowed = [pos[None, :] <= pos[:, None] - s] + [
+            pos[None, :] == pos[:, None] - (s - t) for t in range(1, s + 1)
+        ]
+        outs.append(
+            head.attend(x, q, torch.cat(keys, 2), torch.cat(values, 2), torch.cat(allowed, 1))[0]
+        )
+        inputs = torch.cat([torch.zeros_like(f[:1]), outs[-1][:-1]])  # position 0: no chain
+    return outs
+
 
 
 class CopyIndex:

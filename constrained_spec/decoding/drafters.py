@@ -21,9 +21,9 @@ from typing import Protocol
 
 import torch
 
-from . import cache as kv
-from .compile import FINISHED, Constraint
-from .llama import common_prefix
+from ..constraints import FINISHED, Constraint
+from ..target import kv
+from ..target.llama import common_prefix
 from .sample import SamplingConfig, draw, one_hot, policy
 
 UNTEMPERED = SamplingConfig(temperature=1.0)  # a greedy draft's confidence: its softmax at T = 1

@@ -1,5 +1,5 @@
 """A JSON Schema said in the terms llguidance implements, accepting nothing jsonschema rejects
-(guidance.schema_grammar compiles the result)."""
+(engine.schema_grammar compiles the result)."""
 
 from __future__ import annotations
 
@@ -9,25 +9,19 @@ import warnings
 from dataclasses import dataclass, field
 from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
 from functools import cache
+from itertools import combinations
+from math import comb
 
-from .errors import UnsupportedSchemaError
-from .schema.regex import (
-    MAX_CODEPOINT,
-    C,
-    PatternError,
-    _complement,
-    _intersect,
-    _normalise,
-    sre_parse,
-)
+from ..errors import UnsupportedSchemaError
+from .patterns import FORMATS, KNOWN_FORMATS, rust_pattern
 
 # Where llguidance accepts texts that jsonschema (with its format checker) rejects, found by
 # benchmarks/coverage_engines.py and a fuzz of every format (docs/schemas.md): a leap second
 # "23:59:60" and some offsets in date-time / time; multipleOf with a fraction, which llguidance
 # checks in exact decimals and jsonschema in floats ("9356.55" is no multiple of 0.01 there).
-# Formats llguidance checks soundly stay its own; the other formats the regex engine writes as a
-# regex become that regex as a pattern; format names jsonschema does not check are annotations
-# (dropped, as the regex engine does); the rest llguidance implements or refuses by name.
+# Formats llguidance checks soundly stay its own; the others in patterns.FORMATS become that
+# pattern; format names jsonschema does not check are annotations (dropped); the rest llguidance
+# implements or refuses by name.
 NATIVE_FORMATS = {"date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"}
 VALUES = {"enum", "const", "default", "examples"}  # JSON values, not schemas: never rewritten
 
@@ -42,9 +36,12 @@ def for_llguidance(schema, open_objects: bool = False):
     """The schema as llguidance gets it: keywords it refuses said exactly in ones it implements
     (``_in_llguidance_terms``), narrowed where it reads a keyword more loosely than jsonschema
     (``_sound_for_llguidance``), then objects with declared properties closed to undeclared
-    ones where that only narrows, unless ``open_objects`` (``_close_objects``)."""
+    ones where that only narrows, unless ``open_objects`` (``_close_objects``); last, the
+    property counts of closed objects said by which properties are present
+    (``_property_counts``)."""
     schema = _sound_for_llguidance(_in_llguidance_terms(schema))
-    return _close_objects(schema) if not open_objects and _closable(schema) else schema
+    schema = _close_objects(schema) if not open_objects and _closable(schema) else schema
+    return _rewrite(schema, _property_counts)
 
 
 def pointer_of(schema, keyword: str, sent=None) -> str:
@@ -316,7 +313,7 @@ def _if_present(name: str, dep) -> dict:
 def _negation(node, out: dict, doc: _Document, within):
     """``node`` negated exactly, else with the parts not said here left out (a subset: the
     instances that fail ``node`` the ways that can be said, such as missing a required
-    property), as the regex engine does; then ``out`` is marked narrower, never to be
+    property); then ``out`` is marked narrower, never to be
     negated itself (that would loosen it). None where nothing is left."""
     if not doc.negate:
         return None
@@ -746,10 +743,8 @@ def _sound_for_llguidance(node, pointer: str = ""):
 
 
 def _sound_strings(out: dict, pointer: str) -> None:
-    """Formats as the regex engine writes them, and every regex in llguidance's own syntax with
-    Python's meaning (``_llg_pattern``)."""
-    from .schema.regex import FORMATS, KNOWN_FORMATS
-
+    """Formats as patterns.FORMATS writes them, and every regex in llguidance's own syntax with
+    Python's meaning (``patterns.rust_pattern``)."""
     fmt = out.get("format")
     if isinstance(fmt, str) and fmt not in NATIVE_FORMATS:
         if fmt not in KNOWN_FORMATS:
@@ -758,11 +753,11 @@ def _sound_strings(out: dict, pointer: str) -> None:
             del out["format"]
             out["pattern"] = f"^{FORMATS[fmt]}$"
     if isinstance(out.get("pattern"), str):
-        out["pattern"] = _llg_pattern(out["pattern"], f"{pointer}/pattern")
+        out["pattern"] = rust_pattern(out["pattern"], f"{pointer}/pattern")
     names = out.get("patternProperties")
     if isinstance(names, dict):
         where = f"{pointer}/patternProperties"
-        out["patternProperties"] = {_llg_pattern(k, f"{where}/{k}"): v for k, v in names.items()}
+        out["patternProperties"] = {rust_pattern(k, f"{where}/{k}"): v for k, v in names.items()}
 
 
 # llguidance reads bounds as 64-bit floats, fractional ones printed to ~15 digits (minimum
@@ -831,126 +826,10 @@ _ROUNDED = (
 )
 
 
-def _llg_pattern(pattern: str, pointer: str) -> str:
-    """``pattern`` in llguidance's (Rust) regex syntax, matching what Python's ``re.search``
-    (jsonschema's) matches, or less: written from Python's own parse, every character class as
-    explicit ranges, since llguidance's differ from Python's: its negated classes let ``"`` and
-    ``\\`` through (``[^"]`` matched ``a"b``), its ``\\s`` lacks \\x1c-\\x1f (so ``\\S`` has
-    them), its ``\\w`` and ``\\d`` are ASCII (so ``\\W`` had ``é``), ``[[:alpha:]]`` is a
-    POSIX class there and literal characters in Python."""
-    try:
-        with warnings.catch_warnings():  # "possible nested set": Python reads [[ literally
-            warnings.simplefilter("ignore", FutureWarning)
-            parsed = sre_parse.parse(pattern)
-        if parsed.state.flags & (re.I | re.M | re.L):
-            raise PatternError("the flags (?i), (?m) and (?L)")
-        return _rust(list(parsed), bool(parsed.state.flags & re.S))
-    except (re.error, PatternError, RecursionError) as e:
-        raise UnsupportedSchemaError(
-            "pattern", pointer, f"{pattern[:200]!r}: {e} (not said in llguidance's terms)."
-        ) from None
-
-
-def _rust(items: list, dotall: bool) -> str:
-    return "".join(_rust_item(op, av, dotall) for op, av in items)
-
-
-def _rust_item(op, av, dotall: bool) -> str:
-    if op is C.LITERAL:
-        return _rust_class([(av, av)])
-    if op is C.NOT_LITERAL:
-        return _rust_class(_complement([(av, av)]))
-    if op is C.ANY:  # all but a newline, without (?s)
-        return _rust_class([(0, MAX_CODEPOINT)] if dotall else _complement([(10, 10)]))
-    if op is C.IN:
-        return _rust_class(_class_ranges(av))
-    if op is C.BRANCH:
-        return "(?:" + "|".join(_rust(list(b), dotall) for b in av[1]) + ")"
-    if op is C.SUBPATTERN:
-        if (av[1] | av[2]) & (re.I | re.M | re.L):
-            raise PatternError("the flags (?i), (?m) and (?L)")
-        dotall = (dotall or bool(av[1] & re.S)) and not av[2] & re.S
-        return "(?:" + _rust(list(av[3]), dotall) + ")"
-    if op in (C.MAX_REPEAT, C.MIN_REPEAT):  # laziness does not change what re.search finds
-        lo, hi, sub = av
-        return "(?:" + _rust(list(sub), dotall) + f"){{{lo},{'' if hi >= C.MAXREPEAT else hi}}}"
-    if op is C.AT and av in (C.AT_BEGINNING, C.AT_BEGINNING_STRING):
-        return "^"
-    if op is C.AT and av in (C.AT_END, C.AT_END_STRING):  # Python's $ also before a last \n
-        return "$"
-    raise PatternError(f"{_UNSAID.get(op, 'anchors other than ^ and $')} cannot be said there")
-
-
-_UNSAID = {
-    C.ASSERT: "lookarounds",
-    C.ASSERT_NOT: "lookarounds",
-    C.GROUPREF: "backreferences",
-    C.GROUPREF_EXISTS: "conditional groups",
-    C.POSSESSIVE_REPEAT: "possessive repeats",
-    C.ATOMIC_GROUP: "atomic groups",
-}
-
-
-def _class_ranges(items) -> list[tuple[int, int]]:
-    """Code point ranges of a Python character class (or fewer): \\s as Python's own, \\d and
-    \\w their ASCII members (Python's are thousands of ranges, which slowed llguidance's
-    compile 20-fold), and a class that complements those cut to ASCII, which it then holds."""
-    negate = bool(items) and items[0][0] is C.NEGATE
-    ranges, cut = [], False
-    for op, av in items[int(negate) :]:
-        if op is C.LITERAL:
-            ranges.append((av, av))
-        elif op is C.RANGE:
-            ranges.append(av)
-        elif op is C.CATEGORY and av in _CATEGORIES:
-            name, inverted = _CATEGORIES[av]
-            members = _category(name)
-            ranges += _complement(members) if inverted else members
-            cut |= name != "\\s" and (inverted or negate)
-        else:
-            raise PatternError(f"the class item {str(op).lower()}")
-    ranges = _complement(ranges) if negate else _normalise(ranges)
-    return _intersect(ranges, [(0, 127)]) if cut else ranges
-
-
-_CATEGORIES = {
-    C.CATEGORY_DIGIT: ("\\d", False),
-    C.CATEGORY_NOT_DIGIT: ("\\d", True),
-    C.CATEGORY_SPACE: ("\\s", False),
-    C.CATEGORY_NOT_SPACE: ("\\s", True),
-    C.CATEGORY_WORD: ("\\w", False),
-    C.CATEGORY_NOT_WORD: ("\\w", True),
-}
-
-
-@cache
-def _category(name: str) -> list[tuple[int, int]]:
-    """The code points Python's ``name`` matches: all of them for \\s (~0.1 s, once), the
-    ASCII ones for \\d and \\w."""
-    top = MAX_CODEPOINT if name == "\\s" else 127
-    chars = "".join(map(chr, range(top + 1)))
-    return [(m.start(), m.end() - 1) for m in re.finditer(name + "+", chars)]
-
-
-def _rust_class(ranges) -> str:
-    """One character of ``ranges``, every code point written as \\x{...}, in a positive
-    class (llguidance's negated ones let ``"`` and ``\\\\`` through), without surrogates (no
-    text holds them) and without NUL: a set with all 32 control characters made llguidance
-    accept any JSON escape, ``\\"`` and ``\\\\`` too, whether they were members or not."""
-    ranges = _intersect(ranges, _complement([(0, 0), (0xD800, 0xDFFF)]))
-    if not ranges:
-        raise PatternError("a character class that matches no character")
-    if ranges == [(ranges[0][0], ranges[0][0])]:
-        c = ranges[0][0]
-        return chr(c) if chr(c).isascii() and chr(c).isalnum() else f"\\x{{{c:X}}}"
-    body = "".join(f"\\x{{{lo:X}}}" + (f"-\\x{{{hi:X}}}" if hi > lo else "") for lo, hi in ranges)
-    return f"[{body}]"
-
-
 _LOOSER = "llguidance would accept texts jsonschema rejects here."
 
 # Objects with declared properties get no undeclared ones where the schema says nothing about
-# them (additionalProperties: false), the regex engine's subset too: allowed, the small default
+# them (additionalProperties: false): allowed, the small default
 # model filled objects with invented keys or echoed the schema itself (docs/measurements.md).
 # Sound because it only happens in schemas without negation (`not`, `oneOf`'s "exactly one",
 # `if`): there every subschema counts positively, so narrowing one narrows the whole (under
@@ -989,3 +868,45 @@ def _closable(node) -> bool:
     ):
         return False
     return all(_closable(v) for k, v in node.items() if k not in VALUES)
+
+
+# llguidance takes minProperties/maxProperties only where every declared property is required.
+# On a closed object (no undeclared properties) a count bound is a statement about which of the
+# optional properties are present, which it does implement: "at least a of them" is anyOf over
+# the a-subsets, each required; "at most b" is anyOf over the subsets of those left out, each
+# absent (a property whose schema is false). Exact; where the subsets would be many, left as it
+# is, and llguidance refuses it.
+MAX_COUNT_BRANCHES = 32
+
+
+def _property_counts(node, out):
+    declared, required = out.get("properties"), out.get("required", [])
+    if not (
+        isinstance(declared, dict)
+        and out.get("additionalProperties") is False
+        and not out.get("patternProperties")
+        and isinstance(required, list)
+        and set(required) <= set(declared)
+        and any(k in out for k in ("minProperties", "maxProperties"))
+    ):
+        return out
+    lo, hi = out.get("minProperties", 0), out.get("maxProperties", len(declared))
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (lo, hi)):
+        return out
+    optional = [name for name in declared if name not in required]
+    least, most = max(lo - len(set(required)), 0), min(hi - len(set(required)), len(optional))
+    if least > most:
+        return out  # no instance has such a count: llguidance names it unsatisfiable
+    if comb(len(optional), least) + comb(len(optional), len(optional) - most) > MAX_COUNT_BRANCHES:
+        return out
+    out.pop("minProperties", None)
+    out.pop("maxProperties", None)
+    parts = []
+    if least > 0:
+        parts.append({"anyOf": [{"required": list(s)} for s in combinations(optional, least)]})
+    if most < len(optional):
+        gone = combinations(optional, len(optional) - most)
+        parts.append({"anyOf": [{"properties": dict.fromkeys(s, False)} for s in gone]})
+    if parts:
+        out["allOf"] = [*out.get("allOf", []), *parts]
+    return out

@@ -1,0 +1,312 @@
+"""The decode loop: draft → verify (ONE target forward) → commit → roll back the rest.
+
+A request in flight is a ``Row``: its prompt, constraint, sampling settings, seed, drafter and
+KV cache. ``step`` runs one round for every row of a batch: each row drafts, one forward of the
+target verifies every row's draft (the weights are read once for all of them), the exact
+acceptance rule runs per row, with one host sync for the batch, and each row commits and rolls
+back on its own. A single request is a batch of one: the same rows, the same step, so
+exactness lives in one place.
+
+Rows accept different numbers of drafts: each keeps its own cache, cropped to its own committed
+length, so rejected drafts leave no holes to mask. A row computes what it would alone (the
+compact forward's rows do not depend on each other), so each row's output is distributed exactly
+as plain masked sampling, and greedy rows commit what their single runs commit (on the 4-bit
+target bit for bit; a float target's dense LM head only up to its last bits: a near-tie).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..constraints import FINISHED, Constraint
+from ..target import kernels, kv
+from .drafters import EMPTY_DRAFT, Draft, Drafter
+from .sample import SamplingConfig, greedy_outcome, one_hot, policy, verify_sampled
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one round committed for one row (only committed tokens, never drafts that were
+    rolled back, except as ``drafted`` for display)."""
+
+    drafted: list[int]  # the draft proposed this round (verified up to its first illegal token)
+    accepted: int  # how many of its tokens the target accepted
+    token: int  # the target's own token: correction (accepted < drafted) or bonus
+    committed: list[int]  # drafted[:accepted] + [token], cut after EOS
+    sources: tuple[str, ...] = ()  # each drafted token's source: forced/grammar/lookup/model
+
+
+@dataclass
+class Stats:
+    target_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # histogram: rounds by accepted n
+    accepted_by_position: list[int] = field(default_factory=list)  # drafts accepted at index i
+    drafted_by_position: list[int] = field(default_factory=list)
+    drafted_by_source: dict[str, int] = field(default_factory=dict)  # forced/grammar/lookup/model
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    cached_prompt_tokens: int = 0  # prompt tokens copied from a kept prompt (llama.PromptCache)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    ttft_s: float = 0.0  # prompt in → first committed token
+    total_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def record(self, draft: Draft, accepted: int) -> None:
+        drafted = len(draft)
+        self.target_calls += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for i, source in enumerate(draft.sources):
+            self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + 1
+            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + (
+                i < accepted
+            )
+        for hist, n in (
+            (self.accepted_lengths, accepted + 1),
+            (self.drafted_by_position, drafted),
+            (self.accepted_by_position, accepted),
+        ):
+            hist.extend([0] * (n - len(hist)))
+        self.accepted_lengths[accepted] += 1
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+        for i in range(accepted):
+            self.accepted_by_position[i] += 1
+
+
+@dataclass
+class AdaptiveK:
+    """Draft-model tokens per round, chosen to maximise the expected tokens per unit of cost
+    (1 − α^(k+1)) / ((1 − α)(k·c + 1)) (Leviathan et al. 2023, §3.4), from running estimates of
+    α (acceptance of a model-drafted token) and c (draft step cost / target verify cost)."""
+
+    k_max: int
+    alpha: float = 0.7  # prior until the first rounds are seen
+    cost: float = 0.4  # prior: an int8 copy of the target costs ≈ 0.4 of a target step
+    decay: float = 0.8  # weight of the past in the running estimates
+
+    def choose(self) -> int:
+        a, c = min(self.alpha, 0.99), self.cost
+        gain = lambda k: (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))
+        return max(range(1, self.k_max + 1), key=gain)  # k ≥ 1 keeps α observable
+
+    def update(self, draft: Draft, accepted: int, draft_s: float, verify_s: float) -> None:
+        model_positions = [i for i, s in enumerate(draft.sources) if s == "model"]
+        for i in model_positions:
+            if i <= accepted:  # reached: every token before it was accepted
+                self.alpha = self.decay * self.alpha + (1 - self.decay) * (i < accepted)
+        if model_positions and verify_s > 0:
+            step_cost = draft_s / len(model_positions) / verify_s
+            self.cost = self.decay * self.cost + (1 - self.decay) * step_cost
+
+
+@dataclass
+class Row:
+    """One request in flight: what it decodes under, and what it has committed so far."""
+
+    prompt: list[int]
+    constraint: Constraint
+    sampling: SamplingConfig
+    generator: torch.Generator
+    drafter: Drafter | None  # None: the masked baseline
+    max_new_tokens: int
+    num_draft_tokens: int = 4  # draft-model tokens per round (AdaptiveK's bound where adaptive)
+    adaptive: AdaptiveK | None = None
+    index: int = 0  # its position in the caller's list of requests
+    cache: object = None
+    tokens: list[int] = field(default_factory=list)  # prompt + committed
+    state: int = 0
+    stats: Stats = field(default_factory=Stats)
+    started: float = 0.0
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
+
+    @property
+    def room(self) -> int:
+        return self.max_new_tokens - len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.state == FINISHED or self.room <= 0
+
+    @property
+    def finish_reason(self) -> str:
+        """ "stop" iff EOS was committed (legal only where the text is complete), else
+        "length" (``max_new_tokens`` or the context)."""
+        return "stop" if self.state == FINISHED else "length"
+
+    @property
+    def features(self) -> bool:
+        """Whether its drafter reads the target's features (a trained draft head)."""
+        return self.drafter is not None and self.drafter.uses_features
+
+
+def decode(target, rows: Iterable[Row], batch_size: int) -> Iterator[tuple[Row, Round]]:
+    """Decode ``rows``, at most ``batch_size`` at a time, a finished row's slot refilled at once
+    (continuous batching); yields (row, round) for every row each round, so a caller sees each
+    row's committed tokens as they come and ``row.finished`` once it is done. Decoding runs only
+    while the caller iterates: closing the iterator stops it."""
+    pending, active = iter(rows), []
+    while True:
+        while len(active) < batch_size and (row := next(pending, None)) is not None:
+            admit(target, row)
+            active.append(row)
+        if not active:
+            return
+        for row, r in zip(active, step(target, active)):
+            if row.finished:
+                row.stats.total_s = time.perf_counter() - row.started
+            yield row, r
+        active = [row for row in active if not row.finished]
+
+
+def admit(target, row: Row) -> None:
+    """Start a row: prefill its prompt (all but its last token, which opens its first round)."""
+    row.started = time.perf_counter()
+    row.cache = kv.new_cache(target)
+    device = next(target.parameters()).device
+    features = torch.empty(0, 0, device=device) if row.features else None
+    if len(row.prompt) > 1:
+        features, row.stats.cached_prompt_tokens = kv.prefill(
+            target, row.cache, row.prompt[:-1], device, row.features
+        )
+    if row.drafter is not None:
+        row.drafter.begin(row.prompt, features)
+    row.tokens, row.state = list(row.prompt), row.constraint.initial_state
+    row.stats.prefill_s = time.perf_counter() - row.started
+
+
+def step(target, rows: list[Row]) -> list[Round]:
+    """One round for every row: draft, ONE target forward over all rows' [last committed] +
+    draft, the exact acceptance rule per row (one host sync), commit and roll back per row."""
+    start = time.perf_counter()
+    cap = WIDE_MAX_DRAFT if len(rows) >= WIDE_BATCH else None
+    proposed = [propose(row, cap) for row in rows]
+    drafts, states = zip(*(legal_states(r.constraint, r.state, d) for r, d in zip(rows, proposed)))
+    drafted = time.perf_counter()
+    device = next(target.parameters()).device
+    fed = [[row.tokens[-1]] + draft.tokens for row, draft in zip(rows, drafts)]
+    legal = torch.cat([legal_masks(row.constraint, at, device) for row, at in zip(rows, states)])
+    features = any(row.features for row in rows)
+    logits, hidden = kv.forward_rows(target, [row.cache for row in rows], fed, device, legal, features)
+    outcomes = verify(logits, legal, [len(f) for f in fed], drafts, rows)  # the host sync
+    verified = time.perf_counter()
+    rounds, at = [], 0
+    for row, draft, row_states, (n, token), shown in zip(rows, drafts, states, outcomes, proposed):
+        committed = commit(row, draft.tokens[:n] + [token], row.constraint.step(row_states[n], token))
+        row.stats.record(draft, n)
+        row.stats.draft_s += drafted - start
+        row.stats.verify_s += verified - drafted
+        if row.stats.target_calls == 1:
+            row.stats.ttft_s = verified - row.started
+        if row.adaptive is not None:
+            row.adaptive.update(draft, n, drafted - start, verified - drafted)
+        if row.drafter is not None:
+            row.drafter.observe(committed, hidden[at : at + len(committed)] if row.features else None)
+        at += len(draft) + 1
+        rounds.append(Round(shown.tokens, n, token, committed, shown.sources))
+    return rounds
+
+
+# A wide pass is bound by the CPU's dot products, so every drafted token costs about what a
+# committed one does: from WIDE_BATCH rows on, each row drafts at most WIDE_MAX_DRAFT tokens
+# (tuned and reported in docs/batching.md). The cap depends on the batch's size only (never on
+# timings), so a seeded row samples the same tokens on every run.
+WIDE_BATCH = 8
+WIDE_MAX_DRAFT = 1
+
+
+def propose(row: Row, cap: int | None = None) -> Draft:
+    """The row's draft for this round, leaving room for the target's own token."""
+    if row.drafter is None or row.room <= 1:
+        return EMPTY_DRAFT
+    k = row.adaptive.choose() if row.adaptive is not None else row.num_draft_tokens
+    draft = row.drafter.propose(row.tokens, row.state, row.constraint, k, row.sampling, row.generator)
+    return draft.truncate(row.room - 1 if cap is None else min(row.room - 1, cap))
+
+
+def legal_states(constraint: Constraint, state: int, draft: Draft) -> tuple[Draft, list[int]]:
+    """The draft cut at its first illegal token, and the automaton states before each of its
+    tokens and after the last (state_i = the state after draft[:i]). Drafters should not propose
+    an illegal token; sampled drafts must come from a masked q, since cutting an unmasked
+    sampled draft would bias the output."""
+    states = [state]
+    for token in draft.tokens:
+        after = constraint.step(states[-1], token)
+        if after is None:  # p(token) = 0: it could only be rejected, so the draft ends here
+            return draft.truncate(len(states) - 1), states
+        states.append(after)
+    return draft, states
+
+
+def legal_masks(constraint: Constraint, states: list[int], device) -> torch.Tensor:
+    """The legal tokens at ``states``, (len(states), V) bool: the constraint's bitmasks unpacked
+    by the target's compiled code where it is built (one call), else by the constraint."""
+    compiled = kernels.fused_if_built()
+    if compiled is None or len(states) == 1:  # one state: the constraint's cached mask
+        return constraint.masks(states, device)
+    masks = compiled.unpack_bits(constraint.bitmasks(states), constraint.vocab_size)
+    return masks if masks.device == torch.device(device) else masks.to(device)
+
+
+def verify(
+    logits: torch.Tensor,
+    legal: torch.Tensor,
+    sizes: list[int],
+    drafts: list[Draft],
+    rows: list[Row],
+) -> list[tuple[int, int]]:
+    """The exact acceptance rule for every row, (accepted length, the target's token), from ONE
+    host sync. ``logits``, ``legal``: (Σ sizes, V), each row's [last committed] + draft in
+    turn. A greedy row needs only its positions' masked argmax, taken for the whole pass in one
+    call (after a forward, each small call costs more than its work); a sampled row runs
+    Leviathan's rule on its own positions, against the q its draft was drawn from."""
+    bounds = list(zip(itertools.accumulate([0] + sizes), itertools.accumulate(sizes)))
+    greedy = [row.sampling.greedy for row in rows]
+    best = (
+        logits.masked_fill(~legal, float("-inf")).argmax(-1)
+        if any(greedy)
+        else logits.new_empty(0, dtype=torch.long)
+    )
+    sampled = []
+    for (a, b), draft, row, g in zip(bounds, drafts, rows, greedy):
+        if g:
+            continue
+        width, device = logits.shape[-1], logits.device
+        target_probs = policy(logits[a:b], legal[a:b], row.sampling)  # (k+1, V)
+        draft_probs = draft.probs if draft.probs is not None else one_hot(draft.tokens, width, device)
+        draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # (k,)
+        sampled.append(torch.stack(verify_sampled(target_probs, draft_probs, draft_ids, row.generator)))
+    host = torch.cat([best, *sampled]).tolist()  # the round's one host sync
+    best, pairs = host[: len(best)], iter(zip(host[len(best) :: 2], host[len(best) + 1 :: 2]))
+    return [
+        greedy_outcome(best[a:b], draft.tokens) if g else next(pairs)
+        for (a, b), draft, g in zip(bounds, drafts, greedy)
+    ]
+
+
+def commit(row: Row, committed: list[int], state: int) -> list[int]:
+    """Append a round's accepted drafts + the target's token to the row, cut after an EOS (a
+    draft may end in one: nothing after it counts), and crop its cache to them (the rejected
+    drafts' entries go). Returns what was committed."""
+    eos = row.constraint.eos_id
+    if eos in committed:
+        committed = committed[: committed.index(eos) + 1]
+    row.tokens += committed
+    row.state = FINISHED if committed[-1] == eos else state
+    kv.crop(row.cache, len(row.tokens) - 1)
+    assert kv.cached_length(row.cache) == len(row.tokens) - 1, "target cache out of step"
+    return committed
