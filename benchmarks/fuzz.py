@@ -1,15 +1,14 @@
-"""Fuzz the schema compiler (issue 18): random schemas and mutated dev schemas, thousands of them.
+"""Fuzz the schema compiler: random schemas and mutated dev schemas, thousands of them.
 
 Each case builds a schema from its seed (even seeds: testing.random_schema; odd seeds: one
 testing.mutate_schema change to a file of the dev sample), compiles it against the tiny
-byte-level test tokenizer and then checks, in a bounded child process:
+byte-level test tokenizer and then checks, in a forked child (so that a hang is caught):
     the compile returns a constraint or raises a documented error (ConstraintError and its
       subclasses); any other exception is an "undocumented exception" (goal 0);
     every text the automaton accepts validates with jsonschema: random walks over the automaton,
       the dev file's own test instances (valid and invalid) and small random JSON values; an
       accepted text that jsonschema rejects is "invalid accepted" (goal 0);
-    the case finishes within --hang-s (goal 0 "hangs"; the compile itself is bounded by
-      --timeout, as CONSTRAINED_SPEC_COMPILE_TIMEOUT).
+    the case finishes within --hang-s (goal 0 "hangs").
 
     python benchmarks/fuzz.py --cases 2000 --out benchmarks/results/fuzz
     python benchmarks/fuzz.py --summarize --out benchmarks/results/fuzz  # from results.jsonl
@@ -31,8 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from constrained_spec import testing  # noqa: E402
-from constrained_spec.compile import compile_regex, translate_schema  # noqa: E402
-from constrained_spec.vocab import token_vocabulary  # noqa: E402
+from constrained_spec.constraints import compile_constraint, token_vocabulary  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data" / "sample"
 OUT = ROOT / "benchmarks" / "results" / "fuzz"
@@ -53,7 +51,7 @@ def run_case(seed: int, files: list[Path], vocab, vocab_size: int, walks: int) -
     schema, instances, kind = make_case(seed, files)
     record = {"seed": seed, "kind": kind}
     try:
-        constraint = compile_regex(translate_schema(schema), vocab, vocab_size, None)
+        constraint = compile_constraint(vocab, vocab_size, schema=schema)
     except testing.SCHEMA_ERRORS as e:
         return record | {"outcome": "documented", "error": type(e).__name__}
     except Exception as e:  # the bug this script looks for
@@ -79,9 +77,8 @@ def run_case(seed: int, files: list[Path], vocab, vocab_size: int, walks: int) -
 
 
 def bounded(fn, hang_s: float) -> dict:
-    """``fn()`` (a JSON record) in a forked child, so that a hang anywhere (translation, index
-    build, a jsonschema ``pattern`` that backtracks) is stopped and counted. Not run_bounded:
-    its children are daemonic, and a case's compile forks children of its own."""
+    """``fn()`` (a JSON record) in a forked child, so that a hang anywhere (the compile, a
+    jsonschema ``pattern`` that backtracks) is stopped and counted."""
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
 
@@ -110,7 +107,6 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=2000)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--walks", type=int, default=8, help="random automaton texts per schema")
-    ap.add_argument("--timeout", type=float, default=5.0, help="compile bound per step, s")
     ap.add_argument("--hang-s", type=float, default=60.0, help="a case longer than this hangs")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--summarize", action="store_true", help="summary of results.jsonl only")
@@ -118,8 +114,6 @@ def main() -> None:
     if args.summarize:  # e.g. of a run stopped early: its first N seeds are `--cases N`
         records = [json.loads(x) for x in (args.out / "results.jsonl").read_text().splitlines()]
         return write_summary(records, None, f"--cases {len(records)} (summarized)", args.out)
-    os.environ["CONSTRAINED_SPEC_COMPILE_TIMEOUT"] = str(args.timeout)
-    os.environ["CONSTRAINED_SPEC_COMPILE_MEMORY_GB"] = "4"
     files = sorted(p for p in DATA.glob("*.json"))
     tokenizer = testing.tiny_tokenizer()
     vocab = token_vocabulary(tokenizer)

@@ -67,21 +67,31 @@ import report  # noqa: E402
 import workloads  # noqa: E402
 from workloads import Request, Selection  # noqa: E402
 
-from constrained_spec import Generator, kernels  # noqa: E402
-from constrained_spec.compile import Constraint, run_bounded  # noqa: E402
-from constrained_spec.guidance import ENGINES, GuidanceConstraint  # noqa: E402
-
-ENGINE_CLASSES = (Constraint, GuidanceConstraint)  # each defines its own per-state work
-from constrained_spec.draft import CompositeDrafter, DraftModel, logits_width, model_drafter  # noqa: E402
-from constrained_spec.head import DraftHead, HeadDraft, load_head, shipped_head  # noqa: E402
-from constrained_spec.llama import CompactLlama, from_transformers  # noqa: E402
-from constrained_spec.models import (  # noqa: E402
+from constrained_spec import Generator  # noqa: E402
+from constrained_spec.constraints import GuidanceConstraint  # noqa: E402
+from constrained_spec.decoding.drafters import (  # noqa: E402
+    CompositeDrafter,
+    DraftModel,
+    logits_width,
+    model_drafter,
+)
+from constrained_spec.decoding.head import DraftHead, HeadDraft, load_head, shipped_head  # noqa: E402
+from constrained_spec.target import kernels, kv  # noqa: E402
+from constrained_spec.target.llama import CompactLlama, from_transformers  # noqa: E402
+from constrained_spec.target.machine import cache_dir  # noqa: E402
+from constrained_spec.target.models import (  # noqa: E402
+    BUILTIN_MODELS,
     DEFAULT_MODEL,
     WEIGHTS,
     describe_weights,
     load_model,
+    quantize_int8,
+    skinny_matmul,
+    verified_gguf,
 )
 from constrained_spec.testing import NEAR_TIE, first_divergence  # noqa: E402
+
+ENGINE_CLASSES = (GuidanceConstraint,)  # the constraint's per-state work, metered below
 
 KS = (2, 3, 4, 7, 8)
 CONFIDENCES = (0.1, 0.2, 0.3, 0.5, 0.7)  # early stops tried with the head at k = max(KS)
@@ -342,9 +352,7 @@ class TimedProcessor:
 class Bench:
     def __init__(self, args, model, tokenizer, configs):
         self.args, self.model, self.tokenizer = args, model, tokenizer
-        self.gen = Generator(
-            model, tokenizer, draft=None, engine=args.engine, open_objects=args.open_objects
-        )
+        self.gen = Generator(model, tokenizer, draft=None, open_objects=args.open_objects)
         self.float_gen = self._float_gen(args) if any(c.float_target for c in configs) else None
         self.eos = self.gen.vocab.eos_id
         self._outlines = None  # outlines Transformers model, or the exception it raised
@@ -353,8 +361,6 @@ class Bench:
         self._drafters: dict = {}  # configuration name → its drafter
         self.int8 = None
         if any(c.drafter in ("int8", "int8+lookup") for c in configs):
-            from constrained_spec.models import quantize_int8
-
             self.int8 = quantize_int8(model)  # before the meter's hook, which a copy would inherit
         self.bf16 = (
             copy.deepcopy(model).to(torch.bfloat16)
@@ -362,8 +368,6 @@ class Bench:
             else None
         )  # before the hook too
         if args.skinny_matmul:  # after the draft copies: they keep their own kernels
-            from constrained_spec.models import skinny_matmul
-
             skinny_matmul(model)
         self.head = (
             self._head(args, model)
@@ -382,9 +386,7 @@ class Bench:
             if args.quick
             else load_model(args.model, weights="float")[0]
         )
-        return Generator(
-            model, self.tokenizer, draft=None, engine=args.engine, open_objects=args.open_objects
-        )
+        return Generator(model, self.tokenizer, draft=None, open_objects=args.open_objects)
 
     def _head(self, args, model):
         if args.quick:  # the tiny model has no trained head: a random one exercises the path
@@ -527,11 +529,7 @@ class Bench:
                     vocabulary = self._outlines_vocab = OutlinesCoreBackend(model).vocabulary
                 regex = build_regex_from_schema(json.dumps(request.schema), "")
                 t = time.perf_counter()
-                index = run_bounded(
-                    lambda: Index(regex, vocabulary),
-                    "outlines compile",
-                    timeout_s=self.args.compile_timeout,
-                )
+                index = Index(regex, vocabulary)
                 self._indexes[request.id] = (index, time.perf_counter() - t)
             except Exception as e:
                 self._indexes[request.id] = (e, None)
@@ -606,9 +604,7 @@ class Bench:
         def load():
             from llama_cpp import Llama
 
-            from constrained_spec.models import BUILTIN_MODELS, _verified_gguf, cache_dir
-
-            gguf = _verified_gguf(BUILTIN_MODELS[self.args.model], cache_dir() / self.args.model)
+            gguf = verified_gguf(BUILTIN_MODELS[self.args.model], cache_dir() / self.args.model)
             return Llama(
                 str(gguf),
                 n_ctx=4096,
@@ -723,8 +719,6 @@ class Bench:
 def forward_ms(model, context: list[int], n: int, reps: int) -> list[float]:
     """ms of ``reps`` + 1 forwards over the last n tokens of ``context``, each after the rest
     is cached. The first is a warm-up (or, under torch.compile, the compilation)."""
-    from constrained_spec import cache as kv
-
     cache = kv.new_cache(model)
     kv.forward(model, cache, context, "cpu")
     times = []
@@ -741,7 +735,6 @@ def calibrate(target, draft, context: list[int], reps: int = 10) -> dict:
     """ms of one target forward over n new tokens (n = 1, 2, 3, 5, 9, 17: a verify of k = n − 1
     drafts) and of one draft-model step, after ``context`` is cached: the c and verify-cost
     curve the speedup prediction needs, free of loop overhead and of the draft's prefill."""
-    from constrained_spec import cache as kv
 
     def step_ms(model, n: int) -> float:
         return statistics.median(forward_ms(model, context, n, reps)[1:])
@@ -932,7 +925,6 @@ def measure(args, configs, bench, out: Path, argv, say) -> int:
         args.min_instance_chars,
         args.max_instance_chars,
         args.max_prompt_tokens,
-        args.compile_timeout,
     )
     say(f"selecting {args.n} {args.workload} requests from {args.data} ...")
     t = time.perf_counter()
@@ -1044,7 +1036,6 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--configs", default="default", help="comma-separated names/patterns/groups")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--engine", choices=list(ENGINES), default="auto", help="constraint engine")
     p.add_argument(
         "--open-objects",
         action="store_true",
@@ -1070,12 +1061,6 @@ def parse_args(argv=None):
     p.add_argument("--min-instance-chars", type=int, default=20)
     p.add_argument("--max-instance-chars", type=int, default=None, help="default 300 (120 quick)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
-    p.add_argument(
-        "--compile-timeout",
-        type=float,
-        default=10.0,
-        help="seconds; schemas (and outlines' regexes) compiling longer are skipped",
-    )
     p.add_argument(
         "--threads",
         type=int,

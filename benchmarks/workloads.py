@@ -11,17 +11,14 @@ Refusals (unsupported keyword, too complex, no short valid instance, ...) are co
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import random
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import jsonschema
 
-from constrained_spec import ConstraintError
+from constrained_spec import ConstraintError, testing
 
 # The default: 48 dev-set files committed with the benchmarks (benchmarks/data/sample/README.md).
 DATA = Path(__file__).resolve().parent / "data" / "sample"
@@ -37,7 +34,6 @@ class Selection:
     min_instance_chars: int = 20  # a few tokens only would measure per-request overhead
     max_instance_chars: int = 300  # compact JSON of the expected instance
     max_prompt_tokens: int = 1024
-    compile_timeout_s: float = 10.0  # "compiles quickly": longer builds are skipped as too complex
 
 
 @dataclass(frozen=True)
@@ -124,32 +120,28 @@ def short_instance(schema: dict, tests: list, sel: Selection):
 def select_requests(
     gen, workload: str, n: int, sel: Selection, data: Path = DATA, log=print
 ) -> tuple[list[Request], dict]:
-    """``n`` requests (plus one more, first, for warm-up) and the counts of skipped files by reason.
-
-    Compiling is bounded by ``sel.compile_timeout_s`` (a forked child, as the library does);
-    verdicts are remembered in a small cache file so a rerun does not wait for timeouts again."""
+    """``n`` requests (plus one more, first, for warm-up) and the counts of skipped files by
+    reason (a schema the library refuses, or whose automaton rejects the expected instance)."""
     files = sorted(p for p in Path(data).glob("*.json"))
     if not files:
         raise SystemExit(f"no schema files in {data}: pass --data DIR (JSONSchemaBench layout).")
     random.Random(sel.seed).shuffle(files)
-    verdicts = _VerdictCache(gen, sel, data)
     skipped: dict[str, int] = {}
     chosen: list[Request] = []
     for path in files:
         if len(chosen) == n + 1:
             break
-        reason, request = _try_file(gen, path, workload, sel, verdicts, len(chosen))
+        reason, request = _try_file(gen, path, workload, sel, len(chosen))
         if request is None:
             skipped[reason] = skipped.get(reason, 0) + 1
         else:
             chosen.append(request)
-    verdicts.save()
     if len(chosen) < n + 1:
         log(f"only {len(chosen)} usable schemas in {data} (wanted {n} + 1 warm-up)")
     return chosen, skipped
 
 
-def _try_file(gen, path: Path, workload: str, sel: Selection, verdicts, index: int):
+def _try_file(gen, path: Path, workload: str, sel: Selection, index: int):
     try:
         entry = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -162,10 +154,7 @@ def _try_file(gen, path: Path, workload: str, sel: Selection, verdicts, index: i
     instance = short_instance(schema, entry.get("tests", []), sel)
     if instance is None:
         return "no short valid instance", None
-    verdict = verdicts.get(path.name)
-    if verdict is None:
-        verdict = _compile_verdict(gen, schema, instance, sel)
-        verdicts.put(path.name, verdict)
+    verdict = _compile_verdict(gen, schema, instance)
     if verdict != "ok":
         return verdict, None
     messages = messages_for(workload, schema, instance)
@@ -185,59 +174,18 @@ def _try_file(gen, path: Path, workload: str, sel: Selection, verdicts, index: i
     )
 
 
-def _compile_verdict(gen, schema: dict, instance, sel: Selection) -> str:
-    old = os.environ.get("CONSTRAINED_SPEC_COMPILE_TIMEOUT")
-    os.environ["CONSTRAINED_SPEC_COMPILE_TIMEOUT"] = str(sel.compile_timeout_s)
+def _compile_verdict(gen, schema: dict, instance) -> str:
     try:
         constraint = gen.compile(schema=schema)
     except ConstraintError as e:  # UnsupportedSchemaError, SchemaTooComplex included
         return f"refused: {type(e).__name__}"
     except Exception as e:  # a compiler crash is a finding, but not a benchmark request
         return f"compiler crash: {type(e).__name__}"
-    finally:
-        if old is None:
-            os.environ.pop("CONSTRAINED_SPEC_COMPILE_TIMEOUT", None)
-        else:
-            os.environ["CONSTRAINED_SPEC_COMPILE_TIMEOUT"] = old
     try:
         accepted = constraint.accepts(compact(instance))
     except ValueError:  # a byte without a single-byte token
         accepted = False
     return "ok" if accepted else "automaton rejects the instance"
-
-
-class _VerdictCache:
-    """file name → compile verdict, for one vocabulary, selection and data folder."""
-
-    def __init__(self, gen, sel: Selection, data: Path):
-        key = f"{gen.vocab.fingerprint}|{sel.compile_timeout_s}|{Path(data).resolve()}"
-        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        self.path = (
-            gen.cache_dir / "benchmark" / f"verdicts-{digest}.json"
-            if gen.cache_dir is not None
-            else None
-        )
-        self.verdicts = {}
-        if self.path is not None and self.path.is_file():
-            try:
-                self.verdicts = json.loads(self.path.read_text())
-            except ValueError:
-                self.verdicts = {}
-        self.dirty = False
-
-    def get(self, name: str):
-        return self.verdicts.get(name)
-
-    def put(self, name: str, verdict: str) -> None:
-        self.verdicts[name], self.dirty = verdict, True
-
-    def save(self) -> None:
-        if self.path is None or not self.dirty:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".{os.getpid()}.{time.time_ns()}.tmp")
-        tmp.write_text(json.dumps(self.verdicts, indent=0, sort_keys=True))
-        os.replace(tmp, self.path)
 
 
 # --- the tiny model of --quick -----------------------------------------------------------------
@@ -260,8 +208,6 @@ TINY_CORPUS = (
 def tiny_model_and_tokenizer(seed: int = 0):
     """A random 2-layer Llama and a byte-level BPE tokenizer trained here (with a chat
     template): a harness check only."""
-    from constrained_spec import testing
-
     tokenizer = testing.tiny_tokenizer(
         TINY_CORPUS,
         vocab_size=400,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .constraints import Constraint, compile_constraint, load_schema, token_vocabulary
+from .constraints import Constraint, compile_constraint, token_vocabulary
 from .decoding import loop
 from .decoding.drafters import (
     DRAFTER_MEMBERS,
@@ -103,7 +103,11 @@ class Request:
     @property
     def constraint(self) -> dict:
         """The given constraint as compile's keyword ({} for free text)."""
-        return {k: getattr(self, k) for k in ("schema", "regex", "grammar") if getattr(self, k) is not None}
+        return {
+            k: getattr(self, k)
+            for k in ("schema", "regex", "grammar")
+            if getattr(self, k) is not None
+        }
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Request))
@@ -205,11 +209,15 @@ class Generator:
         return getattr(self.target, "weights", "float")
 
     @_one_at_a_time
-    def compile(self, schema=None, regex: str | None = None, grammar: str | None = None) -> Constraint:
+    def compile(
+        self, schema=None, regex: str | None = None, grammar: str | None = None
+    ) -> Constraint:
         """The compiled constraint for this tokenizer: a JSON Schema, a regex or a Lark/GBNF
         grammar (its text), exactly one."""
         given = {"schema": schema, "regex": regex, "grammar": grammar}
-        return compile_constraint(self.vocab, self.width, self.whitespace, self.open_objects, **given)
+        return compile_constraint(
+            self.vocab, self.width, self.whitespace, self.open_objects, **given
+        )
 
     @_one_at_a_time
     def generate(
@@ -260,7 +268,9 @@ class Generator:
         yield self.result(row)
 
     @_one_at_a_time
-    def generate_batch(self, requests: Iterable[Request | dict], batch_size: int = 8) -> list[Result]:
+    def generate_batch(
+        self, requests: Iterable[Request | dict], batch_size: int = 8
+    ) -> list[Result]:
         """generate() over many requests (Requests, or dicts of their fields), ``batch_size`` of
         them decoded together (one target forward per round for all of them), results in order.
         Every request is checked before any model work: the first bad one raises. Drafts:

@@ -15,12 +15,13 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import jsonschema
 import torch
-
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -414,9 +415,6 @@ def server_process(*args: str, timeout_s: float = 900.0, on_loading=None) -> Ite
     its base URL (``http://127.0.0.1:PORT``) once /health says the model is loaded.
     ``on_loading(base_url)`` is called once if /health answered 503 (loading) first.
     The child imports this checkout's package (cwd = the repository root, via ``-m``)."""
-    import urllib.error
-    import urllib.request
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,21 +1,18 @@
-"""The benchmark harness on its --quick tiny model: files written, correctness fields right.
-
-Timing is never asserted (machines are noisy); validity, greedy identity and the accounting are.
-"""
+"""The benchmark harness on its --quick tiny model, run as a user runs it from a clone (a
+subprocess): files written, correctness fields right. Timing is never asserted (machines are
+noisy); validity, greedy identity and the accounting are."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 
-# benchmarks/ is on pytest's pythonpath (pyproject): its scripts import as modules
-import report
-import run
-import torch
-import workloads
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 # Finite languages: a random model's masked output always finishes within max_new_tokens.
 SCHEMAS = [
     {
@@ -51,6 +48,19 @@ CONFIGS = (
 )
 
 
+def run_harness(*args: str, cache: Path) -> None:
+    """benchmarks/run.py with ``args``, in a fresh process (one thread, as --quick sets)."""
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), "--quick", *args],
+        cwd=ROOT,
+        env={**__import__("os").environ, "CONSTRAINED_SPEC_CACHE": str(cache)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     data, out = tmp_path_factory.mktemp("data"), tmp_path_factory.mktemp("out")
@@ -63,31 +73,9 @@ def quick_run(tmp_path_factory):
                 }
             )
         )
-    mp = pytest.MonkeyPatch()
-    mp.setenv("CONSTRAINED_SPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
-    threads = torch.get_num_threads()
-    try:
-        assert (
-            run.main(
-                [
-                    "--quick",
-                    "--data",
-                    str(data),
-                    "--out",
-                    str(out),
-                    "--n",
-                    "2",
-                    "--max-new-tokens",
-                    "64",
-                    "--configs",
-                    CONFIGS,
-                ]
-            )
-            == 0
-        )
-    finally:
-        mp.undo()
-        torch.set_num_threads(threads)
+    args = ["--data", str(data), "--out", str(out), "--n", "2", "--max-new-tokens", "64",
+            "--configs", CONFIGS]  # fmt: skip
+    run_harness(*args, cache=tmp_path_factory.mktemp("cache"))
     return out, json.loads((out / "results.json").read_text())
 
 
@@ -166,161 +154,13 @@ def test_summary_accounting(quick_run):
     assert summary["int8/k2"]["cost_ratio"] is not None
 
 
-@pytest.fixture(scope="module")
-def tiny_gen(tmp_path_factory):
-    model, tokenizer = workloads.tiny_model_and_tokenizer()
-    return run.Generator(model, tokenizer, cache_dir=tmp_path_factory.mktemp("cache"))
-
-
-REQUEST = workloads.Request(
-    "r",
-    "f",
-    "s",
-    "extract",
-    SCHEMAS[0],
-    workloads.messages_for("extract", SCHEMAS[0], INSTANCES[0]),
-    expected=INSTANCES[0],
-)
-
-
-def test_judge_marks_invalid_outputs_and_divergences(tiny_gen):
-    greedy, hot = (
-        run.Config("x", "engine", "lookup"),
-        run.Config("y", "engine", "lookup", temperature=0.7),
-    )
-    ref = tiny_gen.generate(
-        REQUEST.messages, schema=SCHEMAS[0], speculative=False, max_new_tokens=64
-    )
-    reference = {"token_ids": ref.token_ids, "text": ref.text}
-    cases = [
-        ('{"color":"green","ok":true}', "stop", True, True),
-        ('{"color":"red"}', "stop", False, False),  # a required property missing
-        ('{"color":"green","ok":true}', "length", False, True),  # cut: not a finished output
-        ('{"color":"green",', "length", False, False),
-    ]
-    for text, finish, valid, exact in cases:
-        row = {"status": "ok", "text": text, "finish_reason": finish, "token_ids": ref.token_ids}
-        run.judge(row, REQUEST, hot, reference, tiny_gen)
-        assert (row["valid"], row["exact_match"], row["identical"]) == (valid, exact, None)
-    row = {"status": "ok", "text": ref.text, "finish_reason": "stop", "token_ids": ref.token_ids}
-    run.judge(row, REQUEST, greedy, reference, tiny_gen)
-    assert row["identical"] is True and "first_divergence" not in row
-    row = {"status": "ok", "text": "", "finish_reason": "length", "token_ids": ref.token_ids[:-1]}
-    run.judge(row, REQUEST, greedy, reference, tiny_gen)
-    assert row["identical"] is False and row["first_divergence"] == len(ref.token_ids) - 1
-    assert row["near_tie"] is False  # a cut output is not a near-tie
-    row = {"status": "error", "error": "boom"}
-    run.judge(row, REQUEST, greedy, reference, tiny_gen)
-    assert "valid" not in row  # crashes are counted as errors, not judged
-
-
-def test_divergence_gap_points_at_the_first_difference(tiny_gen):
-    gen, request = tiny_gen, REQUEST
-    ids = gen.generate(
-        request.messages, schema=SCHEMAS[0], speculative=False, max_new_tokens=64
-    ).token_ids
-    assert run.divergence_gap(gen, request, ids, list(ids)) == (None, None)
-    constraint = gen.compile(schema=SCHEMAS[0])
-    state, i = constraint.initial_state, 0
-    while len(constraint.allowed(state)) < 2:  # the first choice the grammar leaves open
-        state, i = constraint.step(state, ids[i]), i + 1
-    other = next(t for t in constraint.allowed(state) if t != ids[i])
-    index, gap = run.divergence_gap(gen, request, ids, ids[:i] + [other])
-    assert index == i and gap >= 0
-
-
-def test_prediction_formula():
-    assert report.solve_alpha(1.0, 4) == pytest.approx(0.0, abs=1e-6)
-    assert report.solve_alpha(5.0, 4) == pytest.approx(1.0, abs=1e-6)
-    alpha = report.solve_alpha(1 + 0.5 + 0.25, 2)
-    assert alpha == pytest.approx(0.5)
-    assert report.predicted_speedup(0.5, 2, 0.0) == pytest.approx(1.75)
-    assert report.predicted_speedup(0.5, 2, 0.5) == pytest.approx(1.75 / 2)
-
-
-def test_goal_gap_arithmetic():
-    """Baseline: 20 ms prefill + 80 ms decode per token. A 3× goal leaves 100/3 − 20 = 13.3 ms
-    of decode: a 6× decode speedup. This config decodes at 40 ms (2×) with 3 tokens per call, so
-    at the same cost per round it needs 3 × 6/2 = 9."""
-    phases = lambda prefill, decode: {
-        "setup": 0.0,
-        "prefill": prefill,
-        "draft": 0.0,
-        "verify": decode,
-        "other": 0.0,
-    }
-    summary = {
-        "baseline": {
-            "config": "baseline",
-            "kind": "engine",
-            "temperature": 0,
-            "speedup": 1.0,
-            "phases_ms_per_token": phases(20, 80),
-            "verify_ms_per_call": 80.0,
-        },
-        "lookup": {
-            "config": "lookup",
-            "kind": "engine",
-            "temperature": 0,
-            "speedup": 100 / 60,
-            "phases_ms_per_token": phases(20, 40),
-            "verify_ms_per_call": 120.0,
-            "tokens_per_call": 3.0,
-            "acceptance": 0.5,
-        },
-    }
-    (gap,) = report.goal_gaps(summary)
-    assert gap["config"] == "lookup" and gap["goal"] == report.GOALS["greedy"] == 3.0
-    assert gap["decode_speedup"] == pytest.approx(2.0)
-    assert gap["decode_speedup_needed"] == pytest.approx(80 / (100 / 3 - 20))
-    assert gap["tokens_per_call_needed"] == pytest.approx(3 * gap["decode_speedup_needed"] / 2)
-    assert gap["verify_steps"] == pytest.approx(1.5)
-    summary["lookup"]["phases_ms_per_token"] = phases(40, 10)  # prefill alone > 100/3 ms
-    assert report.goal_gaps(summary)[0]["decode_speedup_needed"] is None
-    assert "out of reach" in "\n".join(report._goal_section(report.goal_gaps(summary)))
-
-
-def test_config_selection():
-    names = [c.name for c in run.select_configs("int8+lookup/k[0-9]")]
-    assert names == ["baseline"] + [f"int8+lookup/k{k}" for k in (2, 3, 4, 7, 8)]
-    assert "int8+lookup/k4@t0.7" in [c.name for c in run.select_configs("int8+lookup/k*")]
-    assert "baseline@t0.7" in [c.name for c in run.select_configs("lookup@t0.7")]
-    with pytest.raises(SystemExit, match="matches nothing"):
-        run.select_configs("nonsense")
-
-
-def test_field_lines_flatten_nested_values():
-    assert workloads.field_lines({"a": {"b": 1}, "c": ["x", None], "d": "two words"}) == [
-        "a.b: 1",
-        "c[0]: x",
-        "c[1]: null",
-        "d: two words",
-    ]
-
-
-def test_quick_run_from_a_clone_uses_the_committed_sample(tmp_path, monkeypatch):
+def test_quick_run_from_a_clone_uses_the_committed_sample(tmp_path):
     """No --data: the 48 dev-set files committed under benchmarks/data/sample/ are the default."""
-    assert workloads.DATA == BENCH / "data" / "sample"
-    assert len(list(workloads.DATA.glob("*.json"))) == 48
-    monkeypatch.setenv("CONSTRAINED_SPEC_CACHE", str(tmp_path / "cache"))
-    threads = torch.get_num_threads()
-    try:
-        assert (
-            run.main(
-                [
-                    "--quick",
-                    "--out",
-                    str(tmp_path / "out"),
-                    "--n",
-                    "1",
-                    "--configs",
-                    "baseline",
-                    "--no-calibrate",
-                ]
-            )
-            == 0
-        )
-    finally:
-        torch.set_num_threads(threads)
-    results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert [(workloads.DATA / q["file"]).is_file() for q in results["requests"]] == [True]
+    sample = BENCH / "data" / "sample"
+    assert len(list(sample.glob("*.json"))) == 48
+    out = tmp_path / "out"
+    run_harness(
+        "--out", str(out), "--n", "1", "--configs", "baseline", "--no-calibrate", cache=tmp_path
+    )
+    results = json.loads((out / "results.json").read_text())
+    assert [(sample / q["file"]).is_file() for q in results["requests"]] == [True]

@@ -10,8 +10,8 @@ import pytest
 from rich.console import Console
 
 from constrained_spec import cli
-from constrained_spec.generator import Generator, Round
 from constrained_spec.constraints.grammars import grammar_names
+from constrained_spec.generator import Generator, Round
 
 ROOT = Path(__file__).resolve().parent.parent
 PERSON = ROOT / "examples" / "person.json"

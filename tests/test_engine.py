@@ -14,8 +14,8 @@ from constrained_spec import (
     UnsupportedSchemaError,
     VocabularyMismatch,
 )
-from constrained_spec.decoding import loop
 from constrained_spec.constraints import FINISHED
+from constrained_spec.decoding import loop
 from constrained_spec.target import kv
 from constrained_spec.target.llama import CompactCache
 from constrained_spec.testing import PERSON, assert_greedy_match, last_logits, random_head

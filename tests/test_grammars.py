@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from constrained_spec.constraints import grammars
-from constrained_spec.errors import ConstraintError
-from constrained_spec.constraints.grammars import grammar_names, load_grammar
 from constrained_spec.constraints.engine import compile_constraint
+from constrained_spec.constraints.grammars import grammar_names, load_grammar
 from constrained_spec.constraints.vocabulary import token_vocabulary
+from constrained_spec.errors import ConstraintError
 
 # name: (accepted texts, rejected texts). Every grammar file must have an entry here.
 EXAMPLES = {

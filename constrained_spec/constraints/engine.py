@@ -18,14 +18,13 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from collections import OrderedDict
 from functools import cache
 
 import llguidance as llg
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 import numpy as np
 import torch
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from ..errors import ConstraintError, SchemaTooComplex, UnsupportedSchemaError
 from . import rewrite
@@ -81,7 +80,9 @@ class GuidanceConstraint:
         except SchemaTooComplex as e:  # llguidance's "no token extends the empty text"
             if "NoExtensionBias" not in str(e):
                 raise
-            raise ConstraintError(f"the {source} accepts no text: nothing can be generated.") from None
+            raise ConstraintError(
+                f"the {source} accepts no text: nothing can be generated."
+            ) from None
 
     def _goto(self, state: int) -> None:
         """Put the matcher on ``state``'s path (callers hold the lock): from the matcher where it

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import json
 from importlib.resources import files
-from pathlib import Path
 from importlib.resources.abc import Traversable
+from pathlib import Path
 
 from ..errors import ConstraintError
-
 
 
 def _grammar_dir() -> Traversable:

@@ -75,8 +75,6 @@ KNOWN_FORMATS = set(FORMATS) | {
 }
 
 
-
-
 def rust_pattern(pattern: str, pointer: str) -> str:
     """``pattern`` in llguidance's (Rust) regex syntax, matching what Python's ``re.search``
     (jsonschema's) matches, or less: written from Python's own parse, every character class as
@@ -193,7 +191,6 @@ def _rust_class(ranges) -> str:
     return f"[{body}]"
 
 
-
 def _normalise(ranges) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for lo, hi in sorted(ranges):
@@ -220,5 +217,3 @@ def _intersect(a, b) -> list[tuple[int, int]]:
         for y, q in _normalise(b)
         if max(x, y) <= min(p, q)
     ]
-
-

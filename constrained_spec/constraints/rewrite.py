@@ -8,9 +8,10 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
-from functools import cache
 from itertools import combinations
 from math import comb
+
+import jsonschema
 
 from ..errors import UnsupportedSchemaError
 from .patterns import FORMATS, KNOWN_FORMATS, rust_pattern
@@ -165,8 +166,6 @@ class _Document:
 
     @classmethod
     def of(cls, schema) -> _Document:
-        import jsonschema
-
         with warnings.catch_warnings():  # an unknown $schema: the latest draft, as the oracle
             warnings.simplefilter("ignore", DeprecationWarning)
             draft = jsonschema.validators.validator_for(

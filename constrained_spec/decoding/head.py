@@ -189,7 +189,6 @@ def unrolled(head, f: torch.Tensor, e: torch.Tensor, steps: int) -> list[torch.T
     return outs
 
 
-
 class CopyIndex:
     """Prompt lookup for the head's input: the token that last followed each n-gram of a token
     list. Append-only; ``proposal`` also searches the unindexed tail of a longer context."""

@@ -201,12 +201,16 @@ def step(target, rows: list[Row]) -> list[Round]:
     fed = [[row.tokens[-1]] + draft.tokens for row, draft in zip(rows, drafts)]
     legal = torch.cat([legal_masks(row.constraint, at, device) for row, at in zip(rows, states)])
     features = any(row.features for row in rows)
-    logits, hidden = kv.forward_rows(target, [row.cache for row in rows], fed, device, legal, features)
+    logits, hidden = kv.forward_rows(
+        target, [row.cache for row in rows], fed, device, legal, features
+    )
     outcomes = verify(logits, legal, [len(f) for f in fed], drafts, rows)  # the host sync
     verified = time.perf_counter()
     rounds, at = [], 0
     for row, draft, row_states, (n, token), shown in zip(rows, drafts, states, outcomes, proposed):
-        committed = commit(row, draft.tokens[:n] + [token], row.constraint.step(row_states[n], token))
+        committed = commit(
+            row, draft.tokens[:n] + [token], row.constraint.step(row_states[n], token)
+        )
         row.stats.record(draft, n)
         row.stats.draft_s += drafted - start
         row.stats.verify_s += verified - drafted
@@ -215,7 +219,9 @@ def step(target, rows: list[Row]) -> list[Round]:
         if row.adaptive is not None:
             row.adaptive.update(draft, n, drafted - start, verified - drafted)
         if row.drafter is not None:
-            row.drafter.observe(committed, hidden[at : at + len(committed)] if row.features else None)
+            row.drafter.observe(
+                committed, hidden[at : at + len(committed)] if row.features else None
+            )
         at += len(draft) + 1
         rounds.append(Round(shown.tokens, n, token, committed, shown.sources))
     return rounds
@@ -234,7 +240,9 @@ def propose(row: Row, cap: int | None = None) -> Draft:
     if row.drafter is None or row.room <= 1:
         return EMPTY_DRAFT
     k = row.adaptive.choose() if row.adaptive is not None else row.num_draft_tokens
-    draft = row.drafter.propose(row.tokens, row.state, row.constraint, k, row.sampling, row.generator)
+    draft = row.drafter.propose(
+        row.tokens, row.state, row.constraint, k, row.sampling, row.generator
+    )
     return draft.truncate(row.room - 1 if cap is None else min(row.room - 1, cap))
 
 
@@ -287,9 +295,13 @@ def verify(
             continue
         width, device = logits.shape[-1], logits.device
         target_probs = policy(logits[a:b], legal[a:b], row.sampling)  # (k+1, V)
-        draft_probs = draft.probs if draft.probs is not None else one_hot(draft.tokens, width, device)
+        draft_probs = (
+            draft.probs if draft.probs is not None else one_hot(draft.tokens, width, device)
+        )
         draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # (k,)
-        sampled.append(torch.stack(verify_sampled(target_probs, draft_probs, draft_ids, row.generator)))
+        sampled.append(
+            torch.stack(verify_sampled(target_probs, draft_probs, draft_ids, row.generator))
+        )
     host = torch.cat([best, *sampled]).tolist()  # the round's one host sync
     best, pairs = host[: len(best)], iter(zip(host[len(best) :: 2], host[len(best) + 1 :: 2]))
     return [

@@ -255,6 +255,7 @@ def choose_layers(name: str, model) -> str:
     fastest way measured on the model itself (a step and a verify pass each, about a second),
     once per model, CPU, torch version and thread count, then cached. The model is left on the
     choice, which is returned ("fused/avx512-bf16", ...)."""
+
     def measure() -> dict:
         timings = llama.measure_layers(model)
         return {
@@ -280,7 +281,7 @@ def _load_builtin_int4(name: str):
 
     spec = BUILTIN_MODELS[name]
     path = _converted_copy(name, spec)  # the tokenizer and config (and the GGUF, verified)
-    gguf = _verified_gguf(spec, cache_dir() / name)
+    gguf = verified_gguf(spec, cache_dir() / name)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = llama.from_gguf(gguf, AutoConfig.from_pretrained(path))
     _check_builtin(model, tokenizer, spec, f"Delete {cache_dir() / name} to have it rebuilt.")
@@ -371,7 +372,7 @@ def _converted_copy(name: str, spec: BuiltinModel) -> Path:
         return converted
     root.mkdir(parents=True, exist_ok=True)
     _sweep_stale_tmp(root)
-    gguf = _verified_gguf(spec, root)
+    gguf = verified_gguf(spec, root)
     with _status(f"Converting {gguf.name} to safetensors in {root} (once; about a minute)"):
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-convert-", dir=root))
         try:
@@ -388,7 +389,7 @@ def _converted_copy(name: str, spec: BuiltinModel) -> Path:
     return converted
 
 
-def _verified_gguf(spec: BuiltinModel, root: Path) -> Path:
+def verified_gguf(spec: BuiltinModel, root: Path) -> Path:
     gguf = root / Path(spec.gguf_member).name
     if gguf.is_file() and _sha256(gguf) == spec.gguf_sha256:
         return gguf

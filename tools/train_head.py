@@ -46,22 +46,23 @@ import torch
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
+sys.path[:0] = [str(HERE.parent), str(HERE.parent / "benchmarks")]  # the package, workloads.py
 
 from workloads import DEV_SET, compact, is_valid, messages_for  # noqa: E402
 
-from constrained_spec import cache as kv  # noqa: E402
-from constrained_spec.head import (  # noqa: E402
+from constrained_spec.constraints.vocabulary import token_vocabulary  # noqa: E402
+from constrained_spec.decoding.head import (  # noqa: E402
     DraftHead,
     HeadCache,
     copy_proposals,
     draft_vocabulary,
     load_head,  # noqa: E402
     pair_embeddings,
+    unrolled,
     vocabulary_positions,
 )
-from constrained_spec.models import DEFAULT_MODEL, load_model  # noqa: E402
-from constrained_spec.vocab import token_vocabulary  # noqa: E402
+from constrained_spec.target import kv  # noqa: E402
+from constrained_spec.target.models import DEFAULT_MODEL, load_model  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -261,8 +262,8 @@ def self_distilled(target, tokenizer, files, args, budget, say):
     from transformers import LogitsProcessor
 
     from constrained_spec import ConstraintError, Generator
-    from constrained_spec.compile import FINISHED
-    from constrained_spec.models import skinny_matmul
+    from constrained_spec.constraints import FINISHED
+    from constrained_spec.target.models import skinny_matmul
 
     skinny_matmul(target)  # a batch step feeds --batch rows: W·xᵀ streams the weights once
     gen = Generator(target, tokenizer)  # its compile: schema → regex → cached constraint

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the package, run.py
 from run import forward_ms  # noqa: E402
 
-from constrained_spec import cache as kv  # noqa: E402
-from constrained_spec import kernels  # noqa: E402
-from constrained_spec.models import DEFAULT_MODEL, load_model, skinny_matmul  # noqa: E402
+from constrained_spec.target import kernels, kv  # noqa: E402
+from constrained_spec.target.models import DEFAULT_MODEL, load_model, skinny_matmul  # noqa: E402
 
 PHASES = {
     "aten::_weight_int4pack_mm_for_cpu": "4-bit matmuls",
@@ -155,7 +155,7 @@ def draw(reps: int = 200) -> None:
     torch.multinomial against sample.draw (CDF inversion), best of 5 runs of ``reps``."""
     import timeit
 
-    from constrained_spec.sample import draw as inverted
+    from constrained_spec.decoding.sample import draw as inverted
 
     gen = torch.Generator().manual_seed(0)
     row = torch.softmax(torch.randn(49_152, generator=gen) * 3, 0)
