@@ -177,7 +177,8 @@ class Generator:
         the target's tokenizer. ``weights``: one of models.WEIGHTS; "auto" runs the built-in
         model's own 4-bit blocks where this machine runs them faster (measured once, cached).
         ``skinny_matmul``: on the CPU, float verify passes (2–32 tokens) use
-        models.SkinnyLinear, cheaper (docs/measurements.md); one-token steps are unchanged."""
+        target.models.SkinnyLinear, cheaper (git show 8fe3c79:docs/measurements.md); one-token
+        steps are unchanged."""
         if draft in ("int8", "bf16") and weights != "float":  # copies of a transformers target
             if weights != "auto":
                 raise WeightsError(
@@ -408,7 +409,7 @@ def _drain(failed: list):
 
 
 # Drafts that need no download. "auto" is what measured fastest on the default model on a 2-core
-# CPU (docs/measurements.md): the trained head with forced tokens and prompt lookup, else lookup.
+# CPU (git show 8fe3c79:docs/measurements.md): the trained head with forced tokens and prompt lookup, else lookup.
 DRAFTS = {
     "auto": 'the fastest measured here: "head" where a head ships for a float target '
     "(the default model with weights='float'), else \"lookup\" (the 4-bit "
@@ -421,7 +422,7 @@ DRAFTS = {
     "none": "no drafts: the masked baseline",
 }
 # The head's drafting stops once its chain's estimated chance of full acceptance drops below this
-# (thresholds 0.1-0.7 measured within a few % of each other: docs/measurements.md).
+# (thresholds 0.1-0.7 measured within a few % of each other: git show 8fe3c79:docs/measurements.md).
 HEAD_MIN_CONFIDENCE = 0.3
 
 

@@ -96,7 +96,7 @@ class ChatRequest(BaseModel):
     stop: str | list[str] | None = None
     logprobs: bool | None = None
     regex: str | None = None  # extension: the whole reply matches this regex
-    grammar: str | None = None  # extension: the name of a grammar in constrained_spec/grammar_files
+    grammar: str | None = None  # extension: the name of a shipped grammar (grammars/)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """Regex-constrained output: a date, a phone number, and a ready-made grammar (shipped with
-the package, in constrained_spec/grammar_files/).
+the package, from the grammars/ folder).
 
     python examples/regex_output.py
 """
 
 from constrained_spec import Generator
-from constrained_spec.grammars import load_grammar
+from constrained_spec.constraints import load_grammar
 
-gen = Generator.from_pretrained()  # the default model with its draft head (draft="auto")
+gen = Generator.from_pretrained()  # the default model, draft="auto"
 
 ASKS = [
     (

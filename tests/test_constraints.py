@@ -267,6 +267,8 @@ def test_grammar_syntax_errors_name_line_and_column(text, where, tiny_target, ti
             ['"2024-02-29T23:59:60Z"', '"2024-02-30T00:00:00Z"'],
         ),
         ({"type": "string", "format": "time"}, ['"23:59:59Z"'], ['"23:59:60Z"']),
+        # llguidance's own date takes February 29 of any year (found by the coverage run's walks)
+        ({"type": "string", "format": "date"}, ['"2024-02-29"'], ['"2023-02-29"', '"9382-02-29"']),
         ({"type": "string", "format": "topic"}, ['"anything"'], ["1"]),  # an annotation
         ({"enum": [{"format": "date-time"}]}, ['{"format":"date-time"}'], ['{"format":"x"}']),
         # regexes in llguidance's syntax with Python's meaning: its negated classes let `"` and
@@ -809,3 +811,21 @@ def test_property_counts_of_closed_objects_are_exact(schema, accepted, rejected,
     c = guidance.compile_constraint(token_vocabulary(tiny_tokenizer), 400, schema=schema)
     assert [t for t in accepted if not c.accepts(t)] == []
     assert [t for t in rejected if c.accepts(t)] == []
+
+
+def test_a_property_count_where_undeclared_keys_may_repeat_is_refused():
+    """llguidance counts a repeated undeclared key toward minProperties ({"a":1,"a":2} is one
+    property once parsed): refused by name on open objects, unless the required properties
+    reach it; closed objects are said exactly (above)."""
+    with pytest.raises(UnsupportedSchemaError, match="minProperties.*repeated"):
+        grammar_for(schema={"type": "object", "minProperties": 2})
+    with pytest.raises(UnsupportedSchemaError, match="minProperties"):
+        grammar_for(schema={"patternProperties": {"^a": {}}, "minProperties": 2})
+    grammar_for(  # two required properties: two keys at least, whatever else comes
+        schema={
+            "properties": {"a": {}, "b": {}},
+            "required": ["a", "b"],
+            "additionalProperties": True,
+            "minProperties": 2,
+        }
+    )

@@ -151,9 +151,8 @@ EXAMPLES |= {
     ),
 }
 
-# Texts that continue past an accepting prefix ("1.0.0" → "1.0.0-alpha"). outlines-core (0.2.x)
-# drops every transition out of an accepting state into a non-accepting one; compile.py works
-# around it with an end-of-match terminator. These guard that workaround.
+# Texts that continue past an accepting prefix ("1.0.0" → "1.0.0-alpha"): a complete match may
+# go on (an automaton that dropped the transitions out of accepting states would stop there).
 CONTINUED_MATCHES = {
     "semver": ["1.0.0-alpha.1", "1.0.0-0.3.7", "1.0.0+build.5", "2.0.0-rc.1+sha.e0f3a1"],
     "email": ["first.last@mail.example.co.uk", "bob@example.com.au"],

@@ -1,6 +1,6 @@
-"""Train the draft head (constrained_spec/head.py) for the default model, on this CPU, seeded.
+"""Train the draft head (constrained_spec/decoding/head.py) for the default model, on this CPU, seeded.
 
-    python benchmarks/train_head.py --out constrained_spec/heads/smollm2-135m-instruct.safetensors \
+    python tools/train_head.py --out constrained_spec/decoding/heads/smollm2-135m-instruct.safetensors \
         --features /tmp/head-features.pt --answers target --dataset-tokens 800000 \
         --train-steps 3 --minutes 60 --train-tokens 150000
 
@@ -602,7 +602,7 @@ def main(argv=None) -> int:
     say(json.dumps(metrics, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     card = {
-        "command": "python benchmarks/train_head.py " + " ".join(argv or sys.argv[1:]),
+        "command": "python tools/train_head.py " + " ".join(argv or sys.argv[1:]),
         "model": args.model,
         "vocab_fingerprint": token_vocabulary(tokenizer).fingerprint,
         "seed": args.seed,

@@ -240,7 +240,7 @@ class GuidanceConstraint:
 
     def accepts_tokens(self, tokens: list[int]) -> bool:
         """True iff the tokens (optionally ending in EOS) form a complete accepted text; asked of
-        llguidance's parser directly (no masks: fast for long texts). tests/test_guidance.py
+        llguidance's parser directly (no masks: fast for long texts). tests/test_constraints.py
         checks that its answers and the masks agree."""
         body = tokens[:-1] if tokens and tokens[-1] == self.eos_id else tokens
         if any(not 0 <= t < len(self.vocab.token_bytes) or not self._plain[t] for t in body):

@@ -18,12 +18,13 @@ from .patterns import FORMATS, KNOWN_FORMATS, rust_pattern
 
 # Where llguidance accepts texts that jsonschema (with its format checker) rejects, found by
 # benchmarks/coverage_engines.py and a fuzz of every format (docs/schemas.md): a leap second
-# "23:59:60" and some offsets in date-time / time; multipleOf with a fraction, which llguidance
+# "23:59:60" and some offsets in date-time / time, a February 29 of any year in date (found by
+# benchmarks/coverage.py's random walks: "9382-02-29"); multipleOf with a fraction, which llguidance
 # checks in exact decimals and jsonschema in floats ("9356.55" is no multiple of 0.01 there).
 # Formats llguidance checks soundly stay its own; the others in patterns.FORMATS become that
 # pattern; format names jsonschema does not check are annotations (dropped); the rest llguidance
 # implements or refuses by name.
-NATIVE_FORMATS = {"date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"}
+NATIVE_FORMATS = {"duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"}
 VALUES = {"enum", "const", "default", "examples"}  # JSON values, not schemas: never rewritten
 
 
@@ -829,7 +830,7 @@ _LOOSER = "llguidance would accept texts jsonschema rejects here."
 
 # Objects with declared properties get no undeclared ones where the schema says nothing about
 # them (additionalProperties: false): allowed, the small default
-# model filled objects with invented keys or echoed the schema itself (docs/measurements.md).
+# model filled objects with invented keys or echoed the schema itself (git show 8fe3c79:docs/measurements.md).
 # Sound because it only happens in schemas without negation (`not`, `oneOf`'s "exactly one",
 # `if`): there every subschema counts positively, so narrowing one narrows the whole (under
 # oneOf, closing a branch lets instances valid under two branches through: the coverage run
@@ -874,20 +875,31 @@ def _closable(node) -> bool:
 # optional properties are present, which it does implement: "at least a of them" is anyOf over
 # the a-subsets, each required; "at most b" is anyOf over the subsets of those left out, each
 # absent (a property whose schema is false). Exact; where the subsets would be many, left as it
-# is, and llguidance refuses it.
+# is, and llguidance refuses it. Where undeclared keys may come, llguidance counts a repeated
+# key (`{"a":1,"a":2}`, one property once parsed) toward minProperties: refused by name there,
+# unless the required properties alone reach it (maxProperties only narrows: kept).
 MAX_COUNT_BRANCHES = 32
+_REPEATED = (
+    "llguidance would count a repeated undeclared key toward it (`{\"a\":1,\"a\":2}` has "
+    "one property): declare the properties, or close the object (additionalProperties: false)."
+)
 
 
 def _property_counts(node, out):
-    declared, required = out.get("properties"), out.get("required", [])
+    declared, required = out.get("properties", {}), out.get("required", [])
     if not (
         isinstance(declared, dict)
-        and out.get("additionalProperties") is False
-        and not out.get("patternProperties")
         and isinstance(required, list)
-        and set(required) <= set(declared)
         and any(k in out for k in ("minProperties", "maxProperties"))
     ):
+        return out
+    if out.get("additionalProperties") is not False or out.get("patternProperties"):
+        least = out.get("minProperties", 0)
+        if _is_number(least) and least > len({r for r in required if r in declared}):
+            raise UnsupportedSchemaError("minProperties", "", _REPEATED)
+        out.pop("minProperties", None)  # the declared required properties alone reach it
+        return out
+    if not set(required) <= set(declared):
         return out
     lo, hi = out.get("minProperties", 0), out.get("maxProperties", len(declared))
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in (lo, hi)):

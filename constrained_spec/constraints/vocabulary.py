@@ -25,26 +25,21 @@ class TokenVocabulary:
 
     @cached_property
     def fingerprint(self) -> str:
-        """Stable hash of the mapping: the key of the on-disk constraint cache."""
+        """Stable hash of the mapping: part of the compiled constraints' cache key."""
         h = hashlib.sha256(str(self.eos_id).encode())
         for b in self.token_bytes:
             h.update(b"\xff" if b is None else len(b).to_bytes(2, "little") + b)
         return h.hexdigest()[:16]
 
-    def outlines_map(self) -> dict[bytes, list[int]]:
-        """``{bytes: [ids]}`` for ``outlines_core.Vocabulary``; several ids may share bytes."""
-        out: dict[bytes, list[int]] = {}
-        for i, b in enumerate(self.token_bytes):
-            # NUL is the compiler's end-of-match terminator (compile.py): only the bare NUL token
-            # may carry it, so no token can both finish a match and terminate it.
-            if b and i != self.eos_id and (b"\x00" not in b or b == b"\x00"):
-                out.setdefault(b, []).append(i)
-        return out
-
     @cached_property
     def ids_by_bytes(self) -> dict[bytes, int]:
-        """One id per byte string (for tokenizing drafted text), EOS and NUL excluded."""
-        return {b: ids[0] for b, ids in self.outlines_map().items() if b != b"\x00"}
+        """One id per byte string (for spelling drafted text in tokens), EOS excluded; where
+        several ids share their bytes, the first."""
+        out: dict[bytes, int] = {}
+        for i, b in enumerate(self.token_bytes):
+            if b and i != self.eos_id:
+                out.setdefault(b, i)
+        return out
 
     @cached_property
     def max_token_bytes(self) -> int:

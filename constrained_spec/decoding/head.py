@@ -314,7 +314,7 @@ def shipped_head(model_name: str) -> Path:
         raise DraftHeadError(
             f"no trained draft head ships for {model_name!r} (heads: "
             f"{', '.join(have)}): pass a head file path as draft=, train one with "
-            "`python benchmarks/train_head.py --model ... --out ...`, or use "
+            "`python tools/train_head.py --model ... --out ...`, or use "
             "draft='lookup'."
         )
     return path
@@ -328,7 +328,7 @@ def load_head(target, vocab, path: str | Path) -> DraftHead:
         raise DraftHeadError(
             f"draft head weights not found: {path} and {card_path.name} are both "
             "needed. Reinstall constrained_spec, or retrain with "
-            "`python benchmarks/train_head.py`."
+            "`python tools/train_head.py`."
         )
     card = json.loads(card_path.read_text())
     digest = hashlib.sha256(path.read_bytes()).hexdigest()

@@ -29,7 +29,7 @@ SKINNY_MAX = 32  # up to this many rows, W·xᵀ streams the weight once where x
 # blocks for every 4 rows. Chosen per machine (models.calibration): 2× faster for 300 rows with
 # avx512_bf16, slower without it. "amx-bf16" and "avx512-bf16" multiply the same copy on AMX
 # tiles or with AVX-512 BF16 dot products (ours, csrc dense_mm: 1.4-1.5x the 4-bit kernel's
-# speed on 128-300 rows without AMX, docs/measurements.md): a row's outputs do not depend on the
+# speed on 128-300 rows without AMX, git show 8fe3c79:docs/measurements.md): a row's outputs do not depend on the
 # rows beside it (torch's bf16 matmul changes its sums with the row count), so the fused layers
 # run it for every prompt they take, a kept prompt's remainder too, and a prompt reused from the
 # cache holds what a fresh one would.
@@ -99,7 +99,7 @@ def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 class DenseLinear(nn.Module):
     """y = x·Wᵀ in float32, up to 32 rows as W·xᵀ: the CPU BLAS streams W once that way instead
     of packing it, and one row goes as two (its matrix-vector product ran the LM head at a third
-    of the speed: 9.5 against 3.3 ms, docs/measurements.md)."""
+    of the speed: 9.5 against 3.3 ms, git show 8fe3c79:docs/measurements.md)."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -117,7 +117,7 @@ class DenseLinear(nn.Module):
 class Int4Linear(nn.Module):
     """W = (q − 8)·scale + zero per group of 32 inputs (q in 0..15), run by torch's int4
     weight-only CPU kernel: bf16 activations, scales and outputs, float32 accumulation. (The
-    kernel takes float32 too, but ran 8× slower here: docs/measurements.md.)"""
+    kernel takes float32 too, but ran 8× slower here: git show 8fe3c79:docs/measurements.md.)"""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, copies: int = 1):
         super().__init__()
@@ -364,7 +364,7 @@ class Q8Head(nn.Module):
         """Logits (n, V) of x (n, d); ``legal`` (n, V) bool limits the float32 recomputation to
         the tokens that could be the largest legal logit (all tokens when None). One compiled
         call where the fused layers build (~30 small torch ops, 0.3 ms of a 3.7 ms step, else:
-        docs/measurements.md); both compute the same up to the bound's float rounding."""
+        git show 8fe3c79:docs/measurements.md); both compute the same up to the bound's float rounding."""
         module = fused_build()[0] if self.fused and x.device.type == "cpu" else None
         if module is not None:
             legal = _EVERY_TOKEN if legal is None else legal.contiguous()

@@ -78,7 +78,7 @@ class CompactCache:
         at = torch.arange(start, start + keys.shape[1], device=keys.device)
         self.keys[layer][:, at // KEY_TILE, :, at % KEY_TILE] = keys.transpose(0, 1)
 
-    def get_seq_length(self) -> int:  # the names cache.py uses for transformers' caches too
+    def get_seq_length(self) -> int:  # the names kv.py uses for transformers' caches too
         return self.length
 
     def crop(self, length: int) -> None:
@@ -124,7 +124,7 @@ class CachePool:
     """Buffers of dropped caches, handed to the next new or growing one: a fresh cache's 8.8 MB
     (the built-in model, 256 positions) are faulted in page by page by the first pass that
     writes them, ~2,200 page faults, 12 ms of kernel time a request on this machine: a sixth of
-    a short extract request's time and a quarter of a 16-row batch's (docs/measurements.md).
+    a short extract request's time and a quarter of a 16-row batch's (git show 8fe3c79:docs/measurements.md).
     Keeps up to ``limit`` bytes; an entry past a cache's ``length`` is never read, so a spare's
     old contents do no harm. A copied model shares its original's pool."""
 

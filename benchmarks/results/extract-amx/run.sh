@@ -12,4 +12,4 @@
 #   pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-OUT=benchmarks/results/extract-amx bash benchmarks/results/extract-fast/run.sh
+OUT=benchmarks/results/extract-amx bash benchmarks/results/extract-fast/run.sh  # its configurations

@@ -1,6 +1,6 @@
 // The compact Llama forward's layers for a few new tokens (a one-token step, a verify pass, a
 // batch's rows), fused into one call: llama.py's Python loop spends more time dispatching its
-// ~35 small ops per layer than the 4-bit matmuls take (docs/measurements.md). The matmuls are
+// ~35 small ops per layer than the 4-bit matmuls take (git show 8fe3c79:docs/measurements.md). The matmuls are
 // torch's int4 weight-only kernel or our own (int4_mm, AVX-512 BF16), whichever the linears run
 // (the same values as the Python loop's); norms, rotary, attention and the MLP's gate are plain
 // loops here.
@@ -853,7 +853,7 @@ Tensor q8_head(const Tensor& x, const Tensor& packed, const Tensor& scale_zero, 
 // Bitmasks (bit t of byte t / 8 set iff token t is legal; one bytes object of V / 8 bytes per
 // state) as a (rows, V) bool tensor, in one call: after a forward has streamed the weights through
 // the caches, each numpy or torch call costs tens of microseconds, and the three a conversion
-// took there were the largest part of a round's constraint work (docs/measurements.md).
+// took there were the largest part of a round's constraint work (git show 8fe3c79:docs/measurements.md).
 // SPREAD[b]: byte b's 8 bits as 8 bools, lowest bit first (little-endian: the first byte of the word).
 const std::array<uint64_t, 256> SPREAD = [] {
   std::array<uint64_t, 256> table{};
