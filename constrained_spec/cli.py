@@ -40,6 +40,8 @@ from .generator import DRAFTS, MIN_TEMPERATURE, Generator, Request
 from .jobs import done_ids, read_rows, run_job, run_job_on_ray
 from .target import BUILTIN_MODELS, DEFAULT_MODEL, WEIGHTS, ModelFetchError
 
+__all__ = ["main", "build_parser"]
+
 try:  # POSIX only: the --stats peak memory row says "-" without it
     import resource
 except ImportError:

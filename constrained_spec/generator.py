@@ -35,6 +35,8 @@ from .errors import ConstraintError, GenerationInputError, VocabularyMismatch, W
 from .target import DEFAULT_MODEL, describe_weights, load_model, quantize_int8
 from .target import skinny_matmul as use_skinny
 
+__all__ = ["Generator", "Request", "Result"]
+
 # Below this temperature logits / T overflows float32 (the policy would see inf − inf = nan);
 # such a temperature is greedy in all but name.
 MIN_TEMPERATURE = 1e-4

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from .errors import ConstraintError, GenerationInputError
 
+__all__ = ["JobInputError", "Row", "done_ids", "read_rows", "run_job", "run_job_on_ray"]
+
 
 class JobInputError(GenerationInputError):
     """The input (or output) file of a batch job is unusable as a whole: names file and line."""

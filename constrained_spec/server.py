@@ -39,6 +39,8 @@ from .generator import Generator
 from .generator import Request as GenerationRequest
 from .target import DEFAULT_MODEL
 
+__all__ = ["ServerConfig", "create_app", "serve"]
+
 FREE_TEXT = r"[\s\S]*"  # no constraint asked for: any text, ended by the model's EOS
 POLL_S = 0.25  # how often a waiting handler checks whether its client has gone
 

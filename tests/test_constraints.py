@@ -3,14 +3,16 @@ an accepted string (checked against llguidance's parser byte by byte), int state
 order of queries, schemas are never looser than jsonschema, grammars compile and report their
 errors, and what cannot be said exactly is refused by name."""
 
+import json
 import random
+from pathlib import Path
 
 import llguidance as llg
 import numpy as np
 import pytest
 import torch
 
-from constrained_spec import ConstraintError, Generator, UnsupportedSchemaError
+from constrained_spec import ConstraintError, Generator, UnsupportedSchemaError, testing
 from constrained_spec.constraints import FINISHED, grammar_for
 from constrained_spec.constraints import engine as guidance
 from constrained_spec.constraints import rewrite as guidance_schema
@@ -813,12 +815,17 @@ def test_property_counts_of_closed_objects_are_exact(schema, accepted, rejected,
     assert [t for t in rejected if c.accepts(t)] == []
 
 
-def test_a_property_count_where_undeclared_keys_may_repeat_is_refused():
+def test_a_property_count_where_undeclared_keys_may_repeat_is_refused(tiny_tokenizer):
     """llguidance counts a repeated undeclared key toward minProperties ({"a":1,"a":2} is one
-    property once parsed): refused by name on open objects, unless the required properties
-    reach it; closed objects are said exactly (above)."""
+    property once parsed): refused by name on open objects where it asks for more than the
+    required properties + 1 (one undeclared key, repeated or not, is one more); closed objects
+    are said exactly (above)."""
     with pytest.raises(UnsupportedSchemaError, match="minProperties.*repeated"):
         grammar_for(schema={"type": "object", "minProperties": 2})
+    c = guidance.compile_constraint(
+        token_vocabulary(tiny_tokenizer), 400, schema={"minProperties": 1}
+    )
+    assert c.accepts('{"a":1,"a":2}') and not c.accepts("{}")  # one property, parsed: valid
     with pytest.raises(UnsupportedSchemaError, match="minProperties"):
         grammar_for(schema={"patternProperties": {"^a": {}}, "minProperties": 2})
     grammar_for(  # two required properties: two keys at least, whatever else comes
@@ -829,3 +836,31 @@ def test_a_property_count_where_undeclared_keys_may_repeat_is_refused():
             "minProperties": 2,
         }
     )
+
+
+REAL = sorted((Path(__file__).parent / "data" / "schemas").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", REAL, ids=[p.stem[:40] for p in REAL])
+def test_real_schemas_compile_or_are_refused_by_name_and_accept_only_valid_texts(
+    path, tiny_tokenizer
+):
+    """Dev-set schemas (tests/data/schemas): each compiles, or is refused naming the keyword
+    and where it is; compiled, no invalid instance is accepted (as the tokenizer would spell it,
+    and byte by byte) and random texts of the automaton validate."""
+    data = json.loads(path.read_text())
+    valid = testing.schema_validator(data["schema"]).is_valid
+    vocab = token_vocabulary(tiny_tokenizer)
+    try:
+        c = guidance.compile_constraint(vocab, len(tiny_tokenizer) + 6, schema=data["schema"])
+    except UnsupportedSchemaError as e:
+        assert e.keyword and "refuses rather than loosen" in str(e)
+        return
+    for t in data["tests"]:
+        text = json.dumps(t["data"], separators=(",", ":"), ensure_ascii=False)
+        if not valid(t["data"]):
+            ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+            assert not c.accepts(text) and not c.accepts_tokens(ids), text[:200]
+    rng = random.Random(0)
+    texts = [testing.random_text(c, rng) for _ in range(5)]
+    assert testing.accepted_but_invalid(c, data["schema"], texts) == []

@@ -876,11 +876,13 @@ def _closable(node) -> bool:
 # the a-subsets, each required; "at most b" is anyOf over the subsets of those left out, each
 # absent (a property whose schema is false). Exact; where the subsets would be many, left as it
 # is, and llguidance refuses it. Where undeclared keys may come, llguidance counts a repeated
-# key (`{"a":1,"a":2}`, one property once parsed) toward minProperties: refused by name there,
-# unless the required properties alone reach it (maxProperties only narrows: kept).
+# one (`{"a":1,"a":2}`, one property once parsed) toward minProperties (it never repeats a
+# declared one, nor gives an undeclared key a declared name): the parsed object holds at least
+# the declared properties present plus one, if any undeclared key came, so a bound up to the
+# required properties + 1 holds; a higher one is refused by name (maxProperties only narrows).
 MAX_COUNT_BRANCHES = 32
 _REPEATED = (
-    "llguidance would count a repeated undeclared key toward it (`{\"a\":1,\"a\":2}` has "
+    'llguidance would count a repeated undeclared key toward it (`{"a":1,"a":2}` has '
     "one property): declare the properties, or close the object (additionalProperties: false)."
 )
 
@@ -894,10 +896,11 @@ def _property_counts(node, out):
     ):
         return out
     if out.get("additionalProperties") is not False or out.get("patternProperties"):
-        least = out.get("minProperties", 0)
-        if _is_number(least) and least > len({r for r in required if r in declared}):
+        least, present = out.get("minProperties", 0), len({r for r in required if r in declared})
+        if _is_number(least) and least > present + 1:
             raise UnsupportedSchemaError("minProperties", "", _REPEATED)
-        out.pop("minProperties", None)  # the declared required properties alone reach it
+        if _is_number(least) and least <= present:
+            out.pop("minProperties")  # the declared required properties alone reach it
         return out
     if not set(required) <= set(declared):
         return out
