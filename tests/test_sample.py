@@ -8,10 +8,10 @@ from constrained_spec.decoding.sample import (
     acceptance_probs,
     draw,
     first_above,
+    greedy_outcome,
     one_hot,
     policy,
     residual,
-    verify_greedy,
     verify_sampled,
 )
 
@@ -98,10 +98,9 @@ def test_draw_follows_the_distribution_and_never_draws_a_zero():
     assert first_above(cdf, torch.zeros(1, dtype=torch.float64)) == 1
 
 
-def test_verify_greedy_accepts_the_argmax_prefix_and_corrects():
+def test_greedy_verification_accepts_the_masked_argmax_prefix_and_corrects():
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
     masks = torch.tensor([[True, True, True], [False, True, True], [True, True, True]])
-    n, token = verify_greedy(logits, masks, torch.tensor([1, 0]))  # token 0 is masked at row 1
-    assert (n.item(), token.item()) == (1, 2)
-    n, token = verify_greedy(logits, masks, torch.tensor([1, 2]))
-    assert (n.item(), token.item()) == (2, 2)  # all accepted: bonus from the last row
+    best = logits.masked_fill(~masks, float("-inf")).argmax(-1).tolist()  # as loop.verify takes it
+    assert greedy_outcome(best, [1, 0]) == (1, 2)  # token 0 is masked at row 1
+    assert greedy_outcome(best, [1, 2]) == (2, 2)  # all accepted: bonus from the last row

@@ -149,7 +149,7 @@ class Row:
         return "stop" if self.state == FINISHED else "length"
 
     @property
-    def features(self) -> bool:
+    def reads_features(self) -> bool:
         """Whether its drafter reads the target's features (a trained draft head)."""
         return self.drafter is not None and self.drafter.uses_features
 
@@ -178,10 +178,10 @@ def admit(target, row: Row) -> None:
     row.started = time.perf_counter()
     row.cache = kv.new_cache(target)
     device = next(target.parameters()).device
-    features = torch.empty(0, 0, device=device) if row.features else None
+    features = torch.empty(0, 0, device=device) if row.reads_features else None
     if len(row.prompt) > 1:
         features, row.stats.cached_prompt_tokens = kv.prefill(
-            target, row.cache, row.prompt[:-1], device, row.features
+            target, row.cache, row.prompt[:-1], device, row.reads_features
         )
     if row.drafter is not None:
         row.drafter.begin(row.prompt, features)
@@ -198,33 +198,38 @@ def step(target, rows: list[Row]) -> list[Round]:
     drafts, states = zip(*(legal_states(r.constraint, r.state, d) for r, d in zip(rows, proposed)))
     drafted = time.perf_counter()
     device = next(target.parameters()).device
-    fed = [[row.tokens[-1]] + draft.tokens for row, draft in zip(rows, drafts)]
+    fed = [[row.tokens[-1]] + draft.tokens for row, draft in zip(rows, drafts)]  # n_i = k_i + 1
     legal = torch.cat([legal_masks(row.constraint, at, device) for row, at in zip(rows, states)])
-    features = any(row.features for row in rows)
-    logits, hidden = kv.forward_rows(
+    features = any(row.reads_features for row in rows)
+    logits, hidden = kv.forward_rows(  # (Σ n_i, V), (Σ n_i, d) or None
         target, [row.cache for row in rows], fed, device, legal, features
     )
     outcomes = verify(logits, legal, [len(f) for f in fed], drafts, rows)  # the host sync
-    verified = time.perf_counter()
+    times = (drafted - start, time.perf_counter() - drafted)
     rounds, at = [], 0
     for row, draft, row_states, (n, token), shown in zip(rows, drafts, states, outcomes, proposed):
         committed = commit(
             row, draft.tokens[:n] + [token], row.constraint.step(row_states[n], token)
         )
-        row.stats.record(draft, n)
-        row.stats.draft_s += drafted - start
-        row.stats.verify_s += verified - drafted
-        if row.stats.target_calls == 1:
-            row.stats.ttft_s = verified - row.started
-        if row.adaptive is not None:
-            row.adaptive.update(draft, n, drafted - start, verified - drafted)
-        if row.drafter is not None:
-            row.drafter.observe(
-                committed, hidden[at : at + len(committed)] if row.features else None
-            )
+        seen = hidden[at : at + len(committed)] if row.reads_features else None  # (n + 1, d)
+        learn(row, draft, n, committed, seen, times)
         at += len(draft) + 1
         rounds.append(Round(shown.tokens, n, token, committed, shown.sources))
     return rounds
+
+
+def learn(row: Row, draft: Draft, n: int, committed: list[int], features, times) -> None:
+    """After a row's round: its stats, its adaptive k's estimates, what its drafter sees."""
+    draft_s, verify_s = times
+    row.stats.record(draft, n)
+    row.stats.draft_s += draft_s
+    row.stats.verify_s += verify_s
+    if row.stats.target_calls == 1:
+        row.stats.ttft_s = time.perf_counter() - row.started
+    if row.adaptive is not None:
+        row.adaptive.update(draft, n, draft_s, verify_s)
+    if row.drafter is not None:
+        row.drafter.observe(committed, features)
 
 
 # A wide pass is bound by the CPU's dot products, so every drafted token costs about what a

@@ -101,18 +101,10 @@ def first_above(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_outcome(best: list[int], draft: list[int]) -> tuple[int, int]:
-    """``verify_greedy`` on the host, from each position's masked argmax ``best`` (k+1): the
-    drafts accepted while each is the argmax at its position, then the argmax after them."""
+    """Greedy verification, on the host, from each position's masked argmax ``best`` (k+1): a
+    draft token is accepted iff it is the argmax at its position; then the argmax after the
+    accepted ones (the correction, or the bonus when all are accepted)."""
     n = 0
     while n < len(draft) and draft[n] == best[n]:
         n += 1
-    return n, best[n]
-
-
-def verify_greedy(
-    target_logits: torch.Tensor, masks: torch.Tensor, draft: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy: accept a draft token iff it is the masked target argmax; (k+1, V), (k+1, V), (k,)."""
-    best = target_logits.masked_fill(~masks, float("-inf")).argmax(dim=-1)  # (k+1,)
-    n = torch.cumprod((draft == best[: draft.shape[0]]).int(), dim=0).sum()
     return n, best[n]
