@@ -826,6 +826,10 @@ def test_a_property_count_where_undeclared_keys_may_repeat_is_refused(tiny_token
         token_vocabulary(tiny_tokenizer), 400, schema={"minProperties": 1}
     )
     assert c.accepts('{"a":1,"a":2}') and not c.accepts("{}")  # one property, parsed: valid
+    c = guidance.compile_constraint(  # a maximum alone only narrows: kept as it is
+        token_vocabulary(tiny_tokenizer), 400, schema={"type": "object", "maxProperties": 1}
+    )
+    assert c.accepts('{"a":1}') and not c.accepts('{"a":1,"b":2}')
     with pytest.raises(UnsupportedSchemaError, match="minProperties"):
         grammar_for(schema={"patternProperties": {"^a": {}}, "minProperties": 2})
     grammar_for(  # two required properties: two keys at least, whatever else comes

@@ -900,7 +900,7 @@ def _property_counts(node, out):
         if _is_number(least) and least > present + 1:
             raise UnsupportedSchemaError("minProperties", "", _REPEATED)
         if _is_number(least) and least <= present:
-            out.pop("minProperties")  # the declared required properties alone reach it
+            out.pop("minProperties", None)  # the declared required properties alone reach it
         return out
     if not set(required) <= set(declared):
         return out
