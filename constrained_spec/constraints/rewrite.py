@@ -17,7 +17,7 @@ from ..errors import UnsupportedSchemaError
 from .patterns import FORMATS, KNOWN_FORMATS, rust_pattern
 
 # Where llguidance accepts texts that jsonschema (with its format checker) rejects, found by
-# benchmarks/coverage_engines.py and a fuzz of every format (docs/schemas.md): a leap second
+# benchmarks/coverage.py and a fuzz of every format (docs/schemas.md): a leap second
 # "23:59:60" and some offsets in date-time / time, a February 29 of any year in date (found by
 # benchmarks/coverage.py's random walks: "9382-02-29"); multipleOf with a fraction, which llguidance
 # checks in exact decimals and jsonschema in floats ("9356.55" is no multiple of 0.01 there).
@@ -822,7 +822,7 @@ def _inside(bound, inward: int) -> float:
 
 _ROUNDED = (
     "llguidance reads this bound rounded and would accept texts jsonschema rejects: "
-    "use a bound within 2**53, or engine='regex'."
+    "use a bound within 2**53."
 )
 
 
