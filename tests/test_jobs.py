@@ -153,3 +153,24 @@ def test_a_prompt_is_one_user_message_unless_raw():
     assert _request(row, REGEX, {"raw_prompt": True})["prompt"] == "Alice is 30"
     messages = [{"role": "system", "content": "JSON only"}, {"role": "user", "content": "hi"}]
     assert _request(Row(2, 2, messages, None), REGEX, {})["prompt"] == messages
+
+
+def test_the_cli_job_takes_messages_rows(tmp_path, monkeypatch):
+    """A row of chat messages beside a prompt row, through `constrained-spec batch` (the CLI
+    passes raw_prompt with every row's options: it once reached a messages row as an unknown
+    field, and every such row failed)."""
+    tokenizer = testing.tiny_tokenizer(
+        chat_template="{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    gen = Generator(testing.tiny_model(tokenizer, seed=0), tokenizer, draft=CompositeDrafter())
+    monkeypatch.setattr(Generator, "from_pretrained", classmethod(lambda cls, *a, **k: gen))
+    messages = [{"role": "user", "content": "yes or no?"}]
+    rows = write_rows(
+        tmp_path / "in.jsonl", [{"id": 1, "messages": messages}, {"id": 2, "prompt": "a"}]
+    )
+    out = tmp_path / "out.jsonl"
+    assert (
+        cli.main(["batch", "--input", str(rows), "--output", str(out), "--regex", "(yes|no)"]) == 0
+    )
+    got = {line["id"]: line for line in lines(out)}
+    assert sorted(got) == [1, 2] and all(line["text"] in ("yes", "no") for line in got.values())

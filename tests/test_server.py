@@ -3,10 +3,13 @@ process (the default model, loaded once for this module) on a free local port.""
 
 import json
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -16,6 +19,8 @@ pytest.importorskip("fastapi", reason="the server tests need the [serve] extra (
 
 from constrained_spec.server import ChatRequest, ServerConfig, plan  # noqa: E402
 from constrained_spec.testing import server_process  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.real_model
 
@@ -385,14 +390,20 @@ def test_plan_builds_the_tool_envelope_and_preamble():
     assert p.temperature == 0 and p.max_tokens == ServerConfig().default_max_tokens
 
 
-def test_load_benchmark_level_and_report(server, client):
-    import argparse
-
-    import load  # benchmarks/load.py (benchmarks/ is on pytest's pythonpath)
-
-    lv = load.level(client, clients=2, requests=1, max_tokens=8, temperature=0.0)
-    assert lv["requests"] == 2 and lv["lost"] == 0 and lv["mixed_up"] == 0, lv["rows"]
-    args = argparse.Namespace(max_tokens=8, temperature=0.0, server_args="")
-    meta = {"command": "x", "date": "d", "minutes": 1, "machine": "m", "commit": "c"}
-    text = load.report([{**lv, "clients": 1}, lv], args, {**meta, "load_start": 0, "load_end": 0})
+def test_the_load_benchmark_runs_as_a_user_runs_it(tmp_path):
+    """benchmarks/load.py from the repository root (it starts its own server): every request
+    answered to its own client, and the report written."""
+    args = ["--clients", "1,2", "--requests", "1", "--max-tokens", "8", "--out", str(tmp_path)]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "load.py"), *args, "--server-args=--threads 1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    levels = json.loads((tmp_path / "results.json").read_text())["levels"]
+    assert [lv["requests"] for lv in levels] == [1, 2]
+    assert all(lv["lost"] == 0 and lv["mixed_up"] == 0 for lv in levels), levels
+    text = (tmp_path / "report.md").read_text()
     assert "| 2 | 2 |" in text and "Goal: 2 clients ≥ 3× one client's throughput" in text
