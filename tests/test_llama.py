@@ -618,8 +618,32 @@ def test_weights_of_a_non_llama_model_point_to_float():
             eos_token_id=0,
         )
     )
-    with pytest.raises(WeightsError, match="GPT2LMHeadModel is not one: use weights='float'"):
+    with pytest.raises(WeightsError, match="the 'gpt2' architecture.*weights='float'"):
         llama.from_transformers(gpt2, "int4")
+
+
+def test_a_qwen2_checkpoint_is_refused_before_its_weights_are_read(tmp_path, monkeypatch):
+    """The compact forward does not compute Qwen2's q/k/v biases: it once dropped them silently
+    (logits 0.71 off, another top token at 6 of 6 positions). Refused by name, from the config
+    alone, before any weights load; the model object itself too."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = Qwen2ForCausalLM(config)
+    with pytest.raises(WeightsError, match="'qwen2' architecture.*q/k/v biases.*weights='float'"):
+        llama.from_transformers(model, "int4")
+    model.save_pretrained(tmp_path)
+    monkeypatch.setattr(models, "_load_float", explode)
+    for weights in ("int4", "int8"):
+        with pytest.raises(WeightsError, match="'qwen2' architecture"):
+            models.load_model(str(tmp_path), weights=weights)
 
 
 def test_llama_variants_the_compact_forward_does_not_compute_point_to_float(tiny_tokenizer):

@@ -692,27 +692,51 @@ def from_gguf(path: str | Path, config) -> CompactLlama:
     return CompactLlama(config, embed, head, norms, linears, "int4")
 
 
+# What the compact forward computes: Llama's layers (RMSNorm, rotary attention without biases,
+# a SiLU-gated MLP). Anything else a checkpoint's config asks for is refused by name, before its
+# weights are read: computing it without would be silently wrong (a Qwen2 checkpoint's q/k/v
+# biases dropped gave logits 0.71 off transformers' and another top token at 6 of 6 positions).
+COMPACT_ARCHITECTURES = ("llama", "mistral")
+
+
+def check_compact(config, weights: str) -> None:
+    """A WeightsError naming what ``config`` asks for that the compact forward does not compute."""
+    arch = getattr(config, "model_type", "?")
+    problems = []
+    if arch not in COMPACT_ARCHITECTURES:
+        problems.append(
+            f"the {arch!r} architecture (it runs {', '.join(COMPACT_ARCHITECTURES)}; qwen2's "
+            "q/k/v biases and qwen3's q/k norms are not computed yet)"
+        )
+    if any(getattr(config, flag, False) for flag in ("attention_bias", "mlp_bias")):
+        problems.append("biases on its linears")
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        problems.append(f"a sliding window of {config.sliding_window}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        problems.append(f"the {config.hidden_act!r} activation")
+    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+        problems.append("mixture-of-experts layers")
+    if problems:
+        raise WeightsError(
+            f"weights={weights!r} runs the compact forward, which does not compute "
+            f"{'; '.join(problems)}: use weights='float' (transformers' own forward)."
+        )
+
+
 def from_transformers(model, weights: str = "int4") -> CompactLlama:
     """A Llama-family transformers model's weights in the compact forward: ``"int4"`` quantizes
     its linears as Q4_1, ``"int8"`` as Q8_0, both with the LM head as Q8_0 (as llama.cpp
     quantizes them); ``"float"`` keeps every weight as it is, in float32."""
     config = model.config
-    if config.model_type not in ("llama", "mistral", "qwen2") or not hasattr(
-        getattr(model, "model", None), "layers"
-    ):
+    check_compact(config, weights)
+    biased = [
+        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.bias is not None
+    ]
+    if biased or not hasattr(getattr(model, "model", None), "layers"):
+        what = f"biases ({biased[0]}, ...)" if biased else f"{type(model).__name__}'s layout"
         raise WeightsError(
-            f"weights={weights!r} runs Llama-family models (llama, mistral, qwen2 "
-            f"configs); {type(model).__name__} is not one: use weights='float'."
-        )
-    if (
-        any(getattr(config, flag, False) for flag in ("attention_bias", "mlp_bias"))
-        or getattr(config, "sliding_window", None)
-        or config.hidden_act != "silu"
-    ):
-        raise WeightsError(
-            f"{type(model).__name__}'s layers (biases, sliding window or a "
-            "non-silu MLP) are not what the compact forward computes: use "
-            "weights='float'."
+            f"weights={weights!r}: the compact forward does not compute {what}: use "
+            "weights='float' (transformers' own forward)."
         )
     linear = {
         "int4": lambda w: kernels.Int4Linear.from_q4_1(*kernels.quantize_q4_1(w)),

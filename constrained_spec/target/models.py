@@ -142,6 +142,8 @@ def load_model(
         model.use_prefill(prefill_kernel(measured, model.matmul, model.layer_kernel == "fused"))
         model.use_head(measured["head"])
         return model, tokenizer
+    if weights != "float" and name_or_path not in BUILTIN_MODELS:  # refused before any weights
+        llama.check_compact(load_config(name_or_path), weights)
     model, tokenizer = _load_float(name_or_path, dtype)
     if weights != "float":
         model = llama.from_transformers(model, weights)
@@ -309,6 +311,14 @@ def _load_float(name_or_path: str, dtype: torch.dtype):
                 detail = "the Hugging Face hub is unreachable (offline) and the local hub cache does not hold it."
             raise ValueError(_unknown_model(name_or_path, detail)) from err
     return model, tokenizer
+
+
+def load_config(name_or_path: str):
+    """The model's config alone (no weights), for a local folder, a .gguf file or a hub id."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoConfig.from_pretrained(str(path) if path.exists() else name_or_path)
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
