@@ -17,7 +17,7 @@ Configurations (``--configs`` takes names, shell patterns such as 'int8*', or gr
     int8/k{K}, int8/adaptive     int8 self-draft only (CompositeDrafter(DraftModel), no free drafts)
     int8+lookup/k{K}, .../adaptive   the default model_drafter: forced + lookup + int8 model
     bf16+lookup/k{K}, .../adaptive   the same with a bfloat16 copy of the target as draft
-    head/k{K}                    the trained draft head only (constrained_spec/heads/; a random
+    head/k{K}                    the trained draft head only (constrained_spec/decoding/heads/; a random
                                  head with --quick)
     head+lookup/k{K}, .../adaptive   forced + lookup + the trained head
     head+lookup/k8/c{P}          the same, model drafting stopped once the chain's estimated

@@ -13,9 +13,7 @@ import pytest
 import torch
 
 from constrained_spec import ConstraintError, Generator, UnsupportedSchemaError, testing
-from constrained_spec.constraints import FINISHED, grammar_for
-from constrained_spec.constraints import engine as guidance
-from constrained_spec.constraints import rewrite as guidance_schema
+from constrained_spec.constraints import FINISHED, engine, grammar_for, rewrite
 from constrained_spec.constraints.vocabulary import token_vocabulary
 from constrained_spec.decoding import loop
 from constrained_spec.target import kernels
@@ -49,7 +47,7 @@ def byte_oracle(grammar: str, vocab, path: list[int]) -> set[int]:
     """Legal ids after ``path``, from a fresh llguidance parser fed each token's bytes one
     single-byte token at a time (its validate path: no token trie, no mask code)."""
     byte_ids = {b[0]: i for i, b in enumerate(vocab.token_bytes) if b and len(b) == 1}
-    m = llg.LLMatcher(guidance._ll_tokenizer(vocab), grammar, log_level=0)
+    m = llg.LLMatcher(engine._ll_tokenizer(vocab), grammar, log_level=0)
     assert m.consume_tokens(path), m.get_error()
     legal = set()
     for t, b in enumerate(vocab.token_bytes):
@@ -64,11 +62,11 @@ def byte_oracle(grammar: str, vocab, path: list[int]) -> set[int]:
 def test_masks_are_exactly_the_byte_prefix_extensions(kind, source, tiny_tokenizer):
     vocab = token_vocabulary(tiny_tokenizer)
     grammar = {
-        "regex": guidance.regex_grammar,
-        "schema": guidance.schema_grammar,
-        "lark": guidance.lark_grammar,
+        "regex": engine.regex_grammar,
+        "schema": engine.schema_grammar,
+        "lark": engine.lark_grammar,
     }[kind](source)
-    c = guidance.GuidanceConstraint(grammar, vocab, len(tiny_tokenizer) + 6, kind)
+    c = engine.GuidanceConstraint(grammar, vocab, len(tiny_tokenizer) + 6, kind)
     checked = 0
     for state, path in walks(c, n_walks=10, length=12):
         assert set(c.allowed(state)) == byte_oracle(grammar, vocab, path), bytes(
@@ -111,8 +109,8 @@ def test_a_pass_of_masks_its_steps_and_forced_tokens_say_the_same_legal_ids(
         monkeypatch.setattr(kernels, "fused_if_built", lambda: None)
     vocab, width = token_vocabulary(tiny_tokenizer), len(tiny_tokenizer) + 6
     assert width % 8
-    grammar = guidance.schema_grammar(PERSON)
-    one, other = (guidance.GuidanceConstraint(grammar, vocab, width, "schema") for _ in "ab")
+    grammar = engine.schema_grammar(PERSON)
+    one, other = (engine.GuidanceConstraint(grammar, vocab, width, "schema") for _ in "ab")
     passes = 0
     for _, path in walks(one, n_walks=8, length=12, seed=1):
         states = [other.initial_state]  # the same path on a constraint with its own caches
@@ -139,9 +137,7 @@ def test_forced_bytes_leave_every_spelling_legal(tiny_tokenizer):
     """llguidance alone narrows a forced stretch to its tokenizer's spelling ("yes", not "y");
     the engine turns that off: masked sampling may spell forced text any way."""
     vocab = token_vocabulary(tiny_tokenizer)
-    c = guidance.GuidanceConstraint(
-        guidance.regex_grammar("yes"), vocab, len(vocab.token_bytes), ""
-    )
+    c = engine.GuidanceConstraint(engine.regex_grammar("yes"), vocab, len(vocab.token_bytes), "")
     legal = {vocab.token_bytes[t] for t in c.allowed(c.initial_state)}
     assert {b"y", b"yes"} <= legal
     assert c.forced_text(c.initial_state) == b"yes"
@@ -152,10 +148,10 @@ def test_forced_bytes_leave_every_spelling_legal(tiny_tokenizer):
 def test_states_survive_any_order_of_queries(every, tiny_tokenizer, monkeypatch):
     """Rollback lives in one place: a state's mask is the same whatever was asked before, with a
     matcher copy kept at every ``every``-th state (``_goto`` then consumes up to every - 1 more)."""
-    monkeypatch.setattr(guidance, "SNAPSHOT_EVERY", every)
+    monkeypatch.setattr(engine, "SNAPSHOT_EVERY", every)
     vocab = token_vocabulary(tiny_tokenizer)
-    grammar = guidance.schema_grammar(PERSON)
-    fresh = lambda: guidance.GuidanceConstraint(grammar, vocab, len(vocab.token_bytes), "")  # noqa: E731
+    grammar = engine.schema_grammar(PERSON)
+    fresh = lambda: engine.GuidanceConstraint(grammar, vocab, len(vocab.token_bytes), "")  # noqa: E731
     shuffled, rng = fresh(), random.Random(1)
     visits = [(s, p) for s, p in walks(shuffled, n_walks=4, length=25, seed=2)]
     shuffled.clear_caches()  # masks recomputed below, in a shuffled order: the matcher jumps
@@ -175,7 +171,7 @@ def test_states_survive_any_order_of_queries(every, tiny_tokenizer, monkeypatch)
 
 def test_eos_only_where_complete(tiny_tokenizer):
     vocab = token_vocabulary(tiny_tokenizer)
-    c = guidance.GuidanceConstraint(guidance.regex_grammar("ab|abab"), vocab, 400, "")
+    c = engine.GuidanceConstraint(engine.regex_grammar("ab|abab"), vocab, 400, "")
     a, b = (vocab.ids_by_bytes[x] for x in (b"a", b"b"))
     s = c.step(c.step(c.initial_state, a), b)
     assert c.eos_id not in c.allowed(c.step(c.initial_state, a))
@@ -190,8 +186,8 @@ def test_a_special_token_named_in_a_grammar_is_never_legal():
 
     tokenizer = load_tokenizer()  # the default model's: 17 specials, in bitmask bytes 0-2
     vocab = token_vocabulary(tokenizer)
-    grammar = guidance.lark_grammar('start: "a" (<[5]> | "b")')
-    c = guidance.GuidanceConstraint(grammar, vocab, len(tokenizer), "grammar")
+    grammar = engine.lark_grammar('start: "a" (<[5]> | "b")')
+    c = engine.GuidanceConstraint(grammar, vocab, len(tokenizer), "grammar")
     a, b = vocab.ids_by_bytes[b"a"], vocab.ids_by_bytes[b"b"]
     matcher = c._root.deep_copy()
     assert matcher.consume_token(a) and matcher.compute_bitmask()[0] >> 5 & 1  # llguidance: yes
@@ -209,7 +205,7 @@ def test_a_bitmask_row_kept_as_llguidance_gave_it_equals_the_cleared_one(width_b
 
     tokenizer = load_tokenizer()
     vocab = token_vocabulary(tokenizer)
-    c = guidance.GuidanceConstraint(guidance.regex_grammar("a+"), vocab, len(tokenizer), "regex")
+    c = engine.GuidanceConstraint(engine.regex_grammar("a+"), vocab, len(tokenizer), "regex")
     rng, clean = random.Random(0), 0
     for _ in range(200):
         raw = bytearray(rng.randbytes(width_bytes))
@@ -304,7 +300,7 @@ def test_llguidance_is_never_looser_than_jsonschema(
     schema, accepted, rejected, tiny_target, tiny_tokenizer
 ):
     c = Generator(tiny_target, tiny_tokenizer).compile(schema=schema)
-    assert isinstance(c, guidance.GuidanceConstraint)
+    assert isinstance(c, engine.GuidanceConstraint)
     assert [t for t in accepted if not c.accepts(t)] == []
     assert [t for t in rejected if c.accepts(t)] == []
 
@@ -320,13 +316,13 @@ def test_llguidance_is_never_looser_than_jsonschema(
 )
 def test_what_llguidance_cannot_be_told_exactly_is_refused_by_name(schema, keyword):
     with pytest.raises(UnsupportedSchemaError, match=keyword):
-        guidance.schema_grammar(schema)
+        engine.schema_grammar(schema)
 
 
 def test_a_refusal_names_the_place_of_the_keyword():
     schema = {"properties": {"a/b": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}
     with pytest.raises(UnsupportedSchemaError, match="'oneOf' at /properties/a~1b:") as e:
-        guidance.schema_grammar(schema)
+        engine.schema_grammar(schema)
     assert e.value.pointer == "/properties/a~1b" and "docs/schemas.md" in str(e.value)
 
 
@@ -342,7 +338,7 @@ def test_objects_with_declared_properties_get_no_undeclared_ones(tiny_tokenizer)
     """Closed where that only narrows; not under allOf, where closing one branch would reject
     what another admits."""
     vocab = token_vocabulary(tiny_tokenizer)
-    compiled = lambda s: guidance.GuidanceConstraint(guidance.schema_grammar(s), vocab, 400, "")  # noqa: E731
+    compiled = lambda s: engine.GuidanceConstraint(engine.schema_grammar(s), vocab, 400, "")  # noqa: E731
     person, extra = '{"name":"a","age":1,"ok":true}', '{"name":"a","age":1,"ok":true,"x":1}'
     assert compiled(PERSON).accepts(person) and not compiled(PERSON).accepts(extra)
     assert compiled({"allOf": [PERSON]}).accepts(extra)
@@ -662,7 +658,7 @@ def test_oneof_dependencies_and_not_compile_in_llguidance_terms(
 )
 def test_what_is_not_said_exactly_stays_refused_by_name(schema):
     with pytest.raises(UnsupportedSchemaError, match="oneOf|not"):
-        guidance.schema_grammar(schema)
+        engine.schema_grammar(schema)
 
 
 @pytest.mark.parametrize(
@@ -688,15 +684,15 @@ def test_what_is_not_said_exactly_stays_refused_by_name(schema):
 )
 def test_schemas_nothing_satisfies_are_named_so(schema):
     with pytest.raises(ConstraintError, match="[Uu]nsatisfiable"):
-        guidance.schema_grammar(schema)
+        engine.schema_grammar(schema)
 
 
 def test_a_keyword_not_negated_here_is_never_taken_as_vacuous():
     """(Under a negation, ignoring a keyword narrows; negating that again would loosen.)"""
-    doc = guidance_schema._Document.of({})
+    doc = rewrite._Document.of({})
     for kept in ({"oneOf": [{"pattern": "a"}, {"pattern": "b"}]}, {"$dynamicRef": "#x"}):
-        assert guidance_schema._negated(kept, doc) is None
-    assert guidance_schema._negated({"pattern": "a"}, doc, frozenset({"number"})) is False
+        assert rewrite._negated(kept, doc) is None
+    assert rewrite._negated({"pattern": "a"}, doc, frozenset({"number"})) is False
 
 
 def test_negations_that_would_grow_the_schema_past_the_bound_are_left_out(monkeypatch):
@@ -708,9 +704,9 @@ def test_negations_that_would_grow_the_schema_past_the_bound_are_left_out(monkey
         "oneOf": [{"required": [f"r{k}"], "properties": fields} for k in range(6)],
     }
     with pytest.raises(UnsupportedSchemaError, match="oneOf"):
-        guidance.schema_grammar(schema)
-    monkeypatch.setattr(guidance_schema, "MAX_GROWTH", 100)
-    assert "oneOf" not in guidance_schema._in_llguidance_terms(schema)  # (llguidance: too large)
+        engine.schema_grammar(schema)
+    monkeypatch.setattr(rewrite, "MAX_GROWTH", 100)
+    assert "oneOf" not in rewrite._in_llguidance_terms(schema)  # (llguidance: too large)
 
 
 def test_local_refs_are_not_followed_below_a_nested_id():
@@ -722,7 +718,7 @@ def test_local_refs_are_not_followed_below_a_nested_id():
     moved = schema | {"properties": {"p": {"$id": "http://example.com/p"}}}
     named = schema | {"properties": {"$id": {"type": "string"}}}  # a property named $id
     for doc, follows in ((schema, True), (moved, False), (named, True)):
-        rewritten = guidance_schema._in_llguidance_terms(doc)
+        rewritten = rewrite._in_llguidance_terms(doc)
         assert ("anyOf" in rewritten) == follows, doc
 
 
@@ -732,7 +728,7 @@ def test_masks_after_rollbacks_equal_a_fresh_matchers(every, monkeypatch):
     """The masks a request sequence asked for (a baseline request, then a speculative one over
     the same schema, with lookup drafts rejected), replayed on the default model's vocabulary:
     each equals a fresh llguidance matcher's on the same path. With llguidance's own rollback
-    (before the snapshots in guidance._goto), the mask after `..."string"}` allowed `}}`, which
+    (before the snapshots in engine._goto), the mask after `..."string"}` allowed `}}`, which
     closes an object whose required property is missing, and the next round crashed."""
     import json
     from pathlib import Path
@@ -741,11 +737,11 @@ def test_masks_after_rollbacks_equal_a_fresh_matchers(every, monkeypatch):
 
     from constrained_spec.target.models import load_tokenizer
 
-    monkeypatch.setattr(guidance, "SNAPSHOT_EVERY", every)
+    monkeypatch.setattr(engine, "SNAPSHOT_EVERY", every)
     case = json.loads((Path(__file__).parent / "data" / "llg_rollback_case.json").read_text())
     tokenizer = load_tokenizer()
     vocab = token_vocabulary(tokenizer)
-    c = guidance.GuidanceConstraint(case["grammar"], vocab, len(tokenizer), "schema")
+    c = engine.GuidanceConstraint(case["grammar"], vocab, len(tokenizer), "schema")
     n, path = len(vocab.token_bytes), []
     for drop, add in case["masks_at"]:
         del path[len(path) - drop :]
@@ -754,7 +750,7 @@ def test_masks_after_rollbacks_equal_a_fresh_matchers(every, monkeypatch):
         for token in path:
             state = c.step(state, token)
             assert state is not None, "the recorded path left the grammar"
-        fresh = llg.LLMatcher(guidance._ll_tokenizer(vocab), case["grammar"], log_level=0)
+        fresh = llg.LLMatcher(engine._ll_tokenizer(vocab), case["grammar"], log_level=0)
         assert fresh.consume_tokens(path)
         bits = np.frombuffer(fresh.compute_bitmask(), dtype=np.uint8)
         expected = np.unpackbits(bits, bitorder="little")[:n].astype(bool) & c._plain
@@ -810,7 +806,7 @@ def test_schemas_are_checked_before_they_are_compiled(schema, error, words):
 def test_property_counts_of_closed_objects_are_exact(schema, accepted, rejected, tiny_tokenizer):
     """llguidance takes min/maxProperties only where every property is required; on a closed
     object they are said as which optional properties are present (rewrite._property_counts)."""
-    c = guidance.compile_constraint(token_vocabulary(tiny_tokenizer), 400, schema=schema)
+    c = engine.compile_constraint(token_vocabulary(tiny_tokenizer), 400, schema=schema)
     assert [t for t in accepted if not c.accepts(t)] == []
     assert [t for t in rejected if c.accepts(t)] == []
 
@@ -822,11 +818,11 @@ def test_a_property_count_where_undeclared_keys_may_repeat_is_refused(tiny_token
     are said exactly (above)."""
     with pytest.raises(UnsupportedSchemaError, match="minProperties.*repeated"):
         grammar_for(schema={"type": "object", "minProperties": 2})
-    c = guidance.compile_constraint(
+    c = engine.compile_constraint(
         token_vocabulary(tiny_tokenizer), 400, schema={"minProperties": 1}
     )
     assert c.accepts('{"a":1,"a":2}') and not c.accepts("{}")  # one property, parsed: valid
-    c = guidance.compile_constraint(  # a maximum alone only narrows: kept as it is
+    c = engine.compile_constraint(  # a maximum alone only narrows: kept as it is
         token_vocabulary(tiny_tokenizer), 400, schema={"type": "object", "maxProperties": 1}
     )
     assert c.accepts('{"a":1}') and not c.accepts('{"a":1,"b":2}')
@@ -856,7 +852,7 @@ def test_real_schemas_compile_or_are_refused_by_name_and_accept_only_valid_texts
     valid = testing.schema_validator(data["schema"]).is_valid
     vocab = token_vocabulary(tiny_tokenizer)
     try:
-        c = guidance.compile_constraint(vocab, len(tiny_tokenizer) + 6, schema=data["schema"])
+        c = engine.compile_constraint(vocab, len(tiny_tokenizer) + 6, schema=data["schema"])
     except UnsupportedSchemaError as e:
         assert e.keyword and "refuses rather than loosen" in str(e)
         return

@@ -167,12 +167,6 @@ def parse_args(argv=None):
     )
     p.add_argument("--batch", type=int, default=16, help="--answers target: prompts per batch")
     p.add_argument("--max-new-tokens", type=int, default=192, help="--answers target: answer cap")
-    p.add_argument(
-        "--compile-timeout",
-        type=float,
-        default=3.0,
-        help="--answers target: seconds per schema; slower ones are skipped",
-    )
     return p.parse_args(argv)
 
 
@@ -276,7 +270,6 @@ def self_distilled(target, tokenizer, files, args, budget, say):
         except (ConstraintError, ValueError):  # refused, too complex, unsatisfiable: skipped
             return None
 
-    os.environ.setdefault("CONSTRAINED_SPEC_COMPILE_TIMEOUT", str(args.compile_timeout))
     todo = list(sequences(files, tokenizer, args, budget, with_schema=True))
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         jobs = [j for j in pool.map(compiled, todo) if j is not None]  # (prompt ids, constraint)
