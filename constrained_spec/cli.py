@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import codecs
 import functools
-import math
 import os
 import re
 import sys
@@ -36,7 +35,7 @@ from .errors import (
     SettingError,
     VocabularyMismatch,
 )
-from .generator import DRAFTS, MIN_TEMPERATURE, Generator, Request
+from .generator import DRAFTS, SETTINGS, Generator, Request, setting_problems
 from .jobs import done_ids, read_rows, run_job, run_job_on_ray
 from .target import BUILTIN_MODELS, DEFAULT_MODEL, WEIGHTS, ModelFetchError
 
@@ -462,22 +461,8 @@ def _constraint(args) -> dict:
 
 def _validate(args) -> Invocation:
     """Everything that can be checked without the model; raises UsageError / ConstraintError."""
-    problems = []
-    if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < math.inf):
-        problems.append(
-            f"--temperature {args.temperature} must be 0 (greedy) or a finite number >= "
-            f"{MIN_TEMPERATURE:g}"
-        )
-    if args.seed is not None and not 0 <= args.seed < 2**64:
-        problems.append(f"--seed {args.seed} must be in [0, 2**64)")
-    if args.top_k is not None and args.top_k < 1:
-        problems.append(f"--top-k {args.top_k} must be >= 1")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        problems.append(f"--top-p {args.top_p} must be in (0, 1]")
-    if args.max_new_tokens < 1:
-        problems.append(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
-    if args.num_draft_tokens < 0:
-        problems.append(f"--num-draft-tokens {args.num_draft_tokens} must be >= 0")
+    settings = {f: getattr(args, f) for f in SETTINGS}
+    problems = setting_problems(settings, lambda field: f"--{field.replace('_', '-')} ")
     if not args.prompt.strip():
         problems.append("PROMPT is empty: give the model something to respond to")
     if args.system is not None and args.raw_prompt:

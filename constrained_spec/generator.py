@@ -45,8 +45,8 @@ MIN_TEMPERATURE = 1e-4
 @dataclass(frozen=True)
 class Request:
     """One generation request. ``prompt``: a string (fed as is), chat messages (the chat template
-    is applied) or token ids. At most one of ``schema`` (a dict, JSON text, a .json path, a
-    Pydantic class or True), ``regex`` and ``grammar`` (Lark or GBNF text); none: free text."""
+    is applied) or token ids. Exactly one of ``schema`` (a dict, JSON text, a .json path, a
+    Pydantic class or True: any JSON value), ``regex`` and ``grammar`` (Lark or GBNF text)."""
 
     prompt: Any
     schema: Any = None
@@ -80,31 +80,14 @@ class Request:
     def sampling(self) -> SamplingConfig:
         """The sampling settings, checked (before any model work): a GenerationInputError names
         every bad value."""
-        problems = []
-        t = self.temperature
-        if not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
-            problems.append(
-                f"temperature={t} must be 0 (greedy) or a finite number >= "
-                f"{MIN_TEMPERATURE:g} (lower ones are greedy in effect: pass 0)"
-            )
-        if self.top_k is not None and self.top_k < 1:
-            problems.append(f"top_k={self.top_k} must be >= 1 or None")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            problems.append(f"top_p={self.top_p} must be in (0, 1] or None")
-        if self.num_draft_tokens < 0:
-            problems.append(f"num_draft_tokens={self.num_draft_tokens} must be >= 0")
-        if self.max_new_tokens < 1:
-            problems.append(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        s = self.seed
-        if s is not None and not (isinstance(s, int) and 0 <= s < 2**64):
-            problems.append(f"seed={s} must be an integer in [0, 2**64) or None")
+        problems = setting_problems({f: getattr(self, f) for f in SETTINGS})
         if problems:
             raise GenerationInputError("; ".join(problems) + ".")
         return SamplingConfig(self.temperature, self.top_k, self.top_p)
 
     @property
     def constraint(self) -> dict:
-        """The given constraint as compile's keyword ({} for free text)."""
+        """The given constraint as compile's keywords."""
         return {
             k: getattr(self, k)
             for k in ("schema", "regex", "grammar")
@@ -113,6 +96,33 @@ class Request:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Request))
+
+# The settings checked before any model work, each with what it must be.
+SETTINGS = {
+    "temperature": (
+        lambda t: t == 0 or MIN_TEMPERATURE <= t < math.inf,
+        f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (lower ones are greedy "
+        "in effect: pass 0)",
+    ),
+    "top_k": (lambda k: k is None or k >= 1, "must be >= 1"),
+    "top_p": (lambda p: p is None or 0 < p <= 1, "must be in (0, 1]"),
+    "num_draft_tokens": (lambda n: n >= 0, "must be >= 0"),
+    "max_new_tokens": (lambda n: n >= 1, "must be >= 1"),
+    "seed": (
+        lambda s: s is None or (isinstance(s, int) and 0 <= s < 2**64),
+        "must be in [0, 2**64)",
+    ),
+}
+
+
+def setting_problems(values: dict, label=lambda field: f"{field}=") -> list[str]:
+    """What is wrong with ``values`` (some of SETTINGS' fields), one line each, each field named
+    by ``label`` (the CLI names its flags)."""
+    return [
+        f"{label(field)}{values[field]} {what}"
+        for field, (ok, what) in SETTINGS.items()
+        if field in values and not ok(values[field])
+    ]
 
 
 @dataclass(frozen=True)
