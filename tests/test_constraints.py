@@ -867,3 +867,16 @@ def test_real_schemas_compile_or_are_refused_by_name_and_accept_only_valid_texts
     rng = random.Random(0)
     texts = [testing.random_text(c, rng) for _ in range(5)]
     assert testing.accepted_but_invalid(c, data["schema"], texts) == []
+
+
+def test_closing_reads_property_names_as_names(tiny_tokenizer):
+    """A property named like a keyword ("default", "properties") is a property: its own schema is
+    closed like any other, and no phantom property is declared beside it."""
+    vocab = token_vocabulary(tiny_tokenizer)
+    schema = {
+        "properties": {"default": {"properties": {"a": {}}}, "properties": {"type": "integer"}}
+    }
+    c = engine.compile_constraint(vocab, 400, schema=schema)
+    assert c.accepts('{"default":{"a":1},"properties":2}')
+    assert not c.accepts('{"default":{"a":1,"x":2}}')
+    assert "additionalProperties" not in rewrite.for_llguidance(schema)["properties"]

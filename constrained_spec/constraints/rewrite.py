@@ -73,30 +73,36 @@ def _pointers(node, has, pointer: str = ""):
     for k, v in items:
         if k in VALUES and isinstance(node, dict):
             continue
-        here = f"{pointer}/{str(k).replace('~', '~0').replace('/', '~1')}"
+        here = f"{pointer}/{_escape(str(k))}"
         if k in (*NAME_MAPS, *DEPENDENCIES) and isinstance(v, dict):
             for n, sub in v.items():
-                yield from _pointers(sub, has, f"{here}/{n.replace('~', '~0').replace('/', '~1')}")
+                yield from _pointers(sub, has, f"{here}/{_escape(n)}")
         else:
             yield from _pointers(v, has, here)
 
 
-def _rewrite(node, change):
-    """``change(node, copy)`` applied bottom up to every subschema, where ``copy`` is the node
-    with its subschemas already changed; JSON values and property names are left alone."""
+def _rewrite(node, change, pointer: str = ""):
+    """``change(node, copy, pointer)`` applied bottom up to every subschema, where ``copy`` is
+    the node with its subschemas already changed and ``pointer`` its JSON pointer; JSON values
+    and property names are left alone."""
     if isinstance(node, list):
-        return [_rewrite(v, change) for v in node]
+        return [_rewrite(v, change, f"{pointer}/{i}") for i, v in enumerate(node)]
     if not isinstance(node, dict):
         return node
     out = {}
     for k, v in node.items():
+        here = f"{pointer}/{_escape(str(k))}"
         if k in VALUES:
             out[k] = v
         elif k in (*NAME_MAPS, *DEPENDENCIES) and isinstance(v, dict):
-            out[k] = {name: _rewrite(schema, change) for name, schema in v.items()}
+            out[k] = {n: _rewrite(s, change, f"{here}/{_escape(n)}") for n, s in v.items()}
         else:
-            out[k] = _rewrite(v, change)
-    return change(node, out)
+            out[k] = _rewrite(v, change, here)
+    return change(node, out, pointer)
+
+
+def _escape(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
 
 
 def _in_llguidance_terms(schema):
@@ -126,7 +132,7 @@ def _rewritten(schema, negate: bool):
     doc = _Document.of(schema)
     doc.negate = negate
 
-    def change(node, out):
+    def change(node, out, pointer=""):
         if isinstance(out.get("oneOf"), list):
             _one_of(out, doc)
         _dependencies(out, doc)
@@ -196,7 +202,7 @@ class _Document:
         return node
 
 
-def _without_double_negation(node, out):
+def _without_double_negation(node, out, pointer):
     inner = out.get("not")
     if isinstance(inner, dict) and set(inner) - {"title", "description", "$comment"} == {"not"}:
         del out["not"]
@@ -723,20 +729,12 @@ def _nested_ids(node, root: bool = True) -> bool:
     return False
 
 
-def _sound_for_llguidance(node, pointer: str = ""):
+def _sound_for_llguidance(node):
     """A copy of the schema in which llguidance accepts nothing jsonschema rejects."""
-    if isinstance(node, list):
-        return [_sound_for_llguidance(v, f"{pointer}/{i}") for i, v in enumerate(node)]
-    if not isinstance(node, dict):
-        return node
-    out = {}
-    for k, v in node.items():
-        if k in VALUES:
-            out[k] = v
-        elif k in NAME_MAPS and isinstance(v, dict):
-            out[k] = {n: _sound_for_llguidance(s, f"{pointer}/{k}/{n}") for n, s in v.items()}
-        else:
-            out[k] = _sound_for_llguidance(v, f"{pointer}/{k}")
+    return _rewrite(node, _sound_node)
+
+
+def _sound_node(node, out: dict, pointer: str) -> dict:
     _sound_strings(out, pointer)
     _sound_numbers(out, pointer)
     return out
@@ -842,11 +840,10 @@ NOT_CLOSABLE = ("not", "oneOf", "if", "allOf")
 
 
 def _close_objects(node):
-    if isinstance(node, list):
-        return [_close_objects(v) for v in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: v if k in VALUES else _close_objects(v) for k, v in node.items()}
+    return _rewrite(node, _closed)
+
+
+def _closed(node, out: dict, pointer: str) -> dict:
     declared, required = node.get("properties"), node.get("required")
     if (
         isinstance(declared, dict)
@@ -887,7 +884,7 @@ _REPEATED = (
 )
 
 
-def _property_counts(node, out):
+def _property_counts(node, out, pointer):
     declared, required = out.get("properties", {}), out.get("required", [])
     if not (
         isinstance(declared, dict)
