@@ -19,7 +19,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from functools import cache
+from functools import cache, lru_cache
 
 import llguidance as llg
 import numpy as np
@@ -28,7 +28,7 @@ from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from ..errors import ConstraintError, SchemaTooComplex, UnsupportedSchemaError
 from . import rewrite
-from .schemas import load_schema
+from .schemas import check_schema, load_schema
 from .vocabulary import TokenVocabulary
 
 FINISHED = -1  # the state after EOS: nothing is legal any more
@@ -384,8 +384,21 @@ NO_FORCING = '\n%llguidance {"no_forcing": true}\n'
 def schema_grammar(schema: dict, whitespace: str = "", open_objects: bool = False) -> str:
     """llguidance's grammar for a JSON Schema: compact JSON (``whitespace`` = "") or ``whitespace``
     (a regex) between tokens; objects with declared properties closed to undeclared ones unless
-    ``open_objects`` (rewrite.for_llguidance). A keyword it cannot honour is refused by
-    name and JSON pointer, never ignored."""
+    ``open_objects`` (rewrite.for_llguidance). The schema is checked first (``check_schema``).
+    A keyword it cannot honour is refused by name and JSON pointer, never ignored. Remembered
+    by the schema's JSON text: a server checks a request's schema before queueing it and its
+    worker compiles it, and every request to a Generator compiles its schema (the checks and
+    the rewriting take milliseconds)."""
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError) as e:
+        raise ConstraintError(f"the schema is not plain JSON: {e}") from None
+    return _schema_grammar(text, whitespace, open_objects)
+
+
+@lru_cache(maxsize=256)
+def _schema_grammar(text: str, whitespace: str, open_objects: bool) -> str:
+    schema = check_schema(json.loads(text))
     sent = rewrite.for_llguidance(schema, open_objects)
     options = {"whitespace_flexible": False, "lenient": False}
     if whitespace:

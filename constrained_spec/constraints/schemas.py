@@ -1,6 +1,7 @@
-"""A schema from what a user passes (a dict, a JSON string, a file path or a Pydantic model),
-checked before anything is compiled: valid under its meta-schema, draft-04 or later, nested at
-most MAX_DEPTH deep, no reference outside the document (nothing is ever fetched)."""
+"""A schema from what a user passes (a dict, a JSON string, a file path or a Pydantic model,
+``load_schema``), and the checks every schema passes before it is compiled (``check_schema``,
+run by the engine): valid under its meta-schema, draft-04 or later, nested at most MAX_DEPTH
+deep, no reference outside the document (nothing is ever fetched)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def load_schema(schema: Any) -> dict:
     if isinstance(schema, bool):
         return _boolean(schema, "the schema")
     if isinstance(schema, dict):
-        return check_schema(schema, "the schema")
+        check_depth(schema, "the schema")
+        return schema
     if isinstance(schema, str):
         schema = schema.lstrip("\ufeff")  # a byte-order mark pasted along with the JSON
         if (word := schema.strip()) in ("true", "false"):  # JSON text, not a file name
@@ -50,7 +52,8 @@ def load_schema(schema: Any) -> dict:
         raise ConstraintError(
             f'{origin} is not a JSON object: a schema is an object like {{"type": "object", ...}}.'
         )
-    return check_schema(loaded, origin)
+    check_depth(loaded, origin)
+    return loaded
 
 
 def _boolean(schema: bool, origin: str) -> dict:
