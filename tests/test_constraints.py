@@ -312,6 +312,8 @@ def test_llguidance_is_never_looser_than_jsonschema(
         ({"type": "number", "maximum": 2**63}, "maximum"),  # nor a number with fractions
         ({"type": "string", "pattern": "(?<=a)b"}, "pattern"),  # lookarounds, backreferences
         ({"type": "string", "pattern": "(?i)abc"}, "pattern"),  # Python's case folding
+        ({"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames"),
+        ({"type": "array", "uniqueItems": True}, "uniqueItems"),
     ],
 )
 def test_what_llguidance_cannot_be_told_exactly_is_refused_by_name(schema, keyword):

@@ -307,20 +307,6 @@ def test_bad_constraint_or_settings_fail_before_model_work(guarded_gen, kwargs, 
 
 
 @pytest.mark.parametrize(
-    "schema, keyword",
-    [
-        ({"not": {"type": "integer"}}, "not"),  # no type says "a fraction"
-        ({"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames"),
-        ({"type": "array", "uniqueItems": True}, "uniqueItems"),
-    ],
-)
-def test_what_cannot_be_honoured_is_refused_by_name(tiny_target, tiny_tokenizer, schema, keyword):
-    gen = Generator(tiny_target, tiny_tokenizer)
-    with pytest.raises(UnsupportedSchemaError, match=keyword):
-        gen.compile(schema=schema)
-
-
-@pytest.mark.parametrize(
     "prompt, words",
     [("", "empty"), ([], "prompt"), ("x " * 300, "context holds"), ([10**6], "token ids")],
 )
