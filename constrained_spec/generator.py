@@ -289,7 +289,7 @@ class Generator:
         Every request is checked before any model work: the first bad one raises. Drafts:
         grammar-forced tokens and prompt lookup per row (a draft head or model drafts one
         request at a time)."""
-        rows = [self.row(Request.of(r, i), i, batched=True) for i, r in enumerate(requests)]
+        rows = [self.row(r, i, batched=True) for i, r in enumerate(requests)]
         results: list[Result] = [None] * len(rows)  # type: ignore[list-item]
         for row, _ in loop.decode(self.target, rows, _batch_size(batch_size)):
             if row.finished:
@@ -308,7 +308,7 @@ class Generator:
         def rows():
             for i, request in enumerate(requests):
                 try:
-                    yield self.row(Request.of(request, i), i, batched=True)
+                    yield self.row(request, i, batched=True)
                 except BAD_REQUEST_ERRORS as err:
                     failed.append((i, err))
 
@@ -321,7 +321,7 @@ class Generator:
             yield from _drain(failed)
 
     def row(
-        self, request: Request, index: int = 0, drafter: Drafter | None = None, batched=False
+        self, request: Request | dict, index: int = 0, drafter: Drafter | None = None, batched=False
     ) -> Row:
         """The request as a decode loop's Row, checked (before any model work) and its constraint
         compiled; for callers that run rounds themselves (loop.admit, then loop.step until it is

@@ -142,8 +142,9 @@ def load_model(
         model.use_prefill(prefill_kernel(measured, model.matmul, model.layer_kernel == "fused"))
         model.use_head(measured["head"])
         return model, tokenizer
-    if weights != "float" and name_or_path not in BUILTIN_MODELS:  # refused before any weights
-        llama.check_compact(load_config(name_or_path), weights)
+    local = Path(name_or_path).expanduser()
+    if weights != "float" and name_or_path not in BUILTIN_MODELS and local.exists():
+        llama.check_compact(load_config(local), weights)  # refused before any weights are read
     model, tokenizer = _load_float(name_or_path, dtype)
     if weights != "float":
         model = llama.from_transformers(model, weights)
@@ -313,12 +314,13 @@ def _load_float(name_or_path: str, dtype: torch.dtype):
     return model, tokenizer
 
 
-def load_config(name_or_path: str):
-    """The model's config alone (no weights), for a local folder, a .gguf file or a hub id."""
-    path = Path(name_or_path).expanduser()
+def load_config(path: Path):
+    """A local model's config alone (no weights): a save_pretrained folder or a .gguf file. (A
+    hub id's is checked once it has loaded: resolving one here would pay the hub's retries
+    before _load_float's clearer errors.)"""
     if path.is_file() and path.suffix == ".gguf":
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoConfig.from_pretrained(str(path) if path.exists() else name_or_path)
+    return AutoConfig.from_pretrained(str(path))
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
