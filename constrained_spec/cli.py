@@ -46,6 +46,7 @@ try:  # POSIX only: the --stats peak memory row says "-" without it
 except ImportError:
     resource = None
 
+EXIT_FAILED = 1  # a batch job in which every row failed
 EXIT_USAGE = 2
 EXIT_INCOMPLETE = 3  # generation stopped at --max-new-tokens: the output is not the constraint's
 # Errors that mean "the input is unusable", not "the program is wrong": one line, exit 2.
@@ -421,13 +422,29 @@ def _batch(args, out: Console, err: Console) -> int:
             rate = f"{finished / seconds:.2f} rows/s, {tokens / seconds:.1f} tok/s"
             bar.update(task, completed=finished, description=rate)
 
-        counts = run(rows, constraint or {}, output, options, args.batch_size, progress)
+        summary = run(rows, constraint or {}, output, options, args.batch_size, progress)
+    _print_summary(summary, output, err)
+    return EXIT_FAILED if summary.all_failed else 0
+
+
+# The failed rows a job's summary names; the rest are counted (every one has its output line).
+SHOWN_FAILURES = 10
+
+
+def _print_summary(summary, output: Path, err: Console) -> None:
+    counts = summary.counts
     err.print(
         f"done: {counts['stopped']} stopped, {counts['length']} cut at --max-new-tokens, "
         f"{counts['refused']} refused schemas, {counts['error']} bad rows, "
         f"{counts['skipped']} already done → {output}"
     )
-    return 0
+    for row_id, error in summary.failures[:SHOWN_FAILURES]:
+        err.print(Text.assemble(("failed ", "red"), f"{row_id!r}: {error}"), soft_wrap=True)
+    if len(summary.failures) > SHOWN_FAILURES:
+        more = len(summary.failures) - SHOWN_FAILURES
+        err.print(f"... and {more} more failed rows: their lines in {output} say why")
+    if summary.all_failed:
+        err.print(Text.assemble(("error: ", "bold red"), f"every row failed (exit {EXIT_FAILED})"))
 
 
 def _on_ray(args, make_generator):

@@ -13,12 +13,20 @@ import json
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConstraintError, GenerationInputError
 
-__all__ = ["JobInputError", "Row", "done_ids", "read_rows", "run_job", "run_job_on_ray"]
+__all__ = [
+    "JobInputError",
+    "Row",
+    "Summary",
+    "done_ids",
+    "read_rows",
+    "run_job",
+    "run_job_on_ray",
+]
 
 
 class JobInputError(GenerationInputError):
@@ -31,6 +39,21 @@ class Row:
     line: int  # 1-based line number in the input
     prompt: object  # text, or chat messages
     schema: dict | None  # the row's own schema, else None (the job's constraint)
+
+
+@dataclass
+class Summary:
+    """How a job's rows ended: counts by kind (stopped, length, refused, error, skipped) and the
+    rows that failed, (id, error), in the order their lines were written."""
+
+    counts: Counter = field(default_factory=Counter)
+    failures: list[tuple[object, str]] = field(default_factory=list)
+
+    @property
+    def all_failed(self) -> bool:
+        """Whether rows ran and none of them produced text (a job that did nothing)."""
+        ran = sum(self.counts.values()) - self.counts["skipped"]
+        return ran > 0 and len(self.failures) == ran
 
 
 def read_rows(path: Path) -> list[Row]:
@@ -99,14 +122,14 @@ def run_job(
     options: dict,
     batch_size: int,
     progress=None,
-) -> Counter:
+) -> Summary:
     """Decode the rows not yet in ``output``; append a result line per row as it finishes.
     ``constraint``: the job's {"schema": ...} or {"regex": ...}; ``options``: generate()
-    arguments for every row (a ``seed`` is offset by the row's line number). Returns counts."""
-    todo, counts = _pending(rows, output)
+    arguments for every row (a ``seed`` is offset by the row's line number)."""
+    todo, summary = _pending(rows, output)
     requests = [_request(row, constraint, options) for row in todo]
     finished = ((i, _result_fields(result)) for i, result in gen.batch(requests, batch_size))
-    return _append(output, todo, finished, counts, progress)
+    return _append(output, todo, finished, summary, progress)
 
 
 def run_job_on_ray(
@@ -118,16 +141,16 @@ def run_job_on_ray(
     batch_size: int,
     actors: int = 1,
     progress=None,
-) -> Counter:
+) -> Summary:
     """run_job on Ray Data, for corpora that outgrow one machine: the pending rows become a
     dataset mapped in blocks by ``actors`` actors, each with its own Generator
     (``make_generator()``, called once per actor); result lines are appended by this process
     as blocks come back, so resuming works as in run_job."""
     import ray
 
-    todo, counts = _pending(rows, output)
+    todo, summary = _pending(rows, output)
     if not todo:
-        return counts
+        return summary
     items = [
         {"index": i, "request": json.dumps(_request(row, constraint, options))}
         for i, row in enumerate(todo)
@@ -139,18 +162,19 @@ def run_job_on_ray(
         concurrency=actors,
     )
     finished = ((int(item["index"]), json.loads(item["result"])) for item in dataset.iter_rows())
-    return _append(output, todo, finished, counts, progress)
+    return _append(output, todo, finished, summary, progress)
 
 
-def _pending(rows: list[Row], output: Path) -> tuple[list[Row], Counter]:
-    """The rows whose ids ``output`` does not hold yet, and the counts with those skipped."""
+def _pending(rows: list[Row], output: Path) -> tuple[list[Row], Summary]:
+    """The rows whose ids ``output`` does not hold yet, and a summary with those skipped."""
     done = done_ids(output)
     todo = [row for row in rows if row.id not in done]
-    return todo, Counter(skipped=len(rows) - len(todo))
+    return todo, Summary(Counter(skipped=len(rows) - len(todo)))
 
 
-def _append(output: Path, todo: list[Row], finished, counts: Counter, progress) -> Counter:
+def _append(output: Path, todo: list[Row], finished, summary: Summary, progress) -> Summary:
     """Append one whole, flushed line per finished (index into ``todo``, result fields)."""
+    counts = summary.counts
     start, tokens = time.perf_counter(), 0
     with open(output, "a", encoding="utf-8") as out:
         for index, fields in finished:
@@ -158,12 +182,14 @@ def _append(output: Path, todo: list[Row], finished, counts: Counter, progress) 
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
             out.flush()
             counts[kind] += 1
+            if "error" in line:
+                summary.failures.append((line["id"], line["error"]))
             tokens += line.get("stats", {}).get("tokens", 0)
             if progress is not None:
                 done = sum(counts.values()) - counts["skipped"]
                 progress(done, len(todo), tokens, time.perf_counter() - start)
         os.fsync(out.fileno())
-    return counts
+    return summary
 
 
 class _RayWorker:

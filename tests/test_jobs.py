@@ -51,7 +51,7 @@ def test_an_interrupted_job_resumes_with_every_id_once(gen, tmp_path):
     assert len(lines(cut)) == 4
     with open(cut, "a") as f:  # a crash in the middle of writing a line
         f.write('{"id": 5, "text": "hel')
-    counts = run_job(gen, rows, REGEX, cut, OPTIONS, batch_size=2)
+    counts = run_job(gen, rows, REGEX, cut, OPTIONS, batch_size=2).counts
     assert counts["skipped"] == 4
     got, expected = lines(cut), lines(whole)
     assert sorted(map(str, (line["id"] for line in got))) == sorted(str(row["id"]) for row in ROWS)
@@ -64,7 +64,8 @@ def test_an_interrupted_job_resumes_with_every_id_once(gen, tmp_path):
 
 def test_bad_rows_get_their_own_error_lines(gen, tmp_path):
     rows = read_rows(write_rows(tmp_path / "in.jsonl", ROWS))
-    counts = run_job(gen, rows, REGEX, tmp_path / "out.jsonl", OPTIONS, batch_size=4)
+    summary = run_job(gen, rows, REGEX, tmp_path / "out.jsonl", OPTIONS, batch_size=4)
+    counts = summary.counts
     by_id = {line["id"]: line for line in lines(tmp_path / "out.jsonl")}
     assert "uri-template" in by_id["refused"]["error"]
     assert "context" in by_id["too long"]["error"]
@@ -72,6 +73,8 @@ def test_bad_rows_get_their_own_error_lines(gen, tmp_path):
     assert by_id[0]["stats"]["tokens"] > 0 and by_id[0]["text"]
     assert counts["refused"] == 1 and counts["error"] == 1
     assert counts["stopped"] + counts["length"] == len(ROWS) - 2
+    assert sorted(row_id for row_id, _ in summary.failures) == ["refused", "too long"]
+    assert not summary.all_failed
 
 
 @pytest.mark.parametrize(
@@ -136,7 +139,7 @@ def test_the_job_on_ray_writes_what_the_local_job_writes(tmp_path):
     try:
         counts = run_job_on_ray(
             testing.tiny_int4_generator, rows, REGEX, on_ray, OPTIONS, batch_size=3
-        )
+        ).counts
     finally:
         ray.shutdown()
     assert counts["skipped"] == 2 and sum(counts.values()) == len(ROWS)
@@ -155,15 +158,39 @@ def test_a_prompt_is_one_user_message_unless_raw():
     assert _request(Row(2, 2, messages, None), REGEX, {})["prompt"] == messages
 
 
-def test_the_cli_job_takes_messages_rows(tmp_path, monkeypatch):
-    """A row of chat messages beside a prompt row, through `constrained-spec batch` (the CLI
-    passes raw_prompt with every row's options: it once reached a messages row as an unknown
-    field, and every such row failed)."""
+@pytest.fixture
+def chat_gen(monkeypatch):
+    """A tiny Generator with a chat template, as `constrained-spec batch` loads it."""
     tokenizer = testing.tiny_tokenizer(
         chat_template="{% for m in messages %}{{ m.content }}{% endfor %}"
     )
     gen = Generator(testing.tiny_model(tokenizer, seed=0), tokenizer, draft=CompositeDrafter())
     monkeypatch.setattr(Generator, "from_pretrained", classmethod(lambda cls, *a, **k: gen))
+    return gen
+
+
+def test_a_job_in_which_every_row_failed_exits_non_zero(tmp_path, chat_gen, capsys):
+    """The summary names each failed row and why; exit 1 when none produced text, 0 when some
+    did (the failed ones have their error lines)."""
+    refused = {"type": "string", "format": "uri-template"}
+    bad = [{"id": "long", "prompt": "yes " * 400}, {"id": "odd", "prompt": "a", "schema": refused}]
+    out = tmp_path / "out.jsonl"
+    job = ["batch", "--output", str(out), "--regex", "(yes|no)", "--input"]
+    assert cli.main(job + [str(write_rows(tmp_path / "bad.jsonl", bad))]) == 1
+    err = capsys.readouterr().err
+    assert "failed 'long'" in err and "context" in err
+    assert "failed 'odd'" in err and "uri-template" in err
+    assert "every row failed" in err
+    mixed = write_rows(tmp_path / "mixed.jsonl", bad + [{"id": "fine", "prompt": "a"}])
+    assert cli.main(job[:2] + [str(tmp_path / "out2.jsonl")] + job[3:] + [str(mixed)]) == 0
+    err = capsys.readouterr().err
+    assert "failed 'long'" in err and "every row failed" not in err
+
+
+def test_the_cli_job_takes_messages_rows(tmp_path, chat_gen):
+    """A row of chat messages beside a prompt row, through `constrained-spec batch` (the CLI
+    passes raw_prompt with every row's options: it once reached a messages row as an unknown
+    field, and every such row failed)."""
     messages = [{"role": "user", "content": "yes or no?"}]
     rows = write_rows(
         tmp_path / "in.jsonl", [{"id": 1, "messages": messages}, {"id": 2, "prompt": "a"}]
