@@ -29,8 +29,9 @@ from .decoding.drafters import (
     model_drafter,
 )
 from .decoding.head import DraftHead, HeadDraft, has_shipped_head, load_head, shipped_head
-from .decoding.loop import AdaptiveK, Round, Row, Stats
+from .decoding.loop import AdaptiveK, Round, Row, Stats, TokenLogprob
 from .decoding.sample import SamplingConfig
+from .decoding.text import MAX_STOP_STRINGS, ReplyText, stop_problem, stop_strings
 from .errors import ConstraintError, GenerationInputError, VocabularyMismatch, WeightsError
 from .target import DEFAULT_MODEL, describe_weights, load_model, quantize_int8
 from .target import skinny_matmul as use_skinny
@@ -40,6 +41,7 @@ __all__ = ["Generator", "Request", "Result"]
 # Below this temperature logits / T overflows float32 (the policy would see inf − inf = nan);
 # such a temperature is greedy in all but name.
 MIN_TEMPERATURE = 1e-4
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class Request:
     speculative: bool = True  # False: the masked baseline, through the same loop
     num_draft_tokens: int = 4  # draft-model tokens per round (free drafts are not counted)
     adaptive_k: bool = False  # choose that number each round from measured acceptance and cost
+    # the reply ends before the first of these (up to 4) that the constraint lets it end at
+    stop: str | list[str] | None = None
+    logprobs: bool = False  # Result.logprobs: each token's log-prob (decoding/loop.TokenLogprob)
+    top_logprobs: int = 0  # and this many of the most likely tokens at its position (0..20)
 
     @classmethod
     def of(cls, request, index: int | None = None) -> Request:
@@ -83,6 +89,8 @@ class Request:
         problems = setting_problems({f: getattr(self, f) for f in SETTINGS})
         if problems:
             raise GenerationInputError("; ".join(problems) + ".")
+        if self.top_logprobs and not self.logprobs:
+            raise GenerationInputError("top_logprobs needs logprobs=True.")
         return SamplingConfig(self.temperature, self.top_k, self.top_p)
 
     @property
@@ -112,6 +120,14 @@ SETTINGS = {
         lambda s: s is None or (isinstance(s, int) and 0 <= s < 2**64),
         "must be in [0, 2**64)",
     ),
+    "stop": (
+        lambda s: stop_problem(s) is None,
+        f"must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings",
+    ),
+    "top_logprobs": (
+        lambda k: isinstance(k, int) and 0 <= k <= MAX_TOP_LOGPROBS,
+        f"must be in 0..{MAX_TOP_LOGPROBS}",
+    ),
 }
 
 
@@ -127,11 +143,12 @@ def setting_problems(values: dict, label=lambda field: f"{field}=") -> list[str]
 
 @dataclass(frozen=True)
 class Result:
-    text: str
+    text: str  # the reply, before the stop string that ended it (if one did)
     value: Any  # the parsed JSON when a schema was given and generation stopped
-    token_ids: list[int]  # generated ids, EOS excluded
-    finish_reason: str  # "stop" (EOS in an accepting state) | "length" (max_new_tokens)
+    token_ids: list[int]  # generated ids, EOS excluded (a stop string's tokens included)
+    finish_reason: str  # "stop" (EOS or a stop string, where the text is complete) | "length"
     stats: Stats
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids' token, if asked for
 
 
 def _one_at_a_time(method):
@@ -274,7 +291,7 @@ class Generator:
             for _, r in rounds:
                 if on_round is not None:
                     on_round(r)
-                if piece := utf8.decode(self.vocab.output_bytes(r.committed)):
+                if piece := utf8.decode(row.reply.unsent(row.finished)):
                     yield piece
         if tail := utf8.decode(b"", final=True):  # only an incomplete character at "length"
             yield tail
@@ -348,15 +365,20 @@ class Generator:
             request.num_draft_tokens,
             adaptive,
             index,
+            ReplyText(self.vocab, constraint, stop_strings(request.stop)),
+            request.top_logprobs if request.logprobs else None,
         )
 
     def result(self, row: Row) -> Result:
         """The Result of a finished Row."""
-        token_ids = [t for t in row.output if t != self.vocab.eos_id]
-        text = self.vocab.decode(token_ids)
+        eos = self.vocab.eos_id
+        token_ids = [t for t in row.output if t != eos]
+        text = row.reply.text.decode("utf-8", errors="replace")
         finish = row.finish_reason
         parse = row.constraint.source == "schema" and finish == "stop"
-        return Result(text, json.loads(text) if parse else None, token_ids, finish, row.stats)
+        value = json.loads(text) if parse else None
+        logprobs = [s for s in row.scores if s.token != eos] if row.logprobs is not None else None
+        return Result(text, value, token_ids, finish, row.stats, logprobs)
 
     def encode_prompt(self, prompt) -> list[int]:
         """The token ids generate() feeds for ``prompt`` (str, chat messages or ids), checked."""
@@ -463,7 +485,10 @@ def _named_draft(draft: str | None, model, dtype: torch.dtype):
         return quantize_int8(model)
     if draft == "bf16":
         return copy.deepcopy(model).to(torch.bfloat16)
-    return load_model(draft, dtype)[0]
+    # a draft model on the fast path where the target is on it (weights="auto": a GGUF's own
+    # blocks); exact either way, the acceptance rule corrects whatever the draft's numerics
+    fast = getattr(model, "weights", "float") != "float" and dtype == torch.float32
+    return load_model(draft, dtype, "auto" if fast else "float")[0]
 
 
 def _is_head_file(draft) -> bool:

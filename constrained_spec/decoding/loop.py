@@ -27,6 +27,7 @@ from ..constraints import FINISHED, Constraint
 from ..target import kernels, kv
 from .drafters import EMPTY_DRAFT, Draft, Drafter
 from .sample import SamplingConfig, greedy_outcome, one_hot, policy, verify_sampled
+from .text import ReplyText
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,17 @@ class Round:
     token: int  # the target's own token: correction (accepted < drafted) or bonus
     committed: list[int]  # drafted[:accepted] + [token], cut after EOS
     sources: tuple[str, ...] = ()  # each drafted token's source: forced/grammar/lookup/model
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the distribution it was drawn from: the
+    masked, renormalised policy distribution (for a greedy row, the masked distribution at
+    temperature 1), with the most likely alternatives there."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first; legal only
 
 
 @dataclass
@@ -124,11 +136,14 @@ class Row:
     num_draft_tokens: int = 4  # draft-model tokens per round (AdaptiveK's bound where adaptive)
     adaptive: AdaptiveK | None = None
     index: int = 0  # its position in the caller's list of requests
+    reply: ReplyText | None = None  # its text and stop strings; None: ended by EOS alone
+    logprobs: int | None = None  # None: none kept; k: each token's log-prob and k alternatives
     cache: object = None
     tokens: list[int] = field(default_factory=list)  # prompt + committed
     state: int = 0
     stats: Stats = field(default_factory=Stats)
     started: float = 0.0
+    scores: list[TokenLogprob] = field(default_factory=list)  # per committed token, if kept
 
     @property
     def output(self) -> list[int]:
@@ -144,8 +159,8 @@ class Row:
 
     @property
     def finish_reason(self) -> str:
-        """ "stop" iff EOS was committed (legal only where the text is complete), else
-        "length" (``max_new_tokens`` or the context)."""
+        """ "stop" iff EOS or a stop string ended it (either only where the text is complete),
+        else "length" (``max_new_tokens`` or the context)."""
         return "stop" if self.state == FINISHED else "length"
 
     @property
@@ -207,10 +222,13 @@ def step(target, rows: list[Row]) -> list[Round]:
     outcomes = verify(logits, legal, [len(f) for f in fed], drafts, rows)  # the host sync
     times = (drafted - start, time.perf_counter() - drafted)
     rounds, at = [], 0
-    for row, draft, row_states, (n, token), shown in zip(rows, drafts, states, outcomes, proposed):
+    for row, draft, row_states, (n, token, scores), shown in zip(
+        rows, drafts, states, outcomes, proposed
+    ):
         committed = commit(
             row, draft.tokens[:n] + [token], row.constraint.step(row_states[n], token)
         )
+        row.scores += scores[: len(committed)]
         seen = hidden[at : at + len(committed)] if row.reads_features else None  # (n + 1, d)
         learn(row, draft, n, committed, seen, times)
         at += len(draft) + 1
@@ -281,22 +299,22 @@ def verify(
     sizes: list[int],
     drafts: list[Draft],
     rows: list[Row],
-) -> list[tuple[int, int]]:
-    """The exact acceptance rule for every row, (accepted length, the target's token), from ONE
-    host sync. ``logits``, ``legal``: (Σ sizes, V), each row's [last committed] + draft in
-    turn. A greedy row needs only its positions' masked argmax, taken for the whole pass in one
-    call (after a forward, each small call costs more than its work); a sampled row runs
-    Leviathan's rule on its own positions, against the q its draft was drawn from."""
+) -> list[tuple[int, int, list[TokenLogprob]]]:
+    """The exact acceptance rule for every row, (accepted length, the target's token, the
+    log-probs of draft[:accepted] + [token] where the row keeps them), from ONE host sync.
+    ``logits``, ``legal``: (Σ sizes, V), each row's [last committed] + draft in turn. A greedy
+    row needs only its positions' masked argmax, taken for the whole pass in one call (after a
+    forward, each small call costs more than its work); a sampled row runs Leviathan's rule on
+    its own positions, against the q its draft was drawn from."""
     bounds = list(zip(itertools.accumulate([0] + sizes), itertools.accumulate(sizes)))
     greedy = [row.sampling.greedy for row in rows]
-    best = (
-        logits.masked_fill(~legal, float("-inf")).argmax(-1)
-        if any(greedy)
-        else logits.new_empty(0, dtype=torch.long)
-    )
-    sampled = []
+    masked = logits.masked_fill(~legal, float("-inf")) if any(greedy) else None
+    best = masked.argmax(-1) if any(greedy) else logits.new_empty(0, dtype=torch.long)
+    sent = []  # per row: (n, token) of a sampled row, then its scores if it keeps them
     for (a, b), draft, row, g in zip(bounds, drafts, rows, greedy):
         if g:
+            if row.logprobs is not None:  # the committed tokens are the argmaxes
+                sent.append(scored(masked[a:b].log_softmax(-1), best[a:b], row.logprobs))
             continue
         width, device = logits.shape[-1], logits.device
         target_probs = policy(logits[a:b], legal[a:b], row.sampling)  # (k+1, V)
@@ -304,15 +322,54 @@ def verify(
             draft.probs if draft.probs is not None else one_hot(draft.tokens, width, device)
         )
         draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # (k,)
-        sampled.append(
-            torch.stack(verify_sampled(target_probs, draft_probs, draft_ids, row.generator))
-        )
-    host = torch.cat([best, *sampled]).tolist()  # the round's one host sync
-    best, pairs = host[: len(best)], iter(zip(host[len(best) :: 2], host[len(best) + 1 :: 2]))
+        n, token = verify_sampled(target_probs, draft_probs, draft_ids, row.generator)
+        sent.append(torch.stack([n, token]))
+        if row.logprobs is not None:
+            tokens = torch.cat([draft_ids, token[None]])  # (k+1,): draft[:n] + [token] at ≤ n
+            tokens[n] = token
+            sent.append(scored(target_probs.log(), tokens, row.logprobs))
+    best, *host = to_host([best, *sent])  # the round's one host sync
+    best, host, outcomes = [int(t) for t in best], iter(host), []
+    for (a, b), draft, row, g in zip(bounds, drafts, rows, greedy):
+        n, token = greedy_outcome(best[a:b], draft.tokens) if g else map(int, next(host))
+        committed = draft.tokens[:n] + [token]
+        keeps = row.logprobs is not None
+        kept = read_scores(next(host), b - a, committed, row.logprobs) if keeps else []
+        outcomes.append((n, token, kept))
+    return outcomes
+
+
+def scored(logprobs: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:
+    """Each position's token's log-prob and its ``top`` most likely tokens, flat for the
+    transfer: (m, V) log-probs, (m,) tokens → (m + 2·m·top,)."""
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]  # (m,)
+    alternatives = logprobs.topk(top, dim=-1)  # (m, top) values and ids
+    return torch.cat([chosen, alternatives.values.flatten(), alternatives.indices.flatten()])
+
+
+def read_scores(flat: list[float], m: int, committed: list[int], top: int) -> list[TokenLogprob]:
+    """``scored``'s values back on the host (``m`` positions), for the committed tokens."""
+    chosen, values, ids = flat[:m], flat[m : m + m * top], flat[m + m * top :]
     return [
-        greedy_outcome(best[a:b], draft.tokens) if g else next(pairs)
-        for (a, b), draft, g in zip(bounds, drafts, greedy)
+        TokenLogprob(
+            token,
+            chosen[i],
+            tuple(
+                (int(ids[i * top + j]), values[i * top + j])
+                for j in range(top)
+                if values[i * top + j] > float("-inf")  # illegal tokens are no alternative
+            ),
+        )
+        for i, token in enumerate(committed)
     ]
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
+    """Each tensor's values as a flat list, from ONE device-to-host copy (float64 holds token
+    ids exactly, and the log-probs of the float32 rows)."""
+    flat = torch.cat([t.reshape(-1).double() for t in tensors]).tolist()
+    bounds = itertools.accumulate([0] + [t.numel() for t in tensors])
+    return [flat[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def commit(row: Row, committed: list[int], state: int) -> list[int]:
@@ -322,8 +379,11 @@ def commit(row: Row, committed: list[int], state: int) -> list[int]:
     eos = row.constraint.eos_id
     if eos in committed:
         committed = committed[: committed.index(eos) + 1]
+    if row.reply is not None:  # then cut after a stop string that ends the reply
+        committed = row.reply.extend(committed)
     row.tokens += committed
-    row.state = FINISHED if committed[-1] == eos else state
+    stopped = row.reply is not None and row.reply.end is not None
+    row.state = FINISHED if committed[-1] == eos or stopped else state
     kv.crop(row.cache, len(row.tokens) - 1)
     assert kv.cached_length(row.cache) == len(row.tokens) - 1, "target cache out of step"
     return committed
