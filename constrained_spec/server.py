@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import dataclasses
 import hmac
 import json
 import queue
@@ -34,8 +35,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .constraints import grammar_for, grammar_names, load_grammar, load_schema
 from .decoding import loop
+from .decoding.text import MAX_STOP_STRINGS, stop_problem
 from .errors import ConstraintError, GenerationInputError
-from .generator import Generator
+from .generator import MAX_TOP_LOGPROBS, Generator
 from .generator import Request as GenerationRequest
 from .target import DEFAULT_MODEL
 
@@ -97,6 +99,7 @@ class ChatRequest(BaseModel):
     n: int | None = None
     stop: str | list[str] | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     regex: str | None = None  # extension: the whole reply matches this regex
     grammar: str | None = None  # extension: the name of a shipped grammar (grammars/)
 
@@ -113,11 +116,15 @@ class Plan:
     max_tokens: int
     seed: int | None
     stream: bool
+    stop: list[str] | None = None  # the reply ends before the first (where it may end)
+    top_logprobs: int | None = None  # None: no log-probs; k: each token's and k alternatives
+    n: int = 1  # choices: rows of the batch, each with its own seed
 
 
 def plan(req: ChatRequest, config: ServerConfig) -> Plan:
     """Check a request and turn it into a Plan; APIError(400) naming the field otherwise."""
     _refuse_unsupported(req)
+    _check_stop(req)
     asked = [n for n in (req.max_completion_tokens, req.max_tokens) if n is not None]
     max_tokens = asked[0] if asked else min(config.default_max_tokens, config.max_tokens)
     if not 1 <= max_tokens <= config.max_tokens:
@@ -140,15 +147,50 @@ def plan(req: ChatRequest, config: ServerConfig) -> Plan:
     if preamble:  # tools: the model reads their descriptions in a system message first
         messages = [{"role": "system", "content": preamble}] + messages
     top_p = None if req.top_p in (None, 1) else req.top_p
-    return Plan(messages, constraint, tool, temperature, top_p, max_tokens, req.seed, req.stream)
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    return Plan(
+        messages, constraint, tool, temperature, top_p, max_tokens, req.seed, req.stream,
+        stop, _top_logprobs(req), _choices(req, config),
+    )  # fmt: skip
+
+
+def _choices(req: ChatRequest, config: ServerConfig) -> int:
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= config.max_queue:
+        raise APIError(
+            400,
+            f"n={n} must be in 1..{config.max_queue} (this server's --max-queue: each choice "
+            "is a request in its queue).",
+            "invalid_value",
+            "n",
+        )
+    return n
+
+
+def _check_stop(req: ChatRequest) -> None:
+    problem = stop_problem(req.stop)
+    if problem is not None:
+        many = isinstance(req.stop, list) and len(req.stop) > MAX_STOP_STRINGS
+        code = "array_above_max_length" if many else "invalid_value"
+        raise APIError(400, f"stop {problem}.", code, "stop")
+
+
+def _top_logprobs(req: ChatRequest) -> int | None:
+    """None without logprobs, else how many alternatives each token's entry lists."""
+    top = req.top_logprobs or 0
+    if top and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true.", "invalid_value", "top_logprobs")
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise APIError(
+            400, f"top_logprobs={top} must be in 0..{MAX_TOP_LOGPROBS}.", "invalid_value",
+            "top_logprobs",
+        )  # fmt: skip
+    return top if req.logprobs else None
 
 
 def _refuse_unsupported(req: ChatRequest) -> None:
     extra = req.model_extra or {}  # fields not modelled above; these would change the reply
     for name, ok, why in (
-        ("n", req.n in (None, 1), "only n=1 is served"),
-        ("stop", not req.stop, "the constraint decides where a reply ends"),
-        ("logprobs", not req.logprobs, "log-probabilities are not returned"),
         ("frequency_penalty", not extra.get("frequency_penalty"), "penalties are not applied"),
         ("presence_penalty", not extra.get("presence_penalty"), "penalties are not applied"),
         ("logit_bias", not extra.get("logit_bias"), "logits are not biased"),
@@ -315,15 +357,20 @@ def _check_size(value, config: ServerConfig, param: str) -> None:
 
 @dataclass
 class Job:
+    """One choice of a request: its plan (its own seed) and where its events go, (index, kind,
+    value) on the queue its request's jobs share."""
+
     plan: Plan
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    index: int = 0  # the choice it decodes
     cancelled: threading.Event = field(default_factory=threading.Event)
     released: bool = False  # its queue slot was given back
 
     def send(self, kind: str, value=None) -> None:  # from the worker thread
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            event = (self.index, kind, value)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop has closed: the server is shutting down
             pass
 
@@ -341,17 +388,19 @@ class Worker:
         self.loaded = threading.Event()
         threading.Thread(target=self._main, name="constrained-spec-worker", daemon=True).start()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue a request's jobs, all of them or (429) none."""
         with self.lock:
-            if self.pending >= self.config.max_queue:
+            if self.pending + len(jobs) > self.config.max_queue:
                 raise APIError(
                     429,
                     f"the queue is full ({self.config.max_queue} requests waiting or running): "
                     "retry shortly.",
                     "queue_full",
                 )
-            self.pending += 1
-        self.jobs.put(job)
+            self.pending += len(jobs)
+        for job in jobs:
+            self.jobs.put(job)
 
     def release(self, job: Job, outcome: str) -> None:
         """Give back the job's slot (once) and count how it ended."""
@@ -430,7 +479,7 @@ class Worker:
                     self.release(a.job, "failed")
                 active = []
             for a in list(active):
-                if piece := a.new_text(self.gen.vocab):
+                if piece := a.new_text():
                     a.job.send("piece", piece)
                 if a.row.finished:
                     a.row.stats.total_s = time.perf_counter() - a.row.started
@@ -453,7 +502,7 @@ class Worker:
             self.release(job, "failed")
             return None
         job.send("start", len(row.prompt))
-        return _Live(job, row, len(row.prompt))
+        return _Live(job, row)
 
 
 def _request(p) -> GenerationRequest:
@@ -465,39 +514,43 @@ def _request(p) -> GenerationRequest:
         temperature=p.temperature,
         top_p=p.top_p,
         seed=p.seed,
+        stop=p.stop,
+        logprobs=p.top_logprobs is not None,
+        top_logprobs=p.top_logprobs or 0,
     )
 
 
 @dataclass
 class _Live:
-    """A job decoding as a batch row, and how much of its text was sent."""
+    """A job decoding as a batch row, and its text's decoder (a split character waits)."""
 
     job: Job
     row: Any  # loop.Row
-    sent: int  # tokens whose text was sent (the prompt counts as sent)
     utf8: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
-    def new_text(self, vocab) -> str:
-        """The text of the tokens committed since the last call; a split character waits."""
-        new, self.sent = self.row.tokens[self.sent :], len(self.row.tokens)
-        return self.utf8.decode(vocab.output_bytes(new), final=self.row.finished)
+    def new_text(self) -> str:
+        """The reply's text committed since the last call, as far as it may be shown."""
+        finished = self.row.finished
+        return self.utf8.decode(self.row.reply.unsent(finished), final=finished)
 
 
 # ---------------------------------------------------------------- responses
 
 
-def usage(prompt_tokens: int, result) -> dict:
-    s = result.stats
+def usage(prompt_tokens: int, results: list) -> dict:
+    """The request's usage, its choices' tokens together (the prompt counted once)."""
+    total = lambda f: sum(f(r) for r in results)
+    completion = total(lambda r: len(r.token_ids))
     return {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": len(result.token_ids),
-        "total_tokens": prompt_tokens + len(result.token_ids),
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
         # OpenAI's field: prompt tokens whose keys and values came from an earlier prompt
-        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
-        "speculation": {  # extension: how the reply was decoded
-            "target_calls": s.target_calls,
-            "drafted_tokens": s.drafted,
-            "accepted_drafts": s.accepted,
+        "prompt_tokens_details": {"cached_tokens": results[0].stats.cached_prompt_tokens},
+        "speculation": {  # extension: how the replies were decoded
+            "target_calls": total(lambda r: r.stats.target_calls),
+            "drafted_tokens": total(lambda r: r.stats.drafted),
+            "accepted_drafts": total(lambda r: r.stats.accepted),
         },
     }
 
@@ -518,13 +571,37 @@ def message(plan_: Plan, result) -> tuple[dict, str]:
     return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
 
 
-def chunk(rid: str, model: str, delta: dict, finish: str | None = None, **extra) -> str:
+def logprobs(result, vocab) -> dict | None:
+    """choices[i].logprobs in OpenAI's shape: each token's text, bytes and log-prob under the
+    masked distribution it was drawn from, and the most likely tokens there."""
+    if result.logprobs is None:
+        return None
+
+    def entry(token: int, logprob: float) -> dict:
+        data = vocab.output_bytes([token])
+        return {
+            "token": data.decode("utf-8", errors="replace"),
+            "logprob": logprob,
+            "bytes": list(data),
+        }
+
+    content = [
+        {**entry(s.token, s.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.top]}
+        for s in result.logprobs
+    ]
+    return {"content": content, "refusal": None}
+
+
+def chunk(rid: str, model: str, index: int, delta: dict, finish: str | None = None, **extra) -> str:
+    choice = {"index": index, "delta": delta, "finish_reason": finish}
+    if "logprobs" in extra:
+        choice["logprobs"] = extra.pop("logprobs")
     body = {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        "choices": [choice],
         **extra,
     }
     return f"data: {json.dumps(body)}\n\n"
@@ -568,16 +645,17 @@ def create_app(config: ServerConfig, load: Callable[[], Any] | None = None) -> F
         p = await asyncio.to_thread(plan, await _read_request(request, config), config)
         if not worker.loaded.is_set():
             raise APIError(503, "the model is still loading: retry in a few seconds.", "loading")
-        job = Job(p, asyncio.get_running_loop())
-        worker.submit(job)
-        kind, value = await _next_event(job, request, worker)
-        if kind == "error":
+        jobs = _jobs(p, asyncio.get_running_loop())
+        worker.submit(jobs)
+        _, kind, value = await _next_event(jobs, request, worker)
+        if kind == "error":  # every choice would fail alike: the request is refused
+            _cancel(jobs, worker)
             raise value
-        rid, prompt_tokens = f"chatcmpl-{uuid.uuid4().hex}", value
+        reply = _Reply(jobs, worker, f"chatcmpl-{uuid.uuid4().hex}", config.model, value)
         if p.stream:
-            events = _sse(job, request, worker, rid, config.model, prompt_tokens)
+            events = _sse(reply, request)
             return StreamingResponse(events, media_type="text/event-stream")
-        return await _complete(job, request, worker, rid, config.model, prompt_tokens)
+        return await _complete(reply, request)
 
     return app
 
@@ -631,62 +709,126 @@ async def _read_request(request: Request, config: ServerConfig) -> ChatRequest:
         ) from None
 
 
-async def _next_event(job: Job, request: Request, worker: Worker) -> tuple[str, Any]:
-    """The job's next event; cancels the job if the client has gone (checked at each event
-    and every POLL_S while waiting), which frees its slot and stops its decoding."""
+def _jobs(p: Plan, loop: asyncio.AbstractEventLoop) -> list[Job]:
+    """A request's n jobs, one per choice, sharing one event queue; choice i samples with
+    seed + i (a fresh seed each where none is given)."""
+    events: asyncio.Queue = asyncio.Queue()
+    seeded = lambda i: dataclasses.replace(p, seed=None if p.seed is None else p.seed + i)
+    return [Job(seeded(i), loop, events, i) for i in range(p.n)]
+
+
+def _cancel(jobs: list[Job], worker: Worker) -> None:
+    for job in jobs:
+        worker.cancel(job)
+
+
+async def _next_event(jobs: list[Job], request: Request, worker: Worker) -> tuple[int, str, Any]:
+    """The next event of a request's jobs, (choice, kind, value); cancels them if the client
+    has gone (checked at each event and every POLL_S while waiting), which frees their slots
+    and stops their decoding."""
     while True:
         if await request.is_disconnected():
-            worker.cancel(job)
+            _cancel(jobs, worker)
             raise APIError(499, "the client closed the request.", "client_closed")
         try:
-            return await asyncio.wait_for(job.events.get(), POLL_S)
+            return await asyncio.wait_for(jobs[0].events.get(), POLL_S)
         except asyncio.TimeoutError:
             pass
 
 
-async def _complete(job, request, worker, rid: str, model: str, prompt_tokens: int):
-    while True:
-        kind, value = await _next_event(job, request, worker)
+@dataclass
+class _Reply:
+    """What a request's response is built from: its jobs and, as they finish, their results."""
+
+    jobs: list[Job]
+    worker: Worker
+    rid: str
+    model: str
+    prompt_tokens: int
+    results: dict = field(default_factory=dict)  # choice → Result
+
+    @property
+    def plan(self) -> Plan:
+        return self.jobs[0].plan
+
+    def choice(self, index: int) -> dict:
+        result = self.results[index]
+        msg, finish = message(self.plan, result)
+        vocab = self.worker.gen.vocab
+        return {
+            "index": index,
+            "message": msg,
+            "logprobs": logprobs(result, vocab),
+            "finish_reason": finish,
+        }
+
+    def usage(self) -> dict:
+        return usage(self.prompt_tokens, [self.results[i] for i in sorted(self.results)])
+
+
+async def _complete(reply: _Reply, request: Request) -> dict:
+    while len(reply.results) < len(reply.jobs):
+        index, kind, value = await _next_event(reply.jobs, request, reply.worker)
         if kind == "error":
+            _cancel(reply.jobs, reply.worker)
             raise value
         if kind == "done":
-            msg, finish = message(job.plan, value)
-            return {
-                "id": rid,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": model,
-                "choices": [{"index": 0, "message": msg, "finish_reason": finish}],
-                "usage": usage(prompt_tokens, value),
-            }
+            reply.results[index] = value
+    return {
+        "id": reply.rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": reply.model,
+        "choices": [reply.choice(i) for i in range(len(reply.jobs))],
+        "usage": reply.usage(),
+    }
 
 
-async def _sse(job, request, worker, rid, model, prompt_tokens) -> AsyncIterator[str]:
-    """Committed text as it comes; a tool call comes whole at the end (it is parsed first)."""
-    ended = False
+async def _sse(reply: _Reply, request: Request) -> AsyncIterator[str]:
+    """Each choice's committed text as it comes (its chunks name its index); a tool call comes
+    whole at the end (it is parsed first), the log-probs with a choice's last chunk, the usage
+    with the request's last."""
+    ended, rid, model, tool = False, reply.rid, reply.model, reply.plan.tool
     try:
-        yield chunk(rid, model, {"role": "assistant", "content": ""})
-        while True:
-            kind, value = await _next_event(job, request, worker)
-            if kind == "piece" and job.plan.tool is None:
-                yield chunk(rid, model, {"content": value})
+        for i in range(len(reply.jobs)):
+            yield chunk(rid, model, i, {"role": "assistant", "content": ""})
+        while len(reply.results) < len(reply.jobs):
+            index, kind, value = await _next_event(reply.jobs, request, reply.worker)
+            if kind == "piece" and tool is None:
+                yield chunk(rid, model, index, {"content": value})
             elif kind == "error":  # after the headers: reported in the stream, then closed
                 ended = True
                 yield f"data: {json.dumps({'error': {'message': value.message}})}\n\n"
                 return
             elif kind == "done":
-                ended, (msg, finish) = True, message(job.plan, value)
-                if msg.get("tool_calls"):
-                    calls = [{"index": 0, **c} for c in msg["tool_calls"]]
-                    yield chunk(rid, model, {"tool_calls": calls})
-                elif job.plan.tool is not None:  # a cut tool reply is shown as text
-                    yield chunk(rid, model, {"content": value.text})
-                yield chunk(rid, model, {}, finish, usage=usage(prompt_tokens, value))
-                yield "data: [DONE]\n\n"
-                return
+                reply.results[index] = value
+                for part in _last_chunks(reply, index):
+                    yield part
+        ended = True
+        yield "data: [DONE]\n\n"
     finally:
-        if not ended:  # the client left early: stop decoding, free the slot
-            worker.cancel(job)
+        if not ended:  # the client left early: stop decoding, free the slots
+            _cancel(reply.jobs, reply.worker)
+
+
+def _last_chunks(reply: _Reply, index: int) -> list[str]:
+    """A finished choice's closing chunks: its tool call (or a cut tool reply as text), then
+    its finish_reason and log-probs (and the usage once every choice is done)."""
+    choice, result, (rid, model) = (
+        reply.choice(index),
+        reply.results[index],
+        (reply.rid, reply.model),
+    )
+    parts = []
+    if calls := choice["message"].get("tool_calls"):
+        parts.append(chunk(rid, model, index, {"tool_calls": [{"index": 0, **c} for c in calls]}))
+    elif reply.plan.tool is not None:
+        parts.append(chunk(rid, model, index, {"content": result.text}))
+    extra = {"usage": reply.usage()} if len(reply.results) == len(reply.jobs) else {}
+    if choice["logprobs"] is not None:
+        extra["logprobs"] = choice["logprobs"]
+    parts.append(chunk(rid, model, index, {}, choice["finish_reason"], **extra))
+    return parts
 
 
 def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:

@@ -279,7 +279,7 @@ def test_unsupported_schema_is_a_400_naming_the_keyword(client):
             400,
             "schema_too_large",
         ),
-        ({"messages": ASK, "n": 2}, 400, "unsupported"),
+        ({"messages": ASK, "n": MAX_QUEUE + 1}, 400, "invalid_value"),
         ({"messages": ASK, "presence_penalty": 0.5}, 400, "unsupported"),
         ({"messages": ASK, "max_tokens": 0}, 400, "invalid_max_tokens"),
         ({"messages": ASK, "temperature": 3}, 400, "invalid_value"),
