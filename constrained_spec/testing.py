@@ -20,7 +20,9 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import gguf
 import jsonschema
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -113,6 +115,127 @@ def tiny_int4_generator():
     tokenizer = tiny_tokenizer()
     target = llama.from_transformers(tiny_model(tokenizer, seed=0), "int4")
     return Generator(target, tokenizer, draft=CompositeDrafter())
+
+
+# --- GGUF files written here (tests of the file path: every architecture and tensor type) -------
+
+GGUF_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+GGUF_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Scales of the K-quant blocks built directly (gguf quantizes the simple types only): weights of
+# magnitude ~0.05, as a real model's.
+K_SCALES = {"Q4_K": (2e-4, 1.5e-3), "Q5_K": (1e-4, 1.5e-3), "Q6_K": (5e-5, 0.0)}
+
+
+def gguf_blocks(kind: str, rows: int, k: int, rng) -> np.ndarray:
+    """Random (rows, k) weights as ``kind``'s raw blocks (rows, bytes): the simple types through
+    gguf's quantizer, K-quants as random blocks with fp16 scales of realistic size."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind not in K_SCALES:
+        w = (rng.standard_normal((rows, k)) * 0.05).astype(np.float32)
+        return gguf.quants.quantize(w, qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
+    d, dmin = K_SCALES[kind]
+    scale = lambda v, n: (rng.uniform(0.5, 1.5, (rows, k // block, n)) * v).astype(np.float16)
+    if kind == "Q6_K":  # ql, qh, scales (int8), d
+        raw[..., 192:208] = (
+            rng.integers(-64, 64, (rows, k // block, 16)).astype(np.int8).view(np.uint8)
+        )
+        raw[..., 208:210] = scale(d, 1).view(np.uint8)
+    else:  # d, dmin, 12 bytes of 6-bit scales and mins, (qh), qs
+        raw[..., 0:2] = scale(d, 1).view(np.uint8)
+        raw[..., 2:4] = scale(dmin, 1).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(
+    path: Path,
+    arch: str = "llama",
+    types: dict | str = "Q4_K",
+    layers: int = 2,
+    hidden: int = 256,
+    ffn: int = 512,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    rope_factors: np.ndarray | None = None,
+    tied: bool = True,
+) -> Path:
+    """A small GGUF of ``arch`` ("llama", "qwen2": q/k/v biases, "qwen3": q/k norms) over a
+    byte-level vocabulary with the chat template above, random weights in the tensor types
+    ``types`` (one for every linear, or {"attn_q": ..., ..., "*": default, "token_embd": ...});
+    norms, biases and ``rope_factors`` (Llama 3's rope_freqs) in F32. K-quants need inputs in
+    multiples of 256: ``hidden`` and ``ffn`` are."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    rng = np.random.default_rng(seed)
+    kinds = {"*": types} if isinstance(types, str) else types
+    kind_of = lambda name: kinds.get(name, kinds["*"])
+    tokens = [*GGUF_SPECIALS, *bytes_to_unicode().values(), "Ġt", "Ġth"]
+    vocab, hd = len(tokens), hidden // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(10000.0 if arch == "llama" else 1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(vocab)
+    if arch == "qwen3":
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(GGUF_SPECIALS) + [1] * (vocab - len(GGUF_SPECIALS)))
+    w.add_token_merges(["Ġ t", "Ġt h"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(GGUF_TEMPLATE)
+
+    def add(name: str, rows: int, k: int, kind: str) -> None:
+        if kind in ("F32", "F16"):
+            values = rng.standard_normal((rows, k)) * 0.05
+            w.add_tensor(name, values.astype(np.float32 if kind == "F32" else np.float16))
+            return
+        raw = gguf_blocks(kind, rows, k, rng)
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    def add_float(name: str, values: np.ndarray) -> None:
+        w.add_tensor(name, values.astype(np.float32))
+
+    add("token_embd.weight", vocab, hidden, kinds.get("token_embd", "Q8_0"))
+    if not tied:
+        add("output.weight", vocab, hidden, kinds.get("output", "Q6_K"))
+    add_float("output_norm.weight", 1 + 0.1 * rng.standard_normal(hidden))
+    if rope_factors is not None:
+        add_float("rope_freqs.weight", rope_factors)
+    width = {"attn_q": heads * hd, "attn_k": kv_heads * hd, "attn_v": kv_heads * hd}
+    for i in range(layers):
+        for part, rows in width.items():
+            add(f"blk.{i}.{part}.weight", rows, hidden, kind_of(part))
+            if arch == "qwen2":
+                add_float(f"blk.{i}.{part}.bias", 0.1 * rng.standard_normal(rows))
+        if arch == "qwen3":
+            add_float(f"blk.{i}.attn_q_norm.weight", 1 + 0.2 * rng.standard_normal(hd))
+            add_float(f"blk.{i}.attn_k_norm.weight", 1 + 0.2 * rng.standard_normal(hd))
+        add(f"blk.{i}.attn_output.weight", hidden, heads * hd, kind_of("attn_output"))
+        add(f"blk.{i}.ffn_gate.weight", ffn, hidden, kind_of("ffn_gate"))
+        add(f"blk.{i}.ffn_up.weight", ffn, hidden, kind_of("ffn_up"))
+        add(f"blk.{i}.ffn_down.weight", hidden, ffn, kind_of("ffn_down"))
+        add_float(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(hidden))
+        add_float(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(hidden))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 def random_head(target, seed: int = 0) -> DraftHead:

@@ -16,7 +16,7 @@ from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
 from constrained_spec import testing
 from constrained_spec.errors import SettingError, WeightsError
 from constrained_spec.generator import Generator
-from constrained_spec.target import kernels, kv, llama, models
+from constrained_spec.target import files, kernels, kv, llama, models
 
 BF16 = 2.0**-8  # unit roundoff of bf16 (8 significant bits): relative error of one rounding
 # The tiny tokenizer's corpus, each text alone and all joined: 94 teacher-forced positions
@@ -530,7 +530,7 @@ def test_unpermute_inverts_llama_cpp_permutation(heads):
         permuted = llama_cpp_permute(w, heads)
         hd = rows // heads
         assert (permuted[1] == w[hd // 2]).all(), "the reference permutation is not llama.cpp's"
-        restored = llama._unpermute(torch.from_numpy(permuted), heads)
+        restored = files._unpermute(torch.from_numpy(permuted), heads)
         np.testing.assert_array_equal(restored.numpy(), w)
 
 
@@ -598,7 +598,7 @@ def explode(*args, **kwargs):
 
 
 def test_unknown_weights_fail_before_loading(monkeypatch):
-    for name in ("_load_float", "_load_builtin_int4", "_converted_copy", "calibration"):
+    for name in ("_load_float", "_load_gguf_int4", "_converted_copy", "calibration"):
         monkeypatch.setattr(models, name, explode)
     start = time.perf_counter()
     with pytest.raises(WeightsError, match="int3.*auto, int4, int8, float"):
@@ -622,28 +622,46 @@ def test_weights_of_a_non_llama_model_point_to_float():
         llama.from_transformers(gpt2, "int4")
 
 
-def test_a_qwen2_checkpoint_is_refused_before_its_weights_are_read(tmp_path, monkeypatch):
-    """The compact forward does not compute Qwen2's q/k/v biases: it once dropped them silently
-    (logits 0.71 off, another top token at 6 of 6 positions). Refused by name, from the config
-    alone, before any weights load; the model object itself too."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+@pytest.mark.parametrize("layers", kernels.LAYER_KERNELS)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_checkpoints_compute_their_biases_and_qk_norms(arch, layers):
+    """Qwen2's q/k/v biases and Qwen3's per-head q/k norms are computed (once dropped silently:
+    logits 0.71 off, another top token at 6 of 6 positions): the int8 compact forward against
+    transformers' over the same blocks, and without them it is far off."""
+    if layers == "fused" and (missing := kernels.fused_missing()):
+        pytest.skip(f"the fused layers cannot be compiled here: {missing}")
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = Qwen2ForCausalLM(config)
-    with pytest.raises(WeightsError, match="'qwen2' architecture.*q/k/v biases.*weights='float'"):
-        llama.from_transformers(model, "int4")
-    model.save_pretrained(tmp_path)
-    monkeypatch.setattr(models, "_load_float", explode)
-    for weights in ("int4", "int8"):
-        with pytest.raises(WeightsError, match="'qwen2' architecture"):
-            models.load_model(str(tmp_path), weights=weights)
+    kind = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    config_class, model_class = kind[arch]
+    torch.manual_seed(0)
+    config = config_class(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    model = model_class(config).eval()
+    with torch.no_grad():  # transformers initializes biases at 0 and norms at 1: make them count
+        for name, p in model.named_parameters():
+            if name.endswith(("proj.bias", "q_norm.weight", "k_norm.weight")):
+                p.copy_(
+                    torch.randn_like(p) * (0.5 if name.endswith("bias") else 0.3)
+                    + (name.endswith("weight"))
+                )
+            if name.endswith("_proj.weight"):
+                p.copy_(kernels.dequantize_q8_0(*kernels.quantize_q8_0(p)))
+        model.lm_head.weight.copy_(
+            kernels.dequantize_q8_0(*kernels.quantize_q8_0(model.lm_head.weight))
+        )
+    compact = llama.from_transformers(model, "int8")
+    compact.use_layers(layers)
+    ids = list(range(1, 90, 2))
+    theirs = transformers_logits(model, ids)
+    ours = logits_of(compact, ids)
+    assert ((ours - theirs).norm(dim=-1) / theirs.norm(dim=-1)).max() < 0.01
+    compact.biases, compact.qk_norms = [], []
+    compact.use_layers(layers)
+    without = logits_of(compact, ids)
+    assert ((without - theirs).norm(dim=-1) / theirs.norm(dim=-1)).max() > 0.1
 
 
 def test_llama_variants_the_compact_forward_does_not_compute_point_to_float(tiny_tokenizer):
@@ -658,10 +676,10 @@ def test_llama_variants_the_compact_forward_does_not_compute_point_to_float(tiny
         num_key_value_heads=2,
     )
     for extra, words in [
-        (dict(attention_bias=True), "biases"),
+        (dict(attention_bias=True), "bias on the attention output"),
         (
-            dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
-            "rope type 'linear'",
+            dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+            "'dynamic' rotary scaling",
         ),
     ]:
         model = LlamaForCausalLM(LlamaConfig(**base, **extra))
@@ -698,7 +716,7 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
         "measure_linears",
         lambda shapes: (
             calls.append(shapes)
-            or {"float": 2.0, "avx512-bf16": 1.0, "amx-bf16": 1.2, "torch": 1.5}
+            or {"float": 2.0, "avx512-bf16": 1.0, "amx-bf16": 1.2, "torch": 1.5, "int8": 1.8}
         ),
     )
     monkeypatch.setattr(
@@ -715,6 +733,7 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
     (stored,) = json.loads(path.read_text()).values()
     assert stored == {
         "int4_ms": 1.0,  # the faster 4-bit kernel's
+        "int8_ms": 1.8,
         "float_ms": 2.0,
         "choice": "int4",
         "matmul_avx512-bf16_ms": 1.0,
@@ -729,7 +748,8 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
         "head_float_ms": 2.5,
         "head": "q8",
     }
-    assert models.calibration(name) == stored and models.choose_weights(name) == "int4"
+    config = AutoConfig.from_pretrained(models._converted_copy(name, models.BUILTIN_MODELS[name]))
+    assert models.calibration(config) == stored and models.choose_weights(name) == "int4"
     # a prompt's prefill: the bf16 copy only where it beats the 4-bit kernel the linears run
     assert models.prefill_kernel(stored, "avx512-bf16") == "int4"
     assert models.prefill_kernel(stored, "torch") == "bf16"
@@ -741,12 +761,11 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
     vector = {**stored, "prefill_dense-avx512-bf16_ms": 1.4}  # no AMX: ours with AVX-512 BF16
     assert models.prefill_kernel(vector, "avx512-bf16", fused=True) == "avx512-bf16"
     described = models.describe_weights(name, "auto", "int4")
-    assert "1.0 ms in int4 vs 2.0 ms" in described and "through the bf16 kernel" in described
-    assert "8-bit LM head" in described
+    assert "1.0 ms in int4 vs 2.0 ms" in described
     assert len(calls) == 1, "measured again although cached"
 
     path.write_text("{not json")
-    assert models.calibration(name) == stored and len(calls) == 2
+    assert models.calibration(config) == stored and len(calls) == 2
     (rewritten,) = json.loads(path.read_text()).values()
     assert rewritten == stored, "the corrupt file was not rewritten"
 
@@ -807,7 +826,7 @@ def test_real_default_model_int4_is_its_gguf_blocks():
     for name, heads, float_linear, index, rows in cases:
         q, d, m = kernels.split_q4_1(torch.from_numpy(tensors[name].data.copy()))
         if heads is not None:
-            q, d, m = (llama._unpermute(t, heads) for t in (q, d, m))
+            q, d, m = (files._unpermute(t, heads) for t in (q, d, m))
         w = kernels.dequantize_q4_1(q, d, m)
         torch.testing.assert_close(w, float_linear.weight, atol=0, rtol=0, msg=name)
         eye = torch.eye(w.shape[1])
@@ -937,7 +956,7 @@ def test_a_missing_int4_kernel_is_named_and_auto_falls_back(monkeypatch):
     """A torch build without the 4-bit CPU kernel: asking for it is a clear error before any
     loading; the measurement behind "auto" never picks it."""
     monkeypatch.setattr(kernels, "int4_missing", lambda: "NotImplementedError: no int4 op")
-    for name in ("_load_float", "_load_builtin_int4", "_converted_copy"):
+    for name in ("_load_float", "_load_gguf_int4", "_converted_copy"):
         monkeypatch.setattr(models, name, explode)
     for weights in ("int4", "int8"):
         with pytest.raises(WeightsError, match="no int4 op.*weights='float'"):

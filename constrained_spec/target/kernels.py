@@ -163,7 +163,7 @@ class Int4Linear(nn.Module):
         """``prefill``: x is a prompt's prefill (never a step, a verify pass or a batch of
         rows), which may take the prefill kernel."""
         x = x.to(torch.bfloat16)
-        if self.copies > 1:
+        if self.copies > 1 and not (prefill and self.dense is not None):
             x = x.repeat(1, self.copies)  # (n, copies·K)
         if prefill and self.dense is not None:
             if self.dense.dim() == 4:  # AMX tiles (use_prefill)
@@ -226,8 +226,11 @@ class Int4Linear(nn.Module):
             self.dense = tiles.reshape(n // 16, k // 32, 16, 32).contiguous()
 
     def dequantized_bf16(self) -> torch.Tensor:
-        """The weight (N, K) in bf16: the 4-bit kernel's values up to bf16 rounding."""
-        return self.dequantized(torch.bfloat16)
+        """The weight (N, K) in bf16: the 4-bit kernel's values up to bf16 rounding (the copies'
+        halves summed in float32, then rounded once)."""
+        if self.copies == 1:
+            return self.dequantized(torch.bfloat16)
+        return sum(self.dequantized().chunk(self.copies, dim=1)).to(torch.bfloat16)
 
     def dequantized(self, dtype: torch.dtype = torch.float32, rows=slice(None)) -> torch.Tensor:
         """The weight's ``rows`` (n, copies·K) in ``dtype``; in float32, exactly the values the
@@ -478,8 +481,8 @@ def measure_linears(
 ) -> dict[str, float]:
     """Milliseconds for one pass over ``shapes`` ((N, K) weights, random, distinct so that they
     are read from memory as a model's are), summed over inputs of ``rows`` rows (a one-token
-    step and a typical verify pass): in float32 ("float") and through each of INT4_KERNELS;
-    inf where a kernel cannot run here."""
+    step and a typical verify pass): in float32 ("float"), through each of INT4_KERNELS and as
+    Q8_0 blocks on the fastest of them ("int8"); inf where a kernel cannot run here."""
     result = {}
     for name in ("float", *INT4_KERNELS):
         if name != "float" and int4_kernel_missing(name):
@@ -499,7 +502,20 @@ def measure_linears(
             total += best_ms(functools.partial(_one_pass, layers, shapes, xs), repeats)
         result[name] = total
         del layers
+    result["int8"] = _int8_ms(shapes, rows, repeats, min(INT4_KERNELS, key=result.get))
     return result
+
+
+def _int8_ms(shapes, rows, repeats: int, kernel: str) -> float:
+    """measure_linears' pass through Q8_0 linears on ``kernel`` (two 4-bit halves each)."""
+    if int4_kernel_missing(kernel):
+        return float("inf")
+    layers = []
+    for n, k in shapes:
+        layers.append(Int4Linear.from_q8_0(*quantize_q8_0(torch.randn(n, k) * 0.02)))
+        layers[-1].use_kernel(kernel)
+    xs = {m: {k: torch.randn(m, k) for _, k in shapes} for m in rows}
+    return sum(best_ms(functools.partial(_one_pass, layers, shapes, xs[m]), repeats) for m in rows)
 
 
 def _one_pass(layers, shapes, xs: dict, **kwargs) -> None:

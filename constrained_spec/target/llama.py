@@ -20,12 +20,11 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gguf import GGUFReader
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..errors import WeightsError
 from . import kernels
@@ -273,10 +272,12 @@ class Shape:
 
 
 class CompactLlama(nn.Module):
-    """A Llama-family causal LM: ``model(ids, cache)`` → (logits (n, V), LM-head inputs (n, d)).
+    """A Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3): ``model(ids, cache)`` →
+    (logits (n, V), LM-head inputs (n, d)).
 
     Offers what the rest of the package reads off a transformers model: ``config``,
-    ``get_input_embeddings()``, ``get_output_embeddings().weight`` (the draft head uses them)."""
+    ``get_input_embeddings()``, ``get_output_embeddings().weight`` (the draft head uses them).
+    ``tensor_types``: how each of the file's tensor types runs (GGUF files: files.describe)."""
 
     def __init__(
         self,
@@ -286,7 +287,13 @@ class CompactLlama(nn.Module):
         norms: list,
         linears: list,
         weights: str,
+        biases: list | None = None,
+        qk_norms: list | None = None,
+        rope: torch.Tensor | None = None,
     ):
+        """``biases``: per layer the q/k/v matmul's bias (width,) (Qwen2); ``qk_norms``: per
+        layer the query and the key heads' RMSNorm weights (hd,) (Qwen3); ``rope``: the rotary
+        inverse frequencies (hd/2,) where the config's do not say them (a GGUF's factors)."""
         super().__init__()
         self.config, self.weights = config, weights
         self.shape = _shape(config)
@@ -294,7 +301,10 @@ class CompactLlama(nn.Module):
         self.lm_head = lm_head  # (V, d): a kernels.Q8Head (4-bit paths) or kernels.DenseLinear
         self.norms = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in norms)
         self.linears = nn.ModuleList(linears)  # per layer: qkv, o, gate_up, down
-        self.rope = _rope_inverse_frequencies(self.shape)
+        self.biases = [b.float().contiguous() for b in biases or []]
+        self.qk_norms = [w.float().contiguous() for w in qk_norms or []]
+        self.rope = rope if rope is not None else rope_inverse_frequencies(config, self.shape)
+        self.tensor_types: dict[str, int] = {}
         self._cos = self._sin = None  # rotary factors by position (_rotary)
         self.prefill = "int4"  # the 4-bit linears' kernel for long inputs (use_prefill)
         self.layer_kernel = "python"  # how steps, verify passes and batches run (use_layers)
@@ -350,6 +360,8 @@ class CompactLlama(nn.Module):
                 [m.scale_zero for m in linears],
                 [m.copies for m in linears],
                 list(self.norms)[:-1],
+                self.biases,
+                self.qk_norms,
             )
             if limit := prompt_cache_limit():
                 self.prompt_cache = PromptCache(limit)
@@ -444,12 +456,12 @@ class CompactLlama(nn.Module):
         ids = torch.cat(rows) if len(rows) > 1 else rows[0]
         if self._fused is not None:
             keys, values = [c.keys for c in caches], [c.values for c in caches]
-            packed, scale_zero, copies, norms = self._fused
+            packed, scale_zero, copies, norms, biases, qk_norms = self._fused
             on_copy = prompt and self.prefill in kernels.DENSE_KERNELS
             dense = [m.dense for m in self.linears] if on_copy else []
             features = kernels.fused_build()[0].fused_layers(
                 ids, self.embed.weight, cos, sin, packed, scale_zero, copies, dense,
-                self.prefill == "amx-bf16", norms,
+                self.prefill == "amx-bf16", norms, biases, qk_norms,
                 self.norms[-1], keys, values,
                 starts, sizes, s.heads, s.kv_heads, s.eps,
             )  # fmt: skip
@@ -484,8 +496,19 @@ class CompactLlama(nn.Module):
         for layer in range(s.layers):
             qkv, o, gate_up, down = self.linears[4 * layer : 4 * layer + 4]
             h = qkv(F.rms_norm(x, (s.hidden,), self.norms[2 * layer], s.eps), long)
+            if self.biases:
+                h = h + self.biases[layer]
             h = h.view(total, s.heads + 2 * s.kv_heads, s.head_dim).transpose(0, 1)
-            qk = _rotate(h[: s.heads + s.kv_heads], cos, sin)  # q and k heads at once
+            qk = h[: s.heads + s.kv_heads]
+            if self.qk_norms:  # each head's RMSNorm, before rotary
+                q_norm, k_norm = self.qk_norms[2 * layer : 2 * layer + 2]
+                qk = torch.cat(
+                    (
+                        F.rms_norm(qk[: s.heads], (s.head_dim,), q_norm, s.eps),
+                        F.rms_norm(qk[s.heads :], (s.head_dim,), k_norm, s.eps),
+                    )
+                )
+            qk = _rotate(qk, cos, sin)  # q and k heads at once
             parts, offset = [], 0
             for cache, start, n in zip(caches, starts, sizes):
                 new = slice(offset, offset + n)
@@ -617,12 +640,12 @@ def _attend(
 def _shape(config) -> Shape:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    rope = getattr(config, "rope_parameters", None) or {}
+    rope = _rope_parameters(config)
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    if rope.get("rope_type", "default") != "default":
+    if (kind := _rope_type(rope)) not in ROPE_TYPES:
         raise WeightsError(
-            f"rope type {rope['rope_type']!r} is not supported by the compact "
-            "forward: use weights='float' (transformers' own forward)."
+            f"rope type {kind!r} is not supported by the compact forward (it runs "
+            f"{', '.join(ROPE_TYPES)}): use weights='float' (transformers' own forward)."
         )
     return Shape(
         config.num_hidden_layers,
@@ -636,8 +659,29 @@ def _shape(config) -> Shape:
     )
 
 
-def _rope_inverse_frequencies(s: Shape) -> torch.Tensor:
-    return 1.0 / s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim)
+# Rotary scalings the compact forward computes: those that only rescale the frequencies, the
+# same at every length (dynamic, yarn and longrope change with the length or scale attention).
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _rope_parameters(config) -> dict:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+
+
+def _rope_type(rope: dict) -> str:
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def rope_inverse_frequencies(config, s: Shape) -> torch.Tensor:
+    """The rotary inverse frequencies (hd/2,) of the config's rope type (ROPE_TYPES), as
+    transformers computes them."""
+    base = 1.0 / s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim)
+    kind = _rope_type(_rope_parameters(config))
+    if kind == "default":
+        return base
+    inverse, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    assert attention_factor == 1.0, (kind, attention_factor)
+    return inverse.float()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -648,55 +692,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 # --- loading ----------------------------------------------------------------------------------
 
-LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-
-
-def from_gguf(path: str | Path, config) -> CompactLlama:
-    """The model of a llama GGUF whose linears are Q4_1 and token embedding Q8_0, as shipped."""
-    reader = GGUFReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
-    s = _shape(config)
-
-    def blocks(name: str, kind: str):
-        t = tensors[name]
-        if t.tensor_type.name != kind:
-            raise WeightsError(
-                f"{Path(path).name}: {name} is {t.tensor_type.name}, the 4-bit path "
-                f"reads {kind}: use weights='float'."
-            )
-        return torch.from_numpy(t.data.copy())  # (rows, bytes per row)
-
-    head_blocks = kernels.split_q8_0(blocks("token_embd.weight", "Q8_0"))
-    embed = kernels.dequantize_q8_0(*head_blocks)
-    norms, linears = [], []
-    for i in range(s.layers):
-        norms += [
-            _f32(tensors[f"blk.{i}.attn_norm.weight"]),
-            _f32(tensors[f"blk.{i}.ffn_norm.weight"]),
-        ]
-        q4 = {
-            name: kernels.split_q4_1(blocks(f"blk.{i}.{name}.weight", "Q4_1"))
-            for name in GGUF_LINEARS
-        }
-        # GGUF stores q and k rows permuted for llama.cpp's rotary layout: undo it, as transformers does
-        q4["attn_q"] = tuple(_unpermute(t, s.heads) for t in q4["attn_q"])
-        q4["attn_k"] = tuple(_unpermute(t, s.kv_heads) for t in q4["attn_k"])
-        linears += _layer_linears([q4[name] for name in GGUF_LINEARS])
-    norms.append(_f32(tensors["output_norm.weight"]))
-    weight = embed  # tied, unless the GGUF has its own output weight
-    if "output.weight" in tensors:
-        head_blocks = kernels.split_q8_0(blocks("output.weight", "Q8_0"))
-        weight = kernels.dequantize_q8_0(*head_blocks)
-    head = kernels.Q8Head(weight, head_blocks)
-    return CompactLlama(config, embed, head, norms, linears, "int4")
-
-
-# What the compact forward computes: Llama's layers (RMSNorm, rotary attention without biases,
-# a SiLU-gated MLP). Anything else a checkpoint's config asks for is refused by name, before its
-# weights are read: computing it without would be silently wrong (a Qwen2 checkpoint's q/k/v
-# biases dropped gave logits 0.71 off transformers' and another top token at 6 of 6 positions).
-COMPACT_ARCHITECTURES = ("llama", "mistral")
+# What the compact forward computes: Llama's layers (RMSNorm, rotary attention, a SiLU-gated
+# MLP), with Qwen2's q/k/v biases and Qwen3's per-head q/k norms. Anything else a checkpoint's
+# config asks for is refused by name, before its weights are read: computing it without would be
+# silently wrong (a Qwen2 checkpoint's q/k/v biases dropped gave logits 0.71 off transformers'
+# and another top token at 6 of 6 positions).
+COMPACT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def check_compact(config, weights: str) -> None:
@@ -704,18 +705,22 @@ def check_compact(config, weights: str) -> None:
     arch = getattr(config, "model_type", "?")
     problems = []
     if arch not in COMPACT_ARCHITECTURES:
-        problems.append(
-            f"the {arch!r} architecture (it runs {', '.join(COMPACT_ARCHITECTURES)}; qwen2's "
-            "q/k/v biases and qwen3's q/k norms are not computed yet)"
-        )
-    if any(getattr(config, flag, False) for flag in ("attention_bias", "mlp_bias")):
-        problems.append("biases on its linears")
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        problems.append(f"the {arch!r} architecture (it runs {', '.join(COMPACT_ARCHITECTURES)})")
+    if getattr(config, "attention_bias", False) and arch != "qwen2":
+        problems.append("a bias on the attention output (attention_bias)")
+    if getattr(config, "mlp_bias", False):
+        problems.append("biases on the MLP (mlp_bias)")
+    sliding = set(getattr(config, "layer_types", None) or []) - {"full_attention"}
+    if sliding or (
+        getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    ):
         problems.append(f"a sliding window of {config.sliding_window}")
     if getattr(config, "hidden_act", "silu") != "silu":
         problems.append(f"the {config.hidden_act!r} activation")
     if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
         problems.append("mixture-of-experts layers")
+    if (kind := _rope_type(_rope_parameters(config))) not in ROPE_TYPES:
+        problems.append(f"the {kind!r} rotary scaling (it runs {', '.join(ROPE_TYPES)})")
     if problems:
         raise WeightsError(
             f"weights={weights!r} runs the compact forward, which does not compute "
@@ -726,14 +731,18 @@ def check_compact(config, weights: str) -> None:
 def from_transformers(model, weights: str = "int4") -> CompactLlama:
     """A Llama-family transformers model's weights in the compact forward: ``"int4"`` quantizes
     its linears as Q4_1, ``"int8"`` as Q8_0, both with the LM head as Q8_0 (as llama.cpp
-    quantizes them); ``"float"`` keeps every weight as it is, in float32."""
+    quantizes them); ``"float"`` keeps every weight as it is, in float32. Biases (q/k/v only)
+    and q/k norms stay float32."""
     config = model.config
     check_compact(config, weights)
-    biased = [
-        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.bias is not None
+    qkv_names = ("q_proj", "k_proj", "v_proj")
+    odd = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and m.bias is not None and n.rsplit(".", 1)[-1] not in qkv_names
     ]
-    if biased or not hasattr(getattr(model, "model", None), "layers"):
-        what = f"biases ({biased[0]}, ...)" if biased else f"{type(model).__name__}'s layout"
+    if odd or not hasattr(getattr(model, "model", None), "layers"):
+        what = f"the bias of {odd[0]}" if odd else f"{type(model).__name__}'s layout"
         raise WeightsError(
             f"weights={weights!r}: the compact forward does not compute {what}: use "
             "weights='float' (transformers' own forward)."
@@ -749,51 +758,32 @@ def from_transformers(model, weights: str = "int4") -> CompactLlama:
         tied = lm_head.data_ptr() == embed.data_ptr()
         lm_head = kernels.dequantize_q8_0(*kernels.quantize_q8_0(lm_head))
         embed = lm_head if tied else embed
-    norms, linears = [], []
+    norms, linears, biases, qk_norms = [], [], [], []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
         w = [
             m.weight.detach().float()
-            for m in (
-                attn.q_proj,
-                attn.k_proj,
-                attn.v_proj,
-                attn.o_proj,
-                mlp.gate_proj,
-                mlp.up_proj,
-                mlp.down_proj,
-            )
+            for m in (*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         ]
         linears += [linear(torch.cat(w[:3])), linear(w[3]), linear(torch.cat(w[4:6])), linear(w[6])]
         norms += [
             layer.input_layernorm.weight.detach().float(),
             layer.post_attention_layernorm.weight.detach().float(),
         ]
+        if any(m.bias is not None for m in qkv):
+            biases.append(
+                torch.cat(
+                    [
+                        m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach()
+                        for m in qkv
+                    ]
+                ).float()
+            )
+        if getattr(attn, "q_norm", None) is not None:
+            qk_norms += [attn.q_norm.weight.detach().float(), attn.k_norm.weight.detach().float()]
     norms.append(model.model.norm.weight.detach().float())
     head = kernels.DenseLinear(lm_head) if weights == "float" else kernels.Q8Head(lm_head)
-    return CompactLlama(config, embed, head, norms, linears, weights)
-
-
-def _layer_linears(q4: list) -> list:
-    """q, k, v, o, gate, up, down as Q4_1 blocks → the four matmuls of a layer (q/k/v and
-    gate/up fused along their outputs: fewer, larger kernel calls)."""
-
-    def cat(parts):
-        return tuple(torch.cat(p) for p in zip(*parts))
-
-    return [
-        kernels.Int4Linear.from_q4_1(*cat(q4[:3])),
-        kernels.Int4Linear.from_q4_1(*q4[3]),
-        kernels.Int4Linear.from_q4_1(*cat(q4[4:6])),
-        kernels.Int4Linear.from_q4_1(*q4[6]),
-    ]
-
-
-def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's convert script interleaves each head's rotary halves; rows back to HF order."""
-    rows = t.shape[0]
-    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
-
-
-def _f32(tensor) -> torch.Tensor:
-    return torch.from_numpy(tensor.data.copy()).float()
+    return CompactLlama(
+        config, embed, head, norms, linears, weights, biases or None, qk_norms or None
+    )

@@ -44,7 +44,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import WeightsError
-from . import kernels, llama
+from . import files, kernels, llama
 from .machine import CACHE_ENV, cache_dir, remembered, say
 
 __all__ = [
@@ -94,12 +94,14 @@ class ModelFetchError(RuntimeError):
 
 
 WEIGHTS = {
-    "auto": "int4 or float, whichever runs faster here (measured once per CPU and torch version, "
-    "then cached); float for models that are not built in",
-    "int4": "4-bit weight-only linears in a compact forward: the built-in GGUF's own Q4_1 blocks "
-    "(other Llama-family models quantized the same way), bf16 activations into the "
-    "matmuls; the 8-bit LM head exact in float32",
-    "int8": "8-bit weight-only linears (Q8_0 blocks) for Llama-family models, same forward",
+    "auto": "the compact forward where it runs the model and runs faster here than float "
+    "(measured once per CPU, torch version and shape, then cached): a GGUF file's own blocks "
+    "(int4), a local checkpoint's linears in 8 bits (int8); else float (hub ids too)",
+    "int4": "weight-only linears in a compact forward: a GGUF file's own blocks (Q4_0/Q4_1/Q4_K "
+    "4-bit, Q5_x and Q8_0 as two 4-bit halves, other types re-quantized to Q8_0 and said so); "
+    "a checkpoint's linears quantized as Q4_1; bf16 activations into the matmuls; the LM "
+    "head's largest logits exact in float32",
+    "int8": "8-bit weight-only linears (Q8_0 blocks), same forward",
     "float": "transformers' own forward over float weights in `dtype` (for a GGUF: dequantized)",
 }
 
@@ -121,6 +123,9 @@ def load_model(
         raise WeightsError(
             f"weights={weights!r} is not an option: choose one of {', '.join(WEIGHTS)}."
         )
+    gguf = _user_gguf(name_or_path)
+    if gguf and weights == "int4":  # the file's architecture and types, before any weight is read
+        files.check_gguf(files.read_gguf(gguf), gguf)
     if weights == "auto":  # a float dtype other than float32 asks for the float path
         weights = choose_weights(name_or_path) if dtype == torch.float32 else "float"
     if weights in ("int4", "int8"):
@@ -135,10 +140,10 @@ def load_model(
             f"weights={weights!r} fixes its own numerics: drop dtype={dtype} "
             "or use weights='float'."
         )
-    if weights == "int4" and name_or_path in BUILTIN_MODELS:
-        model, tokenizer = _load_builtin_int4(name_or_path)
-        measured = calibration(name_or_path)
-        choose_layers(name_or_path, model)
+    if weights == "int4" and (name_or_path in BUILTIN_MODELS or gguf):
+        model, tokenizer = _load_gguf_int4(name_or_path)
+        measured = calibration(model.config)
+        choose_layers(_model_key(name_or_path), model)
         model.use_prefill(prefill_kernel(measured, model.matmul, model.layer_kernel == "fused"))
         model.use_head(measured["head"])
         return model, tokenizer
@@ -148,27 +153,77 @@ def load_model(
     model, tokenizer = _load_float(name_or_path, dtype)
     if weights != "float":
         model = llama.from_transformers(model, weights)
-        choose_layers(name_or_path, model)
+        choose_layers(_model_key(name_or_path), model)
     return model.eval(), tokenizer
 
 
+def _user_gguf(name_or_path: str) -> Path | None:
+    """The path of a GGUF file given by path (not a built-in name), else None."""
+    if name_or_path in BUILTIN_MODELS:
+        return None
+    path = Path(name_or_path).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def _model_key(name_or_path: str) -> str:
+    """A loaded model's name in the measurement cache: built-in names as they are, files by
+    their path and size (another file at the same path is measured anew)."""
+    path = Path(name_or_path).expanduser()
+    if name_or_path in BUILTIN_MODELS or not path.exists():
+        return name_or_path
+    return f"{path.resolve()} ({path.stat().st_size} bytes)"
+
+
 def choose_weights(name_or_path: str) -> str:
-    """ "int4" where this machine runs the built-in model's 4-bit linears faster than float32
-    ones, else "float"; models that are not built in stay "float" (4-bit is an opt-in there).
-    The measurement (about a second) is cached per CPU model, torch version and thread count."""
-    if name_or_path not in BUILTIN_MODELS:
-        return "float"
-    return "int4" if calibration(name_or_path)["choice"] == "int4" else "float"
+    """weights="auto" resolved (auto_weights)."""
+    return auto_weights(name_or_path)[0]
+
+
+def auto_weights(name_or_path: str) -> tuple[str, str]:
+    """What weights="auto" runs, and why: "int4" for the built-in model and a GGUF file of an
+    architecture and tensor types the compact forward runs (its own blocks), "int8" for a local
+    checkpoint it runs, where this machine runs those linears faster than float32 ones at the
+    model's shapes; else "float" (hub ids too: their config is read only once loaded). The
+    measurement (a second or a few) is cached per CPU model, torch version, thread count and
+    shape."""
+    gguf = _user_gguf(name_or_path)
+    local = Path(name_or_path).expanduser()
+    try:
+        if name_or_path in BUILTIN_MODELS or gguf:
+            if gguf:
+                files.check_gguf(files.read_gguf(gguf), gguf)
+            choice, config = (
+                "int4",
+                load_config(gguf or _converted_copy(name_or_path, BUILTIN_MODELS[name_or_path])),
+            )
+        elif local.exists():
+            config = load_config(local)
+            llama.check_compact(config, "int8")
+            choice = "int8"
+        else:
+            return "float", "auto: a hub id runs transformers' forward"
+    except WeightsError as err:
+        return "float", f"auto: {err}"
+    c = calibration(config)
+    if kernels.int4_missing():
+        return "float", f"auto: the 4-bit kernels cannot run here ({kernels.int4_missing()})"
+    faster = c[f"{choice}_ms"] < c["float_ms"]
+    return (choice if faster else "float"), (
+        f"auto: linears {c[f'{choice}_ms']:.1f} ms in {choice} vs {c['float_ms']:.1f} ms in "
+        f"float32 on this CPU, {c['measured']}"
+    )
 
 
 def describe_weights(name: str, requested: str, used: str, model=None) -> str:
     """One line for --stats and the benchmark: what runs, and why (the measurement for auto);
-    with the loaded ``model``, how its layers run too."""
+    with the loaded ``model``, how its layers run too, and a GGUF file's tensors."""
     layers = _describe_layers(model)
-    if requested != "auto" or name not in BUILTIN_MODELS:
-        why = "asked for" if requested != "auto" else "auto: not a built-in model"
-        return f"{used}{layers} ({why})"
-    c = calibration(name)
+    types = getattr(model, "tensor_types", None)
+    tensors = f", GGUF tensors: {files.describe(types)}" if types else ""
+    why = "asked for" if requested != "auto" else auto_weights(name)[1]
+    if used != "int4" or model is None:
+        return f"{used}{tensors}{layers} ({why})"
+    c = calibration(model.config)
     head = "8-bit LM head (top logits in float32)" if c["head"] == "q8" else "float32 LM head"
     kernel = getattr(model, "prefill", None) or prefill_kernel(c, "torch")
     fused = getattr(model, "layer_kernel", None) == "fused"
@@ -178,11 +233,7 @@ def describe_weights(name: str, requested: str, used: str, model=None) -> str:
         prompts += f" on a bf16 copy ({on})"
     if getattr(model, "prompt_cache", None) is not None:
         prompts += ", kept for reuse"
-    prefill = f", {head}, {prompts}" if used == "int4" else ""
-    return (
-        f"{used}{prefill}{layers} (auto: linears {c['int4_ms']:.1f} ms in int4 vs "
-        f"{c['float_ms']:.1f} ms in float32 on this CPU, {c['measured']})"
-    )
+    return f"{used}{tensors}, {head}, {prompts}{layers} ({why})"
 
 
 def _describe_layers(model) -> str:
@@ -209,16 +260,20 @@ def _describe_layers(model) -> str:
 
 
 # Part of the calibration's cache key: a new measurement method invalidates the cached choices.
-CALIBRATION = "v8: each 4-bit matmul kernel measured (AMX too), the head on each, dense prompts (AMX, AVX-512)"
+CALIBRATION = "v9: per shape; each 4-bit matmul kernel measured (AMX too), 8-bit, the head on each, dense prompts (AMX, AVX-512)"
 
 
-def calibration(name: str) -> dict:
-    """The linear-kernel timings behind ``choose_weights`` for a built-in model, cached."""
-    return remembered(f"{name} | {CALIBRATION}", lambda: _measure_kernels(name))
+def calibration(config) -> dict:
+    """The linear-kernel timings behind ``auto_weights`` and the kernel choices for a model of
+    ``config``'s shapes, cached."""
+    d, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    h, kv = config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or d // h
+    key = f"d{d} i{i} h{h}x{hd} kv{kv} V{v} | {CALIBRATION}"
+    return remembered(key, lambda: _measure_kernels(config))
 
 
-def _measure_kernels(name: str) -> dict:
-    config = AutoConfig.from_pretrained(_converted_copy(name, BUILTIN_MODELS[name]))
+def _measure_kernels(config) -> dict:
     d, i = config.hidden_size, config.intermediate_size
     hd = getattr(config, "head_dim", None) or d // config.num_attention_heads
     h, kv = config.num_attention_heads, config.num_key_value_heads
@@ -229,6 +284,7 @@ def _measure_kernels(name: str) -> dict:
     head = kernels.measure_head(config.vocab_size, d)
     return {
         "int4_ms": round(int4, 3),  # the faster 4-bit kernel
+        "int8_ms": round(timings["int8"], 3),  # Q8_0 linears on it
         "float_ms": round(timings["float"], 3),
         "choice": "int4" if int4 < timings["float"] else "float",
         **{f"matmul_{k}_ms": round(timings[k], 3) for k in kernels.INT4_KERNELS},
@@ -279,15 +335,23 @@ def choose_layers(name: str, model) -> str:
 LAYERS_CALIBRATION = "layers v3: with the 4-bit matmul kernel (AMX too)"
 
 
-def _load_builtin_int4(name: str):
-    """The built-in model as it ships: its GGUF's blocks in the compact forward."""
-
-    spec = BUILTIN_MODELS[name]
-    path = _converted_copy(name, spec)  # the tokenizer and config (and the GGUF, verified)
-    gguf = verified_gguf(spec, cache_dir() / name)
+def _load_gguf_int4(name_or_path: str):
+    """A GGUF's own blocks in the compact forward: the built-in model as it ships (its tokenizer
+    and config from the converted copy), or a GGUF file (its tokenizer, chat template and config
+    from the file)."""
+    if name_or_path not in BUILTIN_MODELS:
+        path = Path(name_or_path).expanduser()
+        tokenizer = load_tokenizer(str(path))
+        model = files.from_gguf(path, load_config(path))
+        return model.eval(), tokenizer
+    spec = BUILTIN_MODELS[name_or_path]
+    path = _converted_copy(name_or_path, spec)  # the tokenizer and config (and the GGUF, verified)
+    gguf = verified_gguf(spec, cache_dir() / name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = llama.from_gguf(gguf, AutoConfig.from_pretrained(path))
-    _check_builtin(model, tokenizer, spec, f"Delete {cache_dir() / name} to have it rebuilt.")
+    model = files.from_gguf(gguf, AutoConfig.from_pretrained(path))
+    _check_builtin(
+        model, tokenizer, spec, f"Delete {cache_dir() / name_or_path} to have it rebuilt."
+    )
     return model.eval(), tokenizer
 
 
@@ -319,7 +383,7 @@ def load_config(path: Path):
     hub id's is checked once it has loaded: resolving one here would pay the hub's retries
     before _load_float's clearer errors.)"""
     if path.is_file() and path.suffix == ".gguf":
-        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        return files.gguf_config(path)
     return AutoConfig.from_pretrained(str(path))
 
 
@@ -330,7 +394,10 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
         return AutoTokenizer.from_pretrained(_converted_copy(name_or_path, spec))
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        if not tokenizer.chat_template:
+            tokenizer.chat_template = _gguf_chat_template(path)
+        return tokenizer
     return AutoTokenizer.from_pretrained(name_or_path)
 
 

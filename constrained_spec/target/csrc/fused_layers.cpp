@@ -636,12 +636,15 @@ void add_bf16(float* x, const Tensor& y) {  // x += y (bf16), rows (n, d)
 // l, linears 4l..4l+3 are q/k/v, o, gate/up, down (torch int4 packs: packed, scale_zero, copies of
 // the input), or where ``dense`` is not empty (a prompt's prefill) their bf16 copies in AMX tiles
 // (dense_mm: on AMX where ``dense_amx``, else with AVX-512 BF16); norms 2l, 2l+1 its two RMSNorm
-// weights; final_norm the last. Returns the features (N, d): the last layer's output after the
-// final norm; the caches hold the new keys and values.
+// weights; final_norm the last. biases: none, or per layer the q/k/v matmul's bias (width,)
+// float32 (Qwen2); qk_norms: none, or per layer the RMSNorm weights (hd,) float32 of each query
+// head and each key head, applied before rotary (Qwen3). Returns the features (N, d): the last
+// layer's output after the final norm; the caches hold the new keys and values.
 Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, const Tensor& sin,
                     const std::vector<Tensor>& packed, const std::vector<Tensor>& scale_zero,
                     const std::vector<int64_t>& copies, const std::vector<Tensor>& dense,
                     bool dense_amx, const std::vector<Tensor>& norms,
+                    const std::vector<Tensor>& biases, const std::vector<Tensor>& qk_norms,
                     const Tensor& final_norm, const std::vector<Tensor>& keys,
                     const std::vector<Tensor>& values, const std::vector<int64_t>& starts,
                     const std::vector<int64_t>& sizes, int64_t heads, int64_t kv_heads, double eps) {
@@ -697,6 +700,13 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
   Tensor normed = at::empty({N, d}, bf16), attended = at::empty({N, heads * hd}, bf16);
   std::vector<float> q(N * heads * hd);
   TORCH_CHECK(dense.empty() || dense.size() == packed.size(), "dense: none, or one per linear");
+  TORCH_CHECK(biases.empty() || static_cast<int64_t>(biases.size()) == layers, "biases: none, or one per layer");
+  TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
+              "qk_norms: none, or two per layer");
+  for (const Tensor& b : biases)
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == width, "a bias: (width,) float32");
+  for (const Tensor& w : qk_norms)
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == hd, "a q/k norm: (hd,) float32");
   const auto linear = [&](const Tensor& input, int64_t i) {
     return dense.empty() ? int4_matmul(input, packed[i], scale_zero[i], copies[i]) : dense_mm(input, dense[i], dense_amx);
   };
@@ -706,18 +716,27 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
     rms_norm(X, norms[2 * l].data_ptr<float>(), normed.data_ptr<BFloat16>(), N, d, eps);
     Tensor h = linear(normed, 4 * l);
     const BFloat16* H = h.data_ptr<BFloat16>();
+    const float* bias = biases.empty() ? nullptr : biases[l].data_ptr<float>();
     at::parallel_for(0, N, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
+      std::vector<float> in(hd);
       for (int64_t t = begin; t < end; ++t) {
         const Tensor &K = keys[row[t]], &V = values[row[t]];
         const int64_t capacity = V.size(2);
         const float *c = C + position[t] * hd, *s = S + position[t] * hd;
         for (int64_t head = 0; head < heads + 2 * kv_heads; ++head) {
-          const BFloat16* in = H + t * width + head * hd;
-          if (head >= heads + kv_heads) {  // a value: no rotary
+          for (int64_t j = 0; j < hd; ++j) in[j] = static_cast<float>(H[t * width + head * hd + j]);
+          if (bias)
+            for (int64_t j = 0; j < hd; ++j) in[j] += bias[head * hd + j];
+          if (head >= heads + kv_heads) {  // a value: no rotary, no norm
             const int64_t kv = l * kv_heads + head - heads - kv_heads;
             BFloat16* out = V.data_ptr<BFloat16>() + (kv * capacity + position[t]) * hd;
-            for (int64_t j = 0; j < hd; ++j) out[j] = in[j];
+            for (int64_t j = 0; j < hd; ++j) out[j] = static_cast<BFloat16>(in[j]);
             continue;
+          }
+          if (!qk_norms.empty()) {  // each head's RMSNorm over its hd values
+            const float* w = qk_norms[2 * l + (head < heads ? 0 : 1)].data_ptr<float>();
+            const float inverse = 1.f / std::sqrt(dot(in.data(), in.data(), hd) / hd + static_cast<float>(eps));
+            for (int64_t j = 0; j < hd; ++j) in[j] = in[j] * inverse * w[j];
           }
           // a query, or a key (in its tile: element j at j·KEY_TILE)
           const int64_t kv = l * kv_heads + head - heads;

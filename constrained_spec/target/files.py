@@ -1,0 +1,302 @@
+"""GGUF files into the compact forward: what a file holds, checked before any weight is read,
+then each tensor run from its own blocks.
+
+A linear's tensor runs on the 4-bit kernel (kernels.Int4Linear: w = (q − 8)·scale + zero per
+group of 32 inputs, bf16 scales) from the file's blocks where its type is an affine grid over
+groups of 32 (AFFINE_BITS: w = d·q + m, Q4_K and Q5_K's d = d₀·sc and m = −dmin·mn per
+sub-block of 32): 4-bit types as they are, 5-bit ones and Q8_0 as two 4-bit halves of q fed the
+input twice (EIGHT_BITS). Their only change is the scales' rounding to bf16 (WEIGHT_BOUND). Types
+that are not such a grid (REQUANTIZED: Q6_K's sub-blocks of 16, float tensors) are re-quantized
+to Q8_0 blocks, the error stated there and measured by the tests; ``CompactLlama.tensor_types``
+and ``describe`` say which ran how. The token embedding and the LM head's float32 rows are the
+file's values exactly (gguf's dequantization); norms, biases and rotary factors are float32.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import Q4_K, dequantize
+
+from ..errors import WeightsError
+from . import kernels, llama
+
+__all__ = [
+    "AFFINE_BITS",
+    "ARCHITECTURES",
+    "EIGHT_BITS",
+    "REQUANTIZED",
+    "check_gguf",
+    "describe",
+    "from_gguf",
+    "read_gguf",
+]
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+AFFINE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5}
+EIGHT_BITS = ("Q8_0",)
+# Re-quantized to Q8_0 (d = max|w|/127 per group of 32, fp16): each weight within d/2 of the file's
+# value, d ≤ 1/127 of its group's largest magnitude (Q6_K's own step is 1/31 of its sub-block's).
+REQUANTIZED = ("Q6_K", "F16", "BF16", "F32")
+LINEAR_TYPES = (*AFFINE_BITS, *EIGHT_BITS, *REQUANTIZED)
+# A kernel weight's distance from the file's (the scale and zero rounded to bf16, 8 significant
+# bits: |x − x̃| ≤ u/(1 − u)·|x̃|, u = 2⁻⁸): |Δw| ≤ WEIGHT_BOUND·(|q − 8|·|scale| + |zero|) per
+# 4-bit half, the kernel's scale and zero.
+WEIGHT_BOUND = kernels.HEAD_ROUNDOFF
+
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def read_gguf(path: str | Path) -> GGUFReader:
+    """The file's reader (memory-mapped: metadata parsed, no weight read), or a WeightsError
+    naming the file and what is wrong with it."""
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsError(f"{path}: no such GGUF file.")
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError, TypeError, OverflowError) as err:
+        size = path.stat().st_size
+        raise WeightsError(
+            f"{path}: not a readable GGUF file ({size} bytes; {type(err).__name__}: {err}). "
+            "A truncated download reads like this: fetch it again."
+        ) from err
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def check_gguf(reader: GGUFReader, path: str | Path) -> None:
+    """A WeightsError naming what the file holds that the compact forward does not run (its
+    architecture, a linear's tensor type, a missing tensor), before any weight is read."""
+    name = Path(path).name
+    arch = _field(reader, "general.architecture", "?")
+    if arch not in ARCHITECTURES:
+        raise WeightsError(
+            f"{name}: the {arch!r} architecture is not supported (GGUF files of "
+            f"{', '.join(ARCHITECTURES)} run): use weights='float' (transformers' own forward)."
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    layers = _field(reader, f"{arch}.block_count", 0)
+    needed = ["token_embd.weight", "output_norm.weight"] + [
+        f"blk.{i}.{part}.weight"
+        for i in range(layers)
+        for part in (*LINEARS, "attn_norm", "ffn_norm")
+    ]
+    if missing := [t for t in needed if t not in tensors]:
+        raise WeightsError(
+            f"{name}: tensor {missing[0]} is missing ({len(missing)} of {len(needed)} expected "
+            f"ones): the file is incomplete or not a {arch} model."
+        )
+    odd = sorted(
+        {
+            tensors[f"blk.{i}.{part}.weight"].tensor_type.name
+            for i in range(layers)
+            for part in LINEARS
+        }
+        - set(LINEAR_TYPES)
+    )
+    if odd:
+        raise WeightsError(
+            f"{name}: tensor type(s) {', '.join(odd)} are not supported (the 4-bit path runs "
+            f"{', '.join(LINEAR_TYPES)}): use weights='float' (dequantized by transformers)."
+        )
+
+
+def gguf_config(path: str | Path):
+    """The transformers config of a GGUF file (transformers reads its metadata), with the head
+    size the file states (transformers' reading of qwen3 files keeps Qwen3's default of 128)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    reader = read_gguf(path)
+    arch = _field(reader, "general.architecture")
+    if (head_dim := _field(reader, f"{arch}.attention.key_length")) is not None:
+        config.head_dim = int(head_dim)
+    return config
+
+
+def from_gguf(path: str | Path, config) -> llama.CompactLlama:
+    """The compact model of a GGUF file of ARCHITECTURES (``config``: its transformers config,
+    gguf_config)."""
+    reader = read_gguf(path)
+    check_gguf(reader, path)
+    arch = _field(reader, "general.architecture")
+    tensors = {t.name: t for t in reader.tensors}
+    s, types = llama._shape(config), Counter()
+    _check_shapes(tensors, s, config, path)
+    embed = _float(tensors["token_embd.weight"])
+    norms, linears, biases, qk_norms = [], [], [], []
+    for i in range(s.layers):
+        t = {part: tensors[f"blk.{i}.{part}.weight"] for part in LINEARS}
+        # llama's convert script interleaves each head's rotary halves in q and k: rows back to
+        # transformers' order (qwen2/qwen3 use the split halves already)
+        heads = {"attn_q": s.heads, "attn_k": s.kv_heads} if arch == "llama" else {}
+        parts = [(t[p], heads.get(p)) for p in LINEARS]
+        linears += [
+            _linear(parts[0:3], types),
+            _linear(parts[3:4], types),
+            _linear(parts[4:6], types),
+            _linear(parts[6:7], types),
+        ]
+        norms += [
+            _float(tensors[f"blk.{i}.attn_norm.weight"]),
+            _float(tensors[f"blk.{i}.ffn_norm.weight"]),
+        ]
+        if f"blk.{i}.attn_q.bias" in tensors:
+            biases.append(torch.cat([_float(tensors[f"blk.{i}.{p}.bias"]) for p in LINEARS[:3]]))
+        if f"blk.{i}.attn_q_norm.weight" in tensors:
+            qk_norms += [_float(tensors[f"blk.{i}.attn_{x}_norm.weight"]) for x in "qk"]
+    norms.append(_float(tensors["output_norm.weight"]))
+    output = tensors.get("output.weight")
+    weight = embed if output is None else _float(output)  # tied unless the file has its own
+    source = tensors["token_embd.weight"] if output is None else output
+    blocks = None  # the head's 8-bit screen: the file's own Q8_0 blocks, else quantized (Q8Head)
+    if source.tensor_type.name == "Q8_0":
+        blocks = kernels.split_q8_0(torch.from_numpy(np.array(source.data)))
+    rope = llama.rope_inverse_frequencies(config, s)
+    if "rope_freqs.weight" in tensors:  # Llama 3's long-context factors: θ_i / factor_i
+        rope = rope / _float(tensors["rope_freqs.weight"])
+    model = llama.CompactLlama(
+        config, embed, kernels.Q8Head(weight, blocks), norms, linears, "int4",
+        biases=biases or None, qk_norms=qk_norms or None, rope=rope,
+    )  # fmt: skip
+    model.tensor_types = dict(types)
+    return model
+
+
+def _check_shapes(tensors: dict, s, config, path) -> None:
+    """A WeightsError naming the first tensor whose shape is not the one the metadata implies."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    i, d = config.intermediate_size, s.hidden
+    expected = {"token_embd.weight": (d, config.vocab_size), "output_norm.weight": (d,)}
+    for n in range(s.layers):
+        expected |= {
+            f"blk.{n}.attn_q.weight": (d, q),
+            f"blk.{n}.attn_k.weight": (d, kv),
+            f"blk.{n}.attn_v.weight": (d, kv),
+            f"blk.{n}.attn_output.weight": (q, d),
+            f"blk.{n}.ffn_gate.weight": (d, i),
+            f"blk.{n}.ffn_up.weight": (d, i),
+            f"blk.{n}.ffn_down.weight": (i, d),
+        }
+    for name, shape in expected.items():
+        have = tuple(int(x) for x in tensors[name].shape)  # GGUF order: inputs first
+        if have != shape:
+            raise WeightsError(
+                f"{Path(path).name}: tensor {name} is {have}, its metadata implies {shape} "
+                "(a file whose metadata does not match its tensors)."
+            )
+
+
+def describe(types: dict[str, int]) -> str:
+    """``CompactLlama.tensor_types`` in a line: "168 Q4_K, 28 Q6_K → Q8_0 (re-quantized), …"."""
+    return ", ".join(f"{n} {kind}" for kind, n in types.items())
+
+
+def _linear(parts: list, types: Counter) -> kernels.Int4Linear:
+    """One Int4Linear over tensors (each with the heads to un-interleave, or None) stacked
+    along their outputs: 4-bit blocks alone, or two 4-bit halves for all where one needs them
+    (a 4-bit q's high half is 0, its zero cancels: w = 16d·(0 − 8) + 128d + …)."""
+    copies = 1 if all(AFFINE_BITS.get(t.tensor_type.name) == 4 for t, _ in parts) else 2
+    blocks = []
+    for tensor, heads in parts:
+        kind = tensor.tensor_type.name
+        types[
+            kind if kind in AFFINE_BITS or kind in EIGHT_BITS else f"{kind} → Q8_0 (re-quantized)"
+        ] += 1
+        q, scale, zero = _blocks(tensor, copies)
+        if heads:
+            q, scale, zero = (_unpermute(x, heads) for x in (q, scale, zero))
+        blocks.append((q, scale, zero))
+    q, scale, zero = (torch.cat(x) for x in zip(*blocks))
+    return kernels.Int4Linear(q, scale, zero, copies=copies)
+
+
+def _blocks(tensor, copies: int):
+    """A tensor as the kernel's (q, scale, zero): (N, copies·K) q in 0..15, (N, copies·K/32)."""
+    kind = tensor.tensor_type.name
+    if kind in AFFINE_BITS:
+        q, d, m = affine_groups(tensor)
+        if copies == 1:
+            return q, d, m + 8 * d
+        return (
+            torch.cat((q >> 4, q & 15), 1),
+            torch.cat((16 * d, d), 1),
+            torch.cat((128 * d, 8 * d + m), 1),
+        )
+    if kind in EIGHT_BITS:
+        q, d = kernels.split_q8_0(torch.from_numpy(tensor.data.copy()))
+    else:
+        q, d = kernels.quantize_q8_0(_float(tensor))
+    u = q.to(torch.int16).add_(128).to(torch.uint8)  # 0..255: w = d·(u − 128)
+    return (
+        torch.cat((u >> 4, u & 15), 1),
+        torch.cat((16 * d, d), 1),
+        torch.cat((torch.zeros_like(d), 8 * d), 1),
+    )
+
+
+def affine_groups(tensor):
+    """An AFFINE_BITS tensor as q (N, K) uint8 and d, m (N, K/32) float32, w = d·q + m: the scales
+    from the blocks' headers, q from gguf's dequantized values (exact: d·q + m in float32)."""
+    kind = tensor.tensor_type.name
+    raw = np.ascontiguousarray(tensor.data)
+    w = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]))  # (N, K) float32
+    rows, k = w.shape
+    d, m = (torch.from_numpy(x).reshape(rows, k // kernels.GROUP) for x in _group_scales(raw, kind))
+    groups = w.view(rows, -1, kernels.GROUP)
+    live = d != 0
+    exact = (groups - m[..., None]) / torch.where(live, d, 1)[..., None]
+    q = torch.where(live[..., None], exact.round(), 0)
+    if (
+        ((exact - q).abs() * live[..., None] > 1e-2).any()
+        or (q < 0).any()
+        or (q >= 2 ** AFFINE_BITS[kind]).any()
+    ):
+        raise WeightsError(
+            f"tensor {tensor.name} ({kind}): blocks that are not on their own grid (a corrupt file)."
+        )
+    return q.to(torch.uint8).view(rows, k), d, m
+
+
+def _group_scales(raw: np.ndarray, kind: str):
+    """d and m (rows, K/32) float32 of an AFFINE_BITS tensor's raw blocks (rows, bytes)."""
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]  # bytes per block
+    b = raw.reshape(raw.shape[0], -1, size)
+
+    def f16(at: int) -> np.ndarray:
+        return np.ascontiguousarray(b[..., at : at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+    d = f16(0)
+    if kind in ("Q4_0", "Q5_0"):  # w = d·(q − 8) or d·(q − 16)
+        return d, -(2 ** (AFFINE_BITS[kind] - 1)) * d
+    if kind in ("Q4_1", "Q5_1"):
+        return d, f16(2)
+    # K-quants: super-blocks of 256, 8 sub-blocks of 32 with 6-bit scales and mins
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
+    sc = sc.reshape(*b.shape[:2], 8).astype(np.float32)
+    mn = mn.reshape(*b.shape[:2], 8).astype(np.float32)
+    return d[..., None] * sc, -f16(2)[..., None] * mn
+
+
+def _float(tensor) -> torch.Tensor:
+    """A tensor's values in float32, exactly as gguf dequantizes them; (rows, K) or (K,)."""
+    kind = tensor.tensor_type
+    data = np.ascontiguousarray(tensor.data)
+    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return torch.from_numpy(data.astype(np.float32))
+    return torch.from_numpy(dequantize(data, kind))
+
+
+def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's convert script interleaves each head's rotary halves; rows back to HF order."""
+    rows = t.shape[0]
+    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
