@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server: ``constrained-spec serve`` (``pip install -e ".[serve]"``).
 
-POST /v1/chat/completions turns ``response_format`` (json_schema / json_object), ``tools`` with a
-forced ``tool_choice``, or the extension fields ``regex`` / ``grammar`` into a constraint, checks
+POST /v1/chat/completions turns ``response_format`` (json_schema / json_object), ``tools`` (text
+or calls for ``tool_choice`` "auto", a call when it is forced), or the extension fields ``regex`` / ``grammar`` into a constraint, checks
 everything it can before queueing (the schema is compiled here, in milliseconds: a bad schema is a 400 at
 once), and hands the request to the one worker thread that owns the Generator.
 
@@ -21,6 +21,7 @@ import dataclasses
 import hmac
 import json
 import queue
+import re
 import threading
 import time
 import uuid
@@ -35,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .constraints import grammar_for, grammar_names, load_grammar, load_schema
 from .decoding import loop
-from .decoding.text import MAX_STOP_STRINGS, stop_problem
+from .decoding.text import MAX_STOP_STRINGS, held_prefix, stop_problem
 from .errors import ConstraintError, GenerationInputError
 from .generator import MAX_TOP_LOGPROBS, Generator
 from .generator import Request as GenerationRequest
@@ -44,6 +45,11 @@ from .target import DEFAULT_MODEL
 __all__ = ["ServerConfig", "create_app", "serve"]
 
 FREE_TEXT = r"[\s\S]*"  # no constraint asked for: any text, ended by the model's EOS
+# The envelope of the calls in an "auto" reply, in text (SmolLM2 was tuned to call tools so; its
+# chat template has no tools of its own): free text until OPEN, then a JSON list of
+# {"name": ..., "arguments": {...}}, each exact to its tool's parameters, then CLOSE.
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+AUTO = "<auto>"  # Plan.tool of an "auto" reply; never a function's name (those are [\w.-])
 POLL_S = 0.25  # how often a waiting handler checks whether its client has gone
 
 
@@ -90,6 +96,7 @@ class ChatRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
@@ -110,7 +117,7 @@ class Plan:
 
     messages: list[dict]
     constraint: dict  # {"schema": dict}, {"regex": str} or {"grammar": str} (Generator.compile's)
-    tool: str | None  # "" when the reply names one of several tools; None: a plain reply
+    tool: str | None  # "" when the reply names one of several tools; AUTO; None: a plain reply
     temperature: float
     top_p: float | None
     max_tokens: int
@@ -217,10 +224,23 @@ def _messages(messages: list[dict]) -> list[dict]:
                     "messages",
                 )
             content = "".join(p.get("text", "") for p in content)
-        if m.get("tool_calls"):  # an earlier call, shown to the model as the JSON it wrote
-            content = (content or "") + json.dumps([c.get("function") for c in m["tool_calls"]])
+        if m.get("tool_calls"):  # earlier calls, shown to the model in the envelope
+            content = (content or "") + _enveloped(m["tool_calls"])
         out.append({"role": "system" if role == "developer" else role, "content": content or ""})
     return out
+
+
+def _enveloped(calls: list[dict]) -> str:
+    """Earlier calls as the model writes them: OPEN, a JSON list of {name, arguments}, CLOSE."""
+    listed = []
+    for call in calls:
+        function = call.get("function") or {}
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except json.JSONDecodeError:  # shown as the client sent it
+            arguments = function.get("arguments")
+        listed.append({"name": function.get("name"), "arguments": arguments})
+    return f"{OPEN}{json.dumps(listed)}{CLOSE}"
 
 
 def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[dict, str | None, str]:
@@ -240,7 +260,10 @@ def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[dict, str | Non
     if len(given) > 1:
         raise APIError(400, f"pass only one of {' and '.join(given)}.", "invalid", given[1])
     if tools:
-        return _tool_constraint(tools, req.tool_choice, config)
+        functions = _functions(tools, config)
+        if req.tool_choice in (None, "auto"):
+            return _auto_constraint(functions, req.parallel_tool_calls is not False, config)
+        return _tool_constraint(functions, req.tool_choice, config)
     if req.regex is not None:
         _check_size(req.regex, config, "regex")
         try:
@@ -285,8 +308,65 @@ def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[dict, str | Non
     return {"regex": FREE_TEXT}, None, ""
 
 
-def _tool_constraint(tools: list[dict], choice, config: ServerConfig) -> tuple[dict, str, str]:
-    functions = {t.get("function", {}).get("name"): t.get("function", {}) for t in tools}
+def _functions(tools: list[dict], config: ServerConfig) -> dict[str, dict]:
+    """{name: function} of the tools, each one's parameters checked on its own: a schema that
+    cannot be compiled is a 400 naming the tool (and the keyword)."""
+    functions = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") or {}
+        name = function.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[\w.-]{1,64}", name):
+            raise APIError(
+                400, f"tools[{i}].function.name={name!r} must be 1-64 letters, digits, _, . or -.",
+                "invalid", "tools",
+            )  # fmt: skip
+        try:
+            _schema_constraint(function.get("parameters") or {"type": "object"}, config, "tools")
+        except APIError as e:
+            e.message = f"tool {name!r} (tools[{i}]): {e.message}"
+            raise APIError(e.status, e.message, e.code, e.param) from None
+        functions[name] = function
+    return functions
+
+
+def _auto_constraint(functions: dict, parallel: bool, config: ServerConfig) -> tuple:
+    """An "auto" reply: free text, or text and then calls to the tools in the envelope (one at
+    most unless ``parallel``) that end it, each call's arguments exact to its tool's
+    parameters: an llguidance grammar that is free text until OPEN (text never holds OPEN
+    otherwise)."""
+    envelopes = [_envelope(n, _parameters(f)) for n, f in functions.items()]
+    calls = {"type": "array", "items": {"anyOf": envelopes}, "minItems": 1}
+    calls |= {} if parallel else {"maxItems": 1}
+    _check_size(calls, config, "tools")
+    grammar = "\n".join([
+        "start: TEXT | call",  # calls end the reply (finish_reason "tool_calls")
+        f"call: head calls {json.dumps(CLOSE)}",
+        f"head[lazy]: TEXT {json.dumps(OPEN)}",
+        f"calls: {_json_rule(calls, config)}",
+        f"TEXT: /(?s:.*)/ & ~/(?s:.*){re.escape(OPEN)}(?s:.*)/",
+    ])  # fmt: skip
+    listing = json.dumps([{"type": "function", "function": f} for f in functions.values()])
+    preamble = (
+        f"You may call these functions:\n<tools>{listing}</tools>\nTo call them, write "
+        f'{OPEN}[{{"name": ..., "arguments": {{...}}}}]{CLOSE}; otherwise answer in text.'
+    )
+    return {"grammar": grammar}, AUTO, preamble
+
+
+def _json_rule(schema: dict, config: ServerConfig) -> str:
+    """The ``%json {...}`` rule that compiles ``schema`` as a schema constraint does (rewritten
+    to be sound), for a Lark grammar of our own."""
+    grammar = grammar_for(open_objects=config.open_objects, schema=load_schema(schema))
+    head, tail = "start: %json ", grammar[grammar.index("\n%llguidance") :]
+    assert grammar.startswith(head), "the engine's schema grammar changed its form"
+    return grammar[len("start: ") : len(grammar) - len(tail)]
+
+
+def _parameters(function: dict) -> dict:
+    return function.get("parameters") or {"type": "object"}
+
+
+def _tool_constraint(functions: dict, choice, config: ServerConfig) -> tuple[dict, str, str]:
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
         if name not in functions:
@@ -300,12 +380,12 @@ def _tool_constraint(tools: list[dict], choice, config: ServerConfig) -> tuple[d
     elif choice != "required":
         raise APIError(
             400,
-            f"tool_choice={choice!r} is not supported: every reply here is constrained, so "
-            'pass tool_choice="required" or {"type": "function", "function": {"name": ...}}.',
+            f'tool_choice={choice!r} is unknown: pass "auto", "none", "required" or '
+            '{"type": "function", "function": {"name": ...}}.',
             "unsupported_tool_choice",
             "tool_choice",
         )
-    params = {n: f.get("parameters") or {"type": "object"} for n, f in functions.items()}
+    params = {n: _parameters(f) for n, f in functions.items()}
     if len(params) == 1:  # the reply is the arguments object itself
         ((name, schema),) = params.items()
         preamble = f"Call the function {name}; reply with its arguments as one JSON object."
@@ -556,19 +636,42 @@ def usage(prompt_tokens: int, results: list) -> dict:
 
 
 def message(plan_: Plan, result) -> tuple[dict, str]:
-    """The reply message and finish_reason; a stopped tool reply is a tool call."""
+    """The reply message and finish_reason; a stopped tool reply is a tool call, an "auto" one
+    its text and calls (if it made any)."""
     if plan_.tool is None or result.finish_reason != "stop":
         return {"role": "assistant", "content": result.text}, result.finish_reason
+    if plan_.tool == AUTO:
+        content, calls = split_calls(result.text)
+        if not calls:
+            return {"role": "assistant", "content": result.text}, "stop"
+        return {"role": "assistant", "content": content or None, "tool_calls": calls}, "tool_calls"
     name, arguments = plan_.tool, result.text
     if not name:  # several tools: the reply is {"name": ..., "arguments": {...}}
         envelope = json.loads(result.text)
         name, arguments = envelope["name"], json.dumps(envelope["arguments"])
-    call = {
+    return {"role": "assistant", "content": None, "tool_calls": [_call(name, arguments)]}, (
+        "tool_calls"
+    )
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
-    return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+
+
+def split_calls(text: str) -> tuple[str, list[dict]]:
+    """An "auto" reply's text outside its calls (stripped) and its calls: OPEN, one JSON list
+    (parsed, not searched for CLOSE: an argument may hold CLOSE), CLOSE."""
+    start = text.find(OPEN)
+    if start == -1:
+        return text.strip(), []
+    listed, end = json.JSONDecoder().raw_decode(text, start + len(OPEN))
+    assert text.startswith(CLOSE, end), "the grammar closes the calls"
+    calls = [_call(c["name"], json.dumps(c["arguments"])) for c in listed]
+    return (text[:start] + text[end + len(CLOSE) :]).strip(), calls
 
 
 def logprobs(result, vocab) -> dict | None:
@@ -746,6 +849,7 @@ class _Reply:
     model: str
     prompt_tokens: int
     results: dict = field(default_factory=dict)  # choice → Result
+    shown: dict = field(default_factory=dict)  # choice → its text streamed so far ("auto")
 
     @property
     def plan(self) -> Plan:
@@ -796,6 +900,8 @@ async def _sse(reply: _Reply, request: Request) -> AsyncIterator[str]:
             index, kind, value = await _next_event(reply.jobs, request, reply.worker)
             if kind == "piece" and tool is None:
                 yield chunk(rid, model, index, {"content": value})
+            elif kind == "piece" and tool == AUTO and (text := _before_calls(reply, index, value)):
+                yield chunk(rid, model, index, {"content": text})
             elif kind == "error":  # after the headers: reported in the stream, then closed
                 ended = True
                 yield f"data: {json.dumps({'error': {'message': value.message}})}\n\n"
@@ -811,6 +917,17 @@ async def _sse(reply: _Reply, request: Request) -> AsyncIterator[str]:
             _cancel(reply.jobs, reply.worker)
 
 
+def _before_calls(reply: _Reply, index: int, piece: str) -> str:
+    """The new text of an "auto" reply that may be streamed: up to its first call, less a tail
+    that may begin OPEN (shown once the next piece says it does not)."""
+    seen, sent = reply.shown.get(index, ("", 0))
+    seen += piece
+    end = seen.find(OPEN)
+    end = len(seen) - held_prefix(seen, OPEN) if end == -1 else end
+    reply.shown[index] = (seen, max(sent, end))
+    return seen[sent:end]
+
+
 def _last_chunks(reply: _Reply, index: int) -> list[str]:
     """A finished choice's closing chunks: its tool call (or a cut tool reply as text), then
     its finish_reason and log-probs (and the usage once every choice is done)."""
@@ -820,9 +937,15 @@ def _last_chunks(reply: _Reply, index: int) -> list[str]:
         (reply.rid, reply.model),
     )
     parts = []
-    if calls := choice["message"].get("tool_calls"):
-        parts.append(chunk(rid, model, index, {"tool_calls": [{"index": 0, **c} for c in calls]}))
-    elif reply.plan.tool is not None:
+    calls = choice["message"].get("tool_calls")
+    if reply.plan.tool == AUTO and not calls:  # the text held back, if any
+        _, sent = reply.shown.get(index, ("", 0))
+        if rest := result.text[sent:]:
+            parts.append(chunk(rid, model, index, {"content": rest}))
+    if calls:
+        deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+        parts.append(chunk(rid, model, index, {"tool_calls": deltas}))
+    elif reply.plan.tool not in (None, AUTO):  # a cut forced call is shown as text
         parts.append(chunk(rid, model, index, {"content": result.text}))
     extra = {"usage": reply.usage()} if len(reply.results) == len(reply.jobs) else {}
     if choice["logprobs"] is not None:

@@ -3,28 +3,59 @@ real HTTP server in this process (uvicorn in a thread) over a tiny model: quick 
 each field against the Python API token for token. Both ways of running requests: one at a
 time, and batched."""
 
+import dataclasses
+import json
 import socket
 import threading
 import time
 
+import jsonschema
 import pytest
+import torch
 
 openai = pytest.importorskip("openai", reason="the client tests need the [test] extra (openai)")
 uvicorn = pytest.importorskip("uvicorn", reason="the client tests need the [serve] extra")
 
 from constrained_spec import Generator, testing  # noqa: E402
 from constrained_spec.decoding.drafters import CompositeDrafter  # noqa: E402
-from constrained_spec.server import ServerConfig, create_app  # noqa: E402
+from constrained_spec.server import OPEN, ChatRequest, ServerConfig, create_app, plan  # noqa: E402
 
 FREE = "[a-z ]{0,40}"
 ASK = [{"role": "user", "content": "hello"}]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+ASK_WEATHER = [{"role": "user", "content": "weather?"}]
+ASK_OTHER = [{"role": "user", "content": "abba yes no"}]
+# How far the tiny model prefers to open a call after ASK_WEATHER's prompt (a logit): enough
+# that most of its sampled replies call the tool and some replies to ASK_OTHER do not.
+CALL_LOGIT = 9.0
 
 
 def tiny_generator() -> Generator:
+    """The tiny model with the call envelope's opening as one token of its own, and its LM head
+    steered to open a call after ASK_WEATHER's prompt (a random model would almost never)."""
     tokenizer = testing.tiny_tokenizer(
         chat_template="{% for m in messages %}{{ m.content }}{% endfor %}"
     )
-    return Generator(testing.tiny_model(tokenizer, seed=0), tokenizer, draft=CompositeDrafter())
+    tokenizer.add_tokens([OPEN])
+    model = testing.tiny_model(tokenizer, seed=0, max_positions=1024)  # the tools' preamble
+    gen = Generator(model, tokenizer, draft=CompositeDrafter())
+    prompt = gen.encode_prompt(
+        plan(ChatRequest(messages=ASK_WEATHER, tools=TOOLS), CONFIG).messages
+    )
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([prompt])).last_hidden_state[0, -1]  # (d,)
+        row = tokenizer.convert_tokens_to_ids(OPEN)
+        model.lm_head.weight[row] = CALL_LOGIT * hidden / hidden.norm() ** 2
+    return gen
+
+
+CONFIG = ServerConfig(model="tiny", max_tokens=100, max_queue=8)
 
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "batched"])
@@ -33,7 +64,7 @@ def served(request):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = ServerConfig(model="tiny", batch_size=request.param, max_tokens=64, max_queue=8)
+    config = dataclasses.replace(CONFIG, batch_size=request.param)
     app = create_app(config, load=tiny_generator)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -121,3 +152,121 @@ def test_bad_fields_answer_400_naming_the_field(served, fields, param, code):
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, **fields)
     assert e.value.body["param"] == param and e.value.body["code"] == code
+
+
+# ---------------------------------------------------------------- tools
+
+
+def calls_of(reply) -> list | None:
+    """A reply's calls, each checked: a stopped "auto" reply is text with no call envelope, or
+    calls whose arguments the tool's parameters accept; None for a reply cut at max_tokens."""
+    message, finish = reply.message, reply.finish_reason
+    if finish == "length":
+        assert message.tool_calls is None
+        return None
+    if finish == "stop":
+        assert message.tool_calls is None and OPEN not in message.content
+        return []
+    assert finish == "tool_calls" and message.tool_calls, reply
+    for call in message.tool_calls:
+        assert call.type == "function" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    return message.tool_calls
+
+
+@pytest.mark.parametrize("choice", [None, "auto"])
+def test_auto_replies_are_text_or_calls_with_valid_arguments(served, choice):
+    client, *_ = served
+    picked = {} if choice is None else {"tool_choice": choice}
+    replies = [
+        c
+        for messages in (ASK_WEATHER, ASK_OTHER)
+        for c in client.chat.completions.create(
+            model="tiny", messages=messages, tools=TOOLS, n=8, seed=3, temperature=1.0,
+            max_tokens=100, **picked,
+        ).choices
+    ]  # fmt: skip
+    made = sum(bool(calls_of(c)) for c in replies)
+    text = sum(OPEN not in (c.message.content or OPEN) for c in replies)  # stopped or cut
+    assert made >= 4 and text >= 2, f"{made} replies called, {text} answered in text"
+
+
+def test_auto_calls_stream_in_openai_delta_shape(served):
+    client, _, batch_size = served
+    temperature = 1.0 if batch_size > 1 else 0.0  # see test_n_choices_each_with_its_own_seed
+    settings = dict(model="tiny", messages=ASK_WEATHER, tools=TOOLS, n=4, seed=3, max_tokens=100)
+    whole = client.chat.completions.create(temperature=temperature, **settings).choices
+    assert any(calls_of(c) for c in whole), "no call to stream"
+    content, deltas, finish = {}, {}, {}
+    for part in client.chat.completions.create(temperature=temperature, stream=True, **settings):
+        for c in part.choices:
+            content[c.index] = content.get(c.index, "") + (c.delta.content or "")
+            deltas.setdefault(c.index, []).extend(c.delta.tool_calls or [])
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    for c in whole:
+        assert finish[c.index] == c.finish_reason
+        if c.finish_reason != "tool_calls":  # text, or a call cut at max_tokens: as text
+            assert content[c.index] == c.message.content and not deltas[c.index]
+            continue
+        got = [
+            (d.index, d.id, d.type, d.function.name, d.function.arguments) for d in deltas[c.index]
+        ]
+        sent = [
+            (i, t.id, t.type, t.function.name, t.function.arguments)
+            for i, t in enumerate(c.message.tool_calls)
+        ]
+        assert [g[:1] + g[2:] for g in got] == [s[:1] + s[2:] for s in sent]  # ids are fresh
+        assert all(g[1].startswith("call_") for g in got)
+        assert OPEN not in content[c.index]
+
+
+def test_tool_choice_none_answers_in_text_and_required_calls(served):
+    client, *_ = served
+    settings = dict(model="tiny", messages=ASK_WEATHER, tools=TOOLS, n=4, seed=3, max_tokens=100)
+    for c in client.chat.completions.create(tool_choice="none", **settings).choices:
+        assert c.message.tool_calls is None
+    forced = client.chat.completions.create(tool_choice="required", **settings).choices
+    assert sum(c.finish_reason == "tool_calls" for c in forced) >= 1
+    for c in forced:
+        if c.finish_reason == "tool_calls":
+            calls_of(c)
+
+
+def test_parallel_tool_calls_false_allows_one_call(served):
+    _, gen, _ = served
+    one = '<tool_call>[{"name":"get_weather","arguments":{"city":"Paris"}}]</tool_call>'
+    two = one.replace("}}]", '}},{"name":"get_weather","arguments":{"city":"Rome"}}]')
+    for parallel, accepted in ((None, (True, True)), (False, (True, False))):
+        request = ChatRequest(messages=ASK_WEATHER, tools=TOOLS, parallel_tool_calls=parallel)
+        constraint = gen.compile(**plan(request, CONFIG).constraint)
+        assert (constraint.accepts(one), constraint.accepts(two)) == accepted
+        assert constraint.accepts("plain text") and not constraint.accepts(f"hi {OPEN} bad")
+
+
+def test_a_tool_whose_parameters_cannot_compile_is_a_400_naming_it(served):
+    client, *_ = served
+    bad = {"type": "object", "properties": {"link": {"type": "string", "format": "uri-template"}}}
+    tools = TOOLS + [{"type": "function", "function": {"name": "open_link", "parameters": bad}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=ASK_WEATHER, tools=tools)
+    body = e.value.body
+    assert body["param"] == "tools" and body["code"] == "unsupported_schema"
+    assert "open_link" in body["message"] and "uri-template" in body["message"]
+
+
+def test_an_agent_loop_call_then_result_then_answer(served):
+    """The call goes back to the model in the envelope it writes, the tool's result through
+    the chat template, and the next reply comes."""
+    client, gen, _ = served
+    settings = dict(model="tiny", tools=TOOLS, seed=3, temperature=0.0, max_tokens=100)
+    first = client.chat.completions.create(messages=ASK_WEATHER, **settings).choices[0]
+    (call,) = calls_of(first)
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 18}'}
+    history = ASK_WEATHER + [first.message.model_dump(exclude_none=True), result]
+    final = client.chat.completions.create(messages=history, tool_choice="none", **settings)
+    assert final.choices[0].message.content is not None
+    shown = gen.tokenizer.decode(
+        gen.encode_prompt(plan(ChatRequest(messages=history), CONFIG).messages)
+    )
+    assert f'{OPEN}[{{"name": "get_weather", "arguments": {call.function.arguments}}}]' in shown
+    assert shown.endswith('{"celsius": 18}')

@@ -196,6 +196,27 @@ def test_tool_call_arguments_follow_the_parameters(client, choice):
     jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
 
 
+@pytest.mark.parametrize("choice", [None, "auto"])
+def test_auto_replies_are_text_or_valid_calls(client, choice):
+    """The SDK's default: the model answers in text or calls a tool; a call's arguments follow
+    the tool's parameters (the default model mostly answers in text: both are checked)."""
+    picked = {} if choice is None else {"tool_choice": choice}
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for question in ("What is the weather in Paris, in celsius?", "Add Bob, 41, please."):
+        r = client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": question}], tools=TOOLS,
+            temperature=0, max_tokens=64, **picked,
+        )  # fmt: skip
+        reply = r.choices[0]
+        assert reply.finish_reason in ("stop", "tool_calls", "length"), reply
+        if reply.finish_reason == "tool_calls":
+            for call in reply.message.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                jsonschema.validate(arguments, parameters[call.function.name])
+        else:
+            assert reply.message.tool_calls is None and "<tool_call>" not in reply.message.content
+
+
 def test_streamed_tool_call(client):
     stream = client.chat.completions.create(
         model="any",
@@ -273,7 +294,11 @@ def test_unsupported_schema_is_a_400_naming_the_keyword(client):
         ({"messages": ASK, "regex": "(?=a)a"}, 400, "invalid_regex"),
         ({"messages": ASK, "grammar": "nope"}, 400, "unknown_grammar"),
         ({"messages": ASK, "grammar": "/etc/hostname"}, 400, "unknown_grammar"),  # no paths
-        ({"messages": ASK, "tools": TOOLS, "tool_choice": "auto"}, 400, "unsupported_tool_choice"),
+        (
+            {"messages": ASK, "tools": TOOLS, "tool_choice": "sometimes"},
+            400,
+            "unsupported_tool_choice",
+        ),
         (
             {"messages": ASK, "response_format": json_format({"enum": ["x" * 5000]})},
             400,

@@ -90,7 +90,7 @@ class ReplyText:
         part of the reply)."""
         end = len(self.data) if self.end is None else self.end
         if not finished and self.end is None and self.stop:
-            end -= max(_held(bytes(self.data), s) for s in self.stop)
+            end -= max(held_prefix(bytes(self.data), s) for s in self.stop)
         out, self.sent = bytes(self.data[self.sent : end]), max(self.sent, end)
         return out
 
@@ -102,6 +102,7 @@ def _occurrences(data: bytes, s: bytes, start: int):
         at = data.find(s, at + 1)
 
 
-def _held(data: bytes, s: bytes) -> int:
-    """The longest proper prefix of ``s`` that ``data`` ends with (its length; 0 if none)."""
+def held_prefix(data, s) -> int:
+    """The length of the longest proper prefix of ``s`` that ``data`` ends with (0 if none):
+    what a stream holds back while it may be the start of ``s`` (bytes or str)."""
     return next((k for k in range(min(len(s) - 1, len(data)), 0, -1) if data.endswith(s[:k])), 0)
