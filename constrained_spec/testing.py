@@ -131,13 +131,17 @@ K_SCALES = {"Q4_K": (2e-4, 1.5e-3), "Q5_K": (1e-4, 1.5e-3), "Q6_K": (5e-5, 0.0)}
 
 def gguf_blocks(kind: str, rows: int, k: int, rng) -> np.ndarray:
     """Random (rows, k) weights as ``kind``'s raw blocks (rows, bytes): the simple types through
-    gguf's quantizer, K-quants as random blocks with fp16 scales of realistic size."""
+    gguf's quantizer, K-quants as random blocks with fp16 scales of realistic size, types gguf
+    cannot quantize (which we refuse) as random bytes."""
     qtype = gguf.GGMLQuantizationType[kind]
-    if kind not in K_SCALES:
-        w = (rng.standard_normal((rows, k)) * 0.05).astype(np.float32)
-        return gguf.quants.quantize(w, qtype)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
+    if kind not in K_SCALES:
+        w = (rng.standard_normal((rows, k)) * 0.05).astype(np.float32)
+        try:
+            return gguf.quants.quantize(w, qtype)
+        except NotImplementedError:  # a type we refuse (Q2_K, IQ*): any bytes will do
+            return raw.reshape(rows, -1)
     d, dmin = K_SCALES[kind]
     scale = lambda v, n: (rng.uniform(0.5, 1.5, (rows, k // block, n)) * v).astype(np.float16)
     if kind == "Q6_K":  # ql, qh, scales (int8), d

@@ -188,10 +188,11 @@ def auto_weights(name_or_path: str) -> tuple[str, str]:
     shape."""
     gguf = _user_gguf(name_or_path)
     local = Path(name_or_path).expanduser()
+    reader = files.read_gguf(gguf) if gguf else None  # an unreadable file: its error, not float
     try:
         if name_or_path in BUILTIN_MODELS or gguf:
             if gguf:
-                files.check_gguf(files.read_gguf(gguf), gguf)
+                files.check_gguf(reader, gguf)
             choice, config = (
                 "int4",
                 load_config(gguf or _converted_copy(name_or_path, BUILTIN_MODELS[name_or_path])),
