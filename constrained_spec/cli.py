@@ -278,6 +278,14 @@ def _add_decoding_arguments(gen: argparse.ArgumentParser) -> None:
         "satisfy the constraint: exit code 3, stdout empty (see --partial)",
     )
     gen.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="end the output before TEXT, where the constraint lets it end there "
+        "(repeatable, up to 4)",
+    )
+    gen.add_argument(
         "--partial",
         action="store_true",
         help="with exit code 3 (stopped at --max-new-tokens), still print the incomplete "
@@ -478,7 +486,7 @@ def _constraint(args) -> dict:
 
 def _validate(args) -> Invocation:
     """Everything that can be checked without the model; raises UsageError / ConstraintError."""
-    settings = {f: getattr(args, f) for f in SETTINGS}
+    settings = {f: v for f, v in vars(args).items() if f in SETTINGS}  # those it has flags for
     problems = setting_problems(settings, lambda field: f"--{field.replace('_', '-')} ")
     if not args.prompt.strip():
         problems.append("PROMPT is empty: give the model something to respond to")
@@ -578,6 +586,7 @@ def _generate(args, out: Console, err: Console) -> int:
             speculative=not args.no_speculation,
             seed=args.seed,
             adaptive_k=args.adaptive_k,
+            stop=args.stop,
             on_round=meter.chain(view),
         )
     finally:

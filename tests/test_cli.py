@@ -31,6 +31,7 @@ FLAGS = [
     "--top-p",
     "--seed",
     "--max-new-tokens",
+    "--stop",
     "--partial",
     "--num-draft-tokens",
     "--adaptive-k",
@@ -107,6 +108,11 @@ BAD = [
     (["--regex", "a", "--max-new-tokens", "0"], "--max-new-tokens 0 must be >= 1"),
     (["--regex", "a", "--num-draft-tokens", "-2"], "--num-draft-tokens -2 must be >= 0"),
     (["--regex", "a", "--top-k", "many"], "invalid int value"),
+    (["--regex", "a", *["--stop", "x"] * 5], "--stop ['x', 'x', 'x', 'x', 'x'] must be a string"),
+    (
+        ["--regex", "a", "--stop", ""],
+        "--stop [''] must be a string or a list of at most 4 non-empty",
+    ),
     (["--regex", "a", "--grammar", "uuid"], "not allowed with"),
     ([], "one of the arguments --schema --regex --grammar is required"),
 ]
@@ -240,3 +246,15 @@ def test_generate_on_the_default_model():
     )
     assert "target calls" in out.stderr and "acceptance by position" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_stop_ends_the_output_before_it(tiny_target, tiny_tokenizer, monkeypatch, capsys):
+    gen = Generator(tiny_target, tiny_tokenizer)
+    monkeypatch.setattr(Generator, "from_pretrained", classmethod(lambda cls, *a, **k: gen))
+    job = ["generate", "--regex", "[a-z ]{0,40}", "--raw-prompt", "hello"]
+    assert cli.main(job) == 0
+    whole = capsys.readouterr().out.rstrip("\n")
+    stop = whole[9:11]
+    assert len(stop) == 2 and whole.index(stop) > 0
+    assert cli.main(job[:-1] + ["--stop", stop, "--stop", "zzz", "hello"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == whole[: whole.index(stop)]
