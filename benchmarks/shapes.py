@@ -423,17 +423,79 @@ def measure_llama_cpp(path: Path, requests: list[dict], args) -> dict:
 def ours(path: Path, requests: list[dict], reps: int = 5, max_new_tokens: int = 64) -> dict:
     """The same (a) and (b) for our engine on ``path``: Generator.from_pretrained(path), the
     masked baseline (no drafter), and run.forward_ms on its target; (c) from
-    run.bandwidth_limit. A file it cannot load gives status "unavailable" and the error."""
+    run.bandwidth_limit. Also the default path with only the drafts that do not depend on the
+    weights' values (forced tokens and grammar-forced text: FREE_DRAFTS), and the speculative
+    speed modelled from the passes (modelled_speedup). A file it cannot load gives status
+    "unavailable" and the error."""
     try:
         gen = Generator.from_pretrained(str(path), draft=None)
-    except Exception as e:  # the GGUF loader is new: a refusal is a result, not a crash
+    except Exception as e:  # a refusal is a result, not a crash
         return {"engine": "ours", "status": "unavailable", "error": f"{type(e).__name__}: {e}"}
+    rows = _our_requests(gen, requests, max_new_tokens, speculative=False)
+    free = _our_requests(gen, requests, max_new_tokens, drafter=FREE_DRAFTS())
+    context = requests[0]["prompt_ids"][:CONTEXT_TOKENS]
+    passes = {n: min(run.forward_ms(gen.target, context, n, reps)[1:]) for n in PASS_TOKENS}
+    limit = run.bandwidth_limit(gen.target)
+    baseline = decode_rate(rows[1:])
+    speedup = modelled_speedup(passes)
+    return {
+        "engine": "ours",
+        "weights": gen.weights,
+        "weights_choice": getattr(gen, "weights_choice", None),
+        **baseline,
+        "free_drafts": decode_rate(free[1:]),
+        "modelled": {**speedup, "decode_tok_s": baseline["decode_tok_s"] * speedup["speedup"]},
+        "pass_ms": passes,
+        "weight_bytes": limit["weight_bytes"],
+        **machine_now(),
+    }
+
+
+def FREE_DRAFTS():
+    """The default drafter (CompositeDrafter, drafts of at most 3 tokens on a 4-bit target)
+    without prompt lookup: forced tokens and grammar-forced text only, whose acceptance does not
+    depend on the weights' values (random weights make a lookup's acceptance meaningless)."""
+    from constrained_spec.decoding.drafters import CompositeDrafter
+    from constrained_spec.generator import QUANTIZED_MAX_DRAFT
+
+    return CompositeDrafter(model=None, use_lookup=False, max_draft=QUANTIZED_MAX_DRAFT)
+
+
+# Acceptance on the real default model (benchmarks/results/extract-fast: the default drafts, lookup
+# capped at 3, greedy): what modelled_speedup carries over to the shapes.
+ACCEPTANCE_SOURCE = HERE / "results" / "extract-fast" / "summary.json"
+ACCEPTANCE_CONFIG = "lookup/d3"
+
+
+def modelled_speedup(passes: dict[int, float]) -> dict:
+    """The default path's speedup over the masked baseline at a shape, modelled: a round commits
+    what it commits on the real default model (tokens per target call T, drafted tokens per call
+    D) at this shape's cost of a pass over 1 + D tokens (linear between the measured passes):
+    T·pass(1) / pass(1 + D). Labelled modelled: random weights cannot measure acceptance."""
+    s = json.loads(ACCEPTANCE_SOURCE.read_text())["summary"][ACCEPTANCE_CONFIG]
+    calls = s["runs"] * s["output_tokens_mean"] / s["tokens_per_call"]
+    drafted = s["drafted"] / calls
+    width = 1 + drafted
+    points = sorted(passes.items())
+    (a, ta), (b, tb) = next((p, q) for p, q in zip(points, points[1:]) if p[0] <= width <= q[0])
+    verify = ta + (tb - ta) * (width - a) / (b - a)
+    return {
+        "tokens_per_call": s["tokens_per_call"],
+        "drafted_per_call": drafted,
+        "verify_ms": verify,
+        "speedup": s["tokens_per_call"] * passes[1] / verify,
+        "from": f"{ACCEPTANCE_SOURCE.relative_to(HERE.parent)} {ACCEPTANCE_CONFIG}",
+    }
+
+
+def _our_requests(gen, requests, max_new_tokens: int, **options) -> list[dict]:
+    """Each request once (the first twice: a warm-up), its whole prompt computed."""
     rows = []
-    for r in [requests[0], *requests]:  # the first: a warm-up
+    for r in [requests[0], *requests]:
         run.forget_prompts(gen.target)  # each request computes its whole prompt
         t0 = time.perf_counter()
         result = gen.generate(
-            r["prompt_ids"], schema=r["schema"], max_new_tokens=max_new_tokens, speculative=False
+            r["prompt_ids"], schema=r["schema"], max_new_tokens=max_new_tokens, **options
         )
         wall = time.perf_counter() - t0
         n = len(result.token_ids) + (result.finish_reason == "stop")  # EOS counted, as llama.cpp's
@@ -444,20 +506,10 @@ def ours(path: Path, requests: list[dict], reps: int = 5, max_new_tokens: int = 
                 "wall_s": wall,
                 "ttft_s": result.stats.ttft_s,
                 "text": result.text,
+                "drafted": result.stats.drafted,
             }
         )
-    context = requests[0]["prompt_ids"][:CONTEXT_TOKENS]
-    passes = {n: min(run.forward_ms(gen.target, context, n, reps)[1:]) for n in PASS_TOKENS}
-    limit = run.bandwidth_limit(gen.target)
-    return {
-        "engine": "ours",
-        "weights": gen.weights,
-        "weights_choice": getattr(gen, "weights_choice", None),
-        **decode_rate(rows[1:]),
-        "pass_ms": passes,
-        "weight_bytes": limit["weight_bytes"],
-        **machine_now(),
-    }
+    return rows
 
 
 # --- the report ---------------------------------------------------------------------------------
@@ -495,6 +547,28 @@ def report(results: dict) -> str:
                 f"| {p[4]:.1f} ({p[4] / p[1]:.2f}) | {p[8]:.1f} ({p[8] / p[1]:.2f}) "
                 f"| {m['decode_tok_s']:.1f} | {m['wall_tok_s']:.1f} |"
             )
+    lines += [
+        "",
+        "Decode tok/s against llama.cpp's on the same file and requests (× llama.cpp): our masked "
+        "baseline; our default path with only the drafts that do not depend on the weights' "
+        "values (forced tokens, grammar-forced text: measured); the default path with prompt "
+        "lookup, **modelled** (modelled_speedup: the real default model's acceptance at this "
+        "shape's pass costs).",
+        "",
+        "| shape | llama.cpp | ours, baseline | ours, forced + grammar drafts | ours, default path (modelled) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, entry in results["shapes"].items():
+        theirs, m = entry.get("llama.cpp"), entry.get("ours")
+        if not theirs or not m or m.get("status") == "unavailable":
+            continue
+        base = theirs["decode_tok_s"]
+        cells = [m["decode_tok_s"], m["free_drafts"]["decode_tok_s"], m["modelled"]["decode_tok_s"]]
+        lines.append(
+            f"| {name} | {base:.1f} | "
+            + " | ".join(f"{v:.1f} ({v / base:.2f}×)" for v in cells)
+            + " |"
+        )
     lines += ["", "Tensor types (Q4_K_M, per role: type × tensors):", ""]
     for name, entry in results["shapes"].items():
         roles = "; ".join(
