@@ -135,13 +135,13 @@ def gguf_blocks(kind: str, rows: int, k: int, rng) -> np.ndarray:
     cannot quantize (which we refuse) as random bytes."""
     qtype = gguf.GGMLQuantizationType[kind]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
     if kind not in K_SCALES:
         w = (rng.standard_normal((rows, k)) * 0.05).astype(np.float32)
         try:
             return gguf.quants.quantize(w, qtype)
         except NotImplementedError:  # a type we refuse (Q2_K, IQ*): any bytes will do
-            return raw.reshape(rows, -1)
+            return rng.integers(0, 256, (rows, k // block * size), dtype=np.uint8)
+    raw = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
     d, dmin = K_SCALES[kind]
     scale = lambda v, n: (rng.uniform(0.5, 1.5, (rows, k // block, n)) * v).astype(np.float16)
     if kind == "Q6_K":  # ql, qh, scales (int8), d

@@ -98,9 +98,9 @@ def test_every_tensor_type_runs_within_its_stated_bound(kind, tmp_path):
 @pytest.mark.parametrize(
     "arch, types, shape, bound",
     [
-        ("llama", "Q4_K", {}, 0.04),
+        ("llama", "Q4_K", {}, 0.05),
         ("llama", "Q8_0", {}, 0.02),
-        ("qwen2", Q4_K_M, {}, 0.04),
+        ("qwen2", Q4_K_M, {}, 0.05),
         ("qwen3", "Q4_0", dict(heads=2, kv_heads=1), 0.03),  # transformers reads head_dim 128 only
     ],
     ids=["llama-Q4_K", "llama-Q8_0", "qwen2-Q4_K_M", "qwen3-Q4_0"],

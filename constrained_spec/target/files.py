@@ -14,6 +14,7 @@ file's values exactly (gguf's dequantization); norms, biases and rotary factors 
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from pathlib import Path
 
@@ -53,10 +54,18 @@ LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "f
 
 def read_gguf(path: str | Path) -> GGUFReader:
     """The file's reader (memory-mapped: metadata parsed, no weight read), or a WeightsError
-    naming the file and what is wrong with it."""
-    path = Path(path)
+    naming the file and what is wrong with it. Parsed once per file version: a large
+    vocabulary's metadata takes seconds, and a load reads it for the checks, the config and
+    the weights."""
+    path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise WeightsError(f"{path}: no such GGUF file.")
+    stat = path.stat()
+    return _reader(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: Path, size: int, mtime_ns: int) -> GGUFReader:
     try:
         return GGUFReader(str(path))
     except (ValueError, OSError, IndexError, KeyError, TypeError, OverflowError) as err:
@@ -245,26 +254,36 @@ def _blocks(tensor, copies: int):
 
 
 def affine_groups(tensor):
-    """An AFFINE_BITS tensor as q (N, K) uint8 and d, m (N, K/32) float32, w = d·q + m: the scales
-    from the blocks' headers, q from gguf's dequantized values (exact: d·q + m in float32)."""
+    """An AFFINE_BITS tensor as q (N, K) uint8 and d, m (N, K/32) float32, w = d·q + m: q read
+    from the blocks' nibbles (and high bits), the scales from their headers."""
     kind = tensor.tensor_type.name
     raw = np.ascontiguousarray(tensor.data)
-    w = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]))  # (N, K) float32
-    rows, k = w.shape
-    d, m = (torch.from_numpy(x).reshape(rows, k // kernels.GROUP) for x in _group_scales(raw, kind))
-    groups = w.view(rows, -1, kernels.GROUP)
-    live = d != 0
-    exact = (groups - m[..., None]) / torch.where(live, d, 1)[..., None]
-    q = torch.where(live[..., None], exact.round(), 0)
-    if (
-        ((exact - q).abs() * live[..., None] > 1e-2).any()
-        or (q < 0).any()
-        or (q >= 2 ** AFFINE_BITS[kind]).any()
-    ):
-        raise WeightsError(
-            f"tensor {tensor.name} ({kind}): blocks that are not on their own grid (a corrupt file)."
-        )
-    return q.to(torch.uint8).view(rows, k), d, m
+    rows = raw.shape[0]
+    d, m = (torch.from_numpy(x).reshape(rows, -1) for x in _group_scales(raw, kind))
+    q = torch.from_numpy(_quants(raw, kind)).reshape(rows, -1)
+    return q, d, m
+
+
+def _quants(raw: np.ndarray, kind: str) -> np.ndarray:
+    """q (blocks, elements) uint8 of an AFFINE_BITS tensor's raw blocks, as gguf lays them out
+    (tests: every type's weights against gguf's dequantization)."""
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
+    b = raw.reshape(-1, size)
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):  # 32 elements: j low nibble, j + 16 high
+        nibbles = b[:, -16:]
+        q = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=1)
+        if kind in ("Q5_0", "Q5_1"):  # element j's fifth bit: bit j of a 32-bit word
+            qh = np.ascontiguousarray(b[:, -20:-16]).view("<u4")
+            q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+        return q
+    # Q4_K / Q5_K: 256 elements in 8 sub-blocks of 32; sub-blocks 2c and 2c + 1 are the low and
+    # high nibbles of the c-th 32 bytes; Q5_K's fifth bit of sub-block i, element j: bit i of qh[j]
+    qs = b[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(-1, 8, 32)
+    if kind == "Q5_K":
+        qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        q = q | ((qh & 1) << 4)
+    return q.reshape(-1, 256)
 
 
 def _group_scales(raw: np.ndarray, kind: str):
