@@ -143,7 +143,7 @@ def load_model(
     if weights == "int4" and (name_or_path in BUILTIN_MODELS or gguf):
         model, tokenizer = _load_gguf_int4(name_or_path)
         measured = calibration(model.config)
-        choose_layers(_model_key(name_or_path), model)
+        choose_layers(_model_key(name_or_path, model), model)
         model.use_prefill(prefill_kernel(measured, model.matmul, model.layer_kernel == "fused"))
         model.use_head(measured["head"])
         return model, tokenizer
@@ -153,7 +153,7 @@ def load_model(
     model, tokenizer = _load_float(name_or_path, dtype)
     if weights != "float":
         model = llama.from_transformers(model, weights)
-        choose_layers(_model_key(name_or_path), model)
+        choose_layers(_model_key(name_or_path, model), model)
     return model.eval(), tokenizer
 
 
@@ -165,13 +165,21 @@ def _user_gguf(name_or_path: str) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
-def _model_key(name_or_path: str) -> str:
-    """A loaded model's name in the measurement cache: built-in names as they are, files by
-    their path and size (another file at the same path is measured anew)."""
-    path = Path(name_or_path).expanduser()
-    if name_or_path in BUILTIN_MODELS or not path.exists():
+def _model_key(name_or_path: str, model) -> str:
+    """A loaded model's name in the measurement cache: built-in names as they are, other
+    models by their shape and tensor types (what their layers' cost depends on), so that a
+    file's copy, or a test's fresh file, reuses the measurement."""
+    if name_or_path in BUILTIN_MODELS:
         return name_or_path
-    return f"{path.resolve()} ({path.stat().st_size} bytes)"
+    types = files.describe(model.tensor_types) if model.tensor_types else model.weights
+    return f"{_shape_key(model.config)} | {types}"
+
+
+def _shape_key(config) -> str:
+    d, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    h, kv, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
+    hd = getattr(config, "head_dim", None) or d // h
+    return f"L{layers} d{d} i{i} h{h}x{hd} kv{kv} V{v}"
 
 
 def choose_weights(name_or_path: str) -> str:
@@ -267,11 +275,7 @@ CALIBRATION = "v9: per shape; each 4-bit matmul kernel measured (AMX too), 8-bit
 def calibration(config) -> dict:
     """The linear-kernel timings behind ``auto_weights`` and the kernel choices for a model of
     ``config``'s shapes, cached."""
-    d, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    h, kv = config.num_attention_heads, config.num_key_value_heads
-    hd = getattr(config, "head_dim", None) or d // h
-    key = f"d{d} i{i} h{h}x{hd} kv{kv} V{v} | {CALIBRATION}"
-    return remembered(key, lambda: _measure_kernels(config))
+    return remembered(f"{_shape_key(config)} | {CALIBRATION}", lambda: _measure_kernels(config))
 
 
 def _measure_kernels(config) -> dict:
