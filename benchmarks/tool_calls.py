@@ -2,13 +2,14 @@
 arguments checked against its tool's parameters, and the share of replies that call a tool.
 
     python benchmarks/tool_calls.py --n 200 --data /path/to/jsonschemabench-dev
+    python benchmarks/tool_calls.py --n 200 --data ... --temperature 1 --tool-choice required
 
 Each file is one request: its tools (BFCL: one per function, the schema's {name: parameters};
 Glaive: the file's function, named from the file, with the schema as its parameters) and a user
 message asking for what the file's first valid instance does ("Please get historical GDP:
 country: US, start_year: 2000."). Requests run as the server runs them: ``server.plan`` builds
-the constraint and the tools' preamble a client gets, ``Generator.generate`` decodes (greedy,
-the default model), ``server.message`` reads the calls back. A tool whose parameters the
+the constraint and the tools' preamble a client gets, ``Generator.generate`` decodes (the
+default model; request i is seeded i), ``server.message`` reads the calls back. A tool whose parameters the
 compiler refuses is counted as refused (the server answers 400).
 """
 
@@ -27,7 +28,14 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent)]
 
 from constrained_spec import Generator  # noqa: E402
-from constrained_spec.server import APIError, ChatRequest, ServerConfig, message, plan  # noqa: E402
+from constrained_spec.server import (  # noqa: E402
+    APIError,
+    ChatRequest,
+    ServerConfig,
+    as_request,
+    message,
+    plan,
+)
 from constrained_spec.testing import schema_validator  # noqa: E402
 
 SOURCES = ("BFCL_", "Glaiveai2K---")
@@ -71,24 +79,33 @@ def requests(data: Path, n: int) -> list[tuple[str, dict, str]]:
     return out
 
 
-def run(gen: Generator, chosen, max_tokens: int) -> tuple[Counter, list[dict]]:
+def run(gen: Generator, chosen, args) -> tuple[Counter, list[dict]]:
     counts, invalid = Counter(), []
     config = ServerConfig()
-    for name, tools, text in chosen:
+    for i, (name, tools, text) in enumerate(chosen):
         listed = [
             {"type": "function", "function": {"name": re.sub(r"[^\w.-]", "_", t), "parameters": p}}
             for t, p in tools.items()
         ]
-        request = ChatRequest(messages=[{"role": "user", "content": text}], tools=listed)
+        request = ChatRequest(
+            messages=[{"role": "user", "content": text}],
+            tools=listed,
+            tool_choice=args.tool_choice,
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+            seed=i,
+        )
         try:
             p = plan(request, config)
         except APIError as e:
             counts["refused"] += 1
             print(f"refused {name}: {e.message[:120]}", file=sys.stderr)
             continue
-        result = gen.generate(p.messages, **p.constraint, max_new_tokens=max_tokens)
+        result = gen.generate(as_request(p))
         msg, finish = message(p, result)
         counts[finish] += 1
+        calls = len(msg.get("tool_calls") or [])
+        print(json.dumps({"file": name, "finish": finish, "calls": calls}), file=sys.stderr)
         params = {t["function"]["name"]: t["function"]["parameters"] for t in listed}
         for call in msg.get("tool_calls") or []:
             counts["calls"] += 1
@@ -104,14 +121,19 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--data", type=Path, default=HERE / "data" / "sample")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--tool-choice", default="auto", choices=["auto", "required"])
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--model", default=None, help="default: the built-in default model")
     args = ap.parse_args()
     chosen = requests(args.data, args.n)
     gen = Generator.from_pretrained(args.model) if args.model else Generator.from_pretrained()
     start = time.perf_counter()
-    counts, invalid = run(gen, chosen, args.max_tokens)
+    counts, invalid = run(gen, chosen, args)
     replies = len(chosen) - counts["refused"]
     report = {
+        "tool_choice": args.tool_choice,
+        "temperature": args.temperature,
+        "max_tokens": args.max_tokens,
         "requests": len(chosen),
         "refused": counts["refused"],
         "replies": replies,

@@ -522,7 +522,7 @@ class Worker:
         try:
             if self.gen is None:
                 raise APIError(500, f"the model failed to load: {self.load_error}", "load_failed")
-            stream = self.gen.stream(_request(p))  # checks and compiles, before model work
+            stream = self.gen.stream(as_request(p))  # checks and compiles, before model work
             job.send("start", len(self.gen.encode_prompt(p.messages)))
             for item in stream:
                 if job.cancelled.is_set():  # the client has gone: stop decoding now
@@ -571,7 +571,7 @@ class Worker:
         """The job as a batch row, checked, compiled and prefilled; None (and its error sent)
         if its request is unusable."""
         try:
-            row = self.gen.row(_request(job.plan), batched=True)
+            row = self.gen.row(as_request(job.plan), batched=True)
             loop.admit(self.gen.target, row)
         except (ConstraintError, GenerationInputError) as e:
             job.send("error", APIError(400, str(e), "invalid_request"))
@@ -585,7 +585,7 @@ class Worker:
         return _Live(job, row)
 
 
-def _request(p) -> GenerationRequest:
+def as_request(p: Plan) -> GenerationRequest:
     """A job's plan as the Generator's request."""
     return GenerationRequest(
         p.messages,
