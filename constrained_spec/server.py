@@ -518,7 +518,7 @@ class Worker:
                 self._run(job)
 
     def _run(self, job: Job) -> None:
-        outcome, p = "failed", job.plan
+        p = job.plan
         try:
             if self.gen is None:
                 raise APIError(500, f"the model failed to load: {self.load_error}", "load_failed")
@@ -528,16 +528,25 @@ class Worker:
                 if job.cancelled.is_set():  # the client has gone: stop decoding now
                     stream.close()
                     return
-                job.send("piece" if isinstance(item, str) else "done", item)
-            outcome = "completed"
+                if isinstance(item, str):
+                    job.send("piece", item)
+                else:
+                    self._end(job, "completed", "done", item)
         except (ConstraintError, GenerationInputError) as e:  # the schema compile, the prompt
-            job.send("error", APIError(400, str(e), "invalid_request"))
+            self._end(job, "failed", "error", APIError(400, str(e), "invalid_request"))
         except APIError as e:
-            job.send("error", e)
+            self._end(job, "failed", "error", e)
         except Exception as e:  # a bug: answer 500 with its name, keep serving
-            job.send("error", APIError(500, f"{type(e).__name__}: {e}", "internal_error"))
-        finally:
-            self.release(job, outcome)
+            error = APIError(500, f"{type(e).__name__}: {e}", "internal_error")
+            self._end(job, "failed", "error", error)
+        finally:  # a cancelled job's slot went back when it was cancelled
+            self.release(job, "failed")
+
+    def _end(self, job: Job, outcome: str, kind: str, value) -> None:
+        """A job's last event, its slot given back first: a client that sends its next
+        request as soon as it hears finds the slot free."""
+        self.release(job, outcome)
+        job.send(kind, value)
 
     def _run_batched(self) -> None:
         """Decode up to batch_size jobs together (loop.step: one target forward per round for
@@ -555,16 +564,15 @@ class Worker:
                 loop.step(self.gen.target, [a.row for a in active])
             except Exception as e:  # a bug: every job in the round answers 500
                 for a in active:
-                    a.job.send("error", APIError(500, f"{type(e).__name__}: {e}", "internal_error"))
-                    self.release(a.job, "failed")
+                    error = APIError(500, f"{type(e).__name__}: {e}", "internal_error")
+                    self._end(a.job, "failed", "error", error)
                 active = []
             for a in list(active):
                 if piece := a.new_text():
                     a.job.send("piece", piece)
                 if a.row.finished:
                     a.row.stats.total_s = time.perf_counter() - a.row.started
-                    a.job.send("done", self.gen.result(a.row))
-                    self.release(a.job, "completed")
+                    self._end(a.job, "completed", "done", self.gen.result(a.row))
                     active.remove(a)
 
     def _admit(self, job: Job) -> _Live | None:
@@ -574,12 +582,11 @@ class Worker:
             row = self.gen.row(as_request(job.plan), batched=True)
             loop.admit(self.gen.target, row)
         except (ConstraintError, GenerationInputError) as e:
-            job.send("error", APIError(400, str(e), "invalid_request"))
-            self.release(job, "failed")
+            self._end(job, "failed", "error", APIError(400, str(e), "invalid_request"))
             return None
         except Exception as e:  # a bug: answer 500 with its name, keep serving the others
-            job.send("error", APIError(500, f"{type(e).__name__}: {e}", "internal_error"))
-            self.release(job, "failed")
+            error = APIError(500, f"{type(e).__name__}: {e}", "internal_error")
+            self._end(job, "failed", "error", error)
             return None
         job.send("start", len(row.prompt))
         return _Live(job, row)

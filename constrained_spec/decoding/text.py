@@ -64,14 +64,15 @@ class ReplyText:
     def _first_stop(self, new_from: int) -> int | None:
         """Where the first stop string ending in the bytes from ``new_from`` on starts, among
         those the constraint lets the reply end before (earlier matches were judged already)."""
-        data = bytes(self.data)
+        base = max(0, new_from - max(map(len, self.stop)) + 1)  # only this tail can hold one
+        tail = bytes(self.data[base:])
         starts = sorted(
-            at
+            base + at
             for s in self.stop
-            for at in _occurrences(data, s, max(0, new_from - len(s) + 1))
-            if at + len(s) > new_from
+            for at in _occurrences(tail, s, max(0, new_from - base - len(s) + 1))
+            if base + at + len(s) > new_from
         )
-        return next((at for at in starts if self._may_end(data[:at])), None)
+        return next((at for at in starts if self._may_end(bytes(self.data[:at]))), None)
 
     def _may_end(self, text: bytes) -> bool:
         try:
@@ -90,7 +91,8 @@ class ReplyText:
         part of the reply)."""
         end = len(self.data) if self.end is None else self.end
         if not finished and self.end is None and self.stop:
-            end -= max(held_prefix(bytes(self.data), s) for s in self.stop)
+            tail = bytes(self.data[-max(map(len, self.stop)) :])  # what a stop's start can be in
+            end -= max(held_prefix(tail, s) for s in self.stop)
         out, self.sent = bytes(self.data[self.sent : end]), max(self.sent, end)
         return out
 
