@@ -169,7 +169,7 @@ def write_gguf(
     tied: bool = True,
 ) -> Path:
     """A small GGUF of ``arch`` ("llama", "qwen2": q/k/v biases, "qwen3": q/k norms) over a
-    byte-level vocabulary with the chat template above, random weights in the tensor types
+    byte-level vocabulary (and one UNUSED padding token, last) with the chat template above, random weights in the tensor types
     ``types`` (one for every linear, or {"attn_q": ..., ..., "*": default, "token_embd": ...});
     norms, biases and ``rope_factors`` (Llama 3's rope_freqs) in F32. K-quants need inputs in
     multiples of 256: ``hidden`` and ``ffn`` are."""
@@ -178,7 +178,7 @@ def write_gguf(
     rng = np.random.default_rng(seed)
     kinds = {"*": types} if isinstance(types, str) else types
     kind_of = lambda name: kinds.get(name, kinds["*"])
-    tokens = [*GGUF_SPECIALS, *bytes_to_unicode().values(), "Ġt", "Ġth"]
+    tokens = [*GGUF_SPECIALS, *bytes_to_unicode().values(), "Ġt", "Ġth", "[PAD0]"]
     vocab, hd = len(tokens), hidden // heads
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
@@ -196,7 +196,7 @@ def write_gguf(
         w.add_value_length(hd)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
-    w.add_token_types([3] * len(GGUF_SPECIALS) + [1] * (vocab - len(GGUF_SPECIALS)))
+    w.add_token_types([3] * len(GGUF_SPECIALS) + [1] * (vocab - len(GGUF_SPECIALS) - 1) + [5])
     w.add_token_merges(["Ġ t", "Ġt h"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(2)

@@ -188,6 +188,10 @@ def test_from_pretrained_runs_a_gguf_file_on_its_own_blocks(qwen_files):
     gen = Generator.from_pretrained(str(qwen_files["qwen2"]))
     assert gen.weights == "int4"
     assert "GGUF tensors: 10 Q4_K, 2 Q6_K → Q8_0 (re-quantized), 2 Q5_0" in gen.weights_choice
+    pad = len(gen.tokenizer) - 1  # the file's UNUSED token: never text, as in llama.cpp
+    assert (
+        gen.tokenizer.convert_ids_to_tokens(pad) == "[PAD0]" and gen.vocab.token_bytes[pad] is None
+    )
     assert "<|im_start|>assistant" in gen.tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )

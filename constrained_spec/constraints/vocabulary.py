@@ -79,6 +79,9 @@ def token_vocabulary(tokenizer) -> TokenVocabulary:
     decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
     to_bytes = _byte_level if "ByteLevel" in json.dumps(decoder) else _sentencepiece
     special = set(tokenizer.all_special_ids)
+    # a GGUF file's UNUSED tokens (padding such as Qwen's "[PAD151643]"): never text, as in
+    # llama.cpp (target.models.load_tokenizer names them)
+    special |= set(getattr(tokenizer, "unused_token_ids", ()))
     added = {i: t for i, t in tokenizer.added_tokens_decoder.items()}
     token_bytes: list[bytes | None] = []
     for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):

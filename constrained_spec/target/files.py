@@ -35,6 +35,7 @@ __all__ = [
     "describe",
     "from_gguf",
     "read_gguf",
+    "unused_token_ids",
 ]
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -74,6 +75,13 @@ def _reader(path: Path, size: int, mtime_ns: int) -> GGUFReader:
             f"{path}: not a readable GGUF file ({size} bytes; {type(err).__name__}: {err}). "
             "A truncated download reads like this: fetch it again."
         ) from err
+
+
+def unused_token_ids(reader: GGUFReader) -> frozenset[int]:
+    """The ids of the file's UNUSED tokens (gguf TokenType 5: vocabulary padding), which
+    llama.cpp never lets a grammar produce; transformers' reader keeps them as plain tokens."""
+    types = _field(reader, "tokenizer.ggml.token_type", [])
+    return frozenset(i for i, kind in enumerate(types) if kind == 5)
 
 
 def _field(reader: GGUFReader, key: str, default=None):

@@ -402,6 +402,7 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         if not tokenizer.chat_template:
             tokenizer.chat_template = _gguf_chat_template(path)
+        tokenizer.unused_token_ids = files.unused_token_ids(files.read_gguf(path))
         return tokenizer
     return AutoTokenizer.from_pretrained(name_or_path)
 
@@ -639,13 +640,11 @@ def _from_gguf(gguf: Path, dtype: torch.dtype):
         # transformers >= 5.x may keep GGUF blocks packed behind a quantizer, and then refuses
         # save_pretrained ("quantized with gguf and is not serializable"): ask for plain weights.
         kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = load_tokenizer(str(gguf))
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=dtype, **kwargs
     )
     assert getattr(model, "hf_quantizer", None) is None, "GGUF weights were not dequantized"
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = _gguf_chat_template(gguf)
     return model.eval(), tokenizer
 
 
