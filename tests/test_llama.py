@@ -1135,3 +1135,31 @@ def test_either_lm_head_kernel_gives_the_same_top_logit(tiny_int4_target):
     model.use_head("q8")
     assert isinstance(model.lm_head, kernels.Q8Head)
     assert torch.equal(model.head(features, masks), blocks)
+
+
+def test_auto_runs_a_local_checkpoint_in_8_bits_where_faster(
+    tmp_path, monkeypatch, tiny_target, tiny_tokenizer
+):
+    """weights="auto" on a local checkpoint the compact forward runs: Q8_0 linears where the
+    measurement at its shapes says they beat float32 (the reason said), else float; one it does
+    not run (a sliding window) stays float, and says why."""
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    folder = tmp_path / "tiny"
+    tiny_target.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    timings = {"float": 2.0, "avx512-bf16": 1.0, "amx-bf16": 1.0, "torch": 1.0, "int8": 1.5}
+    monkeypatch.setattr(kernels, "measure_linears", lambda shapes: dict(timings))
+    monkeypatch.setattr(kernels, "measure_prefill", lambda shapes: dict.fromkeys(timings, 1.0))
+    monkeypatch.setattr(kernels, "measure_head", lambda vocab, d: {"q8": 1.0, "float": 2.0})
+    choice, why = models.auto_weights(str(folder))
+    assert choice == "int8" and "1.5 ms in int8 vs 2.0 ms in float32" in why
+    gen = Generator.from_pretrained(str(folder))
+    assert gen.weights == "int8" and "1.5 ms in int8" in gen.weights_choice
+    timings["int8"] = 3.0  # slower here than float32: another shape's key, measured anew
+    config = AutoConfig.from_pretrained(folder)
+    config.intermediate_size = 96
+    monkeypatch.setattr(models, "load_config", lambda path: config)
+    assert models.auto_weights(str(folder))[0] == "float"
+    config.sliding_window, config.use_sliding_window = 16, True
+    choice, why = models.auto_weights(str(folder))
+    assert choice == "float" and "sliding window of 16" in why
