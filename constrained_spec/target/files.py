@@ -14,6 +14,7 @@ file's values exactly (gguf's dequantization); norms, biases and rotary factors 
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections import Counter
 from pathlib import Path
@@ -128,10 +129,18 @@ def check_gguf(reader: GGUFReader, path: str | Path) -> None:
 
 def gguf_config(path: str | Path):
     """The transformers config of a GGUF file (transformers reads its metadata), with the head
-    size the file states (transformers' reading of qwen3 files keeps Qwen3's default of 128)."""
+    size the file states (transformers' reading of qwen3 files keeps Qwen3's default of 128).
+    Read once per file version (a 150k vocabulary's metadata: ~8 s a reading; a load asks for
+    it to choose the weights, to describe them and to build the model): a copy each call."""
+    path = Path(path).expanduser().resolve()
+    stat = path.stat()
+    return copy.deepcopy(_config(path, stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _config(path: Path, size: int, mtime_ns: int):
     from transformers import AutoConfig
 
-    path = Path(path)
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     reader = read_gguf(path)
     arch = _field(reader, "general.architecture")
