@@ -280,3 +280,19 @@ def test_a_truncated_file_is_named_with_what_is_wrong(tmp_path):
     garbage.write_bytes(b"not a gguf at all" * 10)
     with pytest.raises(WeightsError, match="garbage.gguf: not a readable GGUF"):
         models.load_model(str(garbage), weights="int4")
+
+
+@pytest.mark.skipif(
+    all(kernels.int4_kernel_missing(k) for k in kernels.DENSE_KERNELS),
+    reason="no dense prompt kernel runs here",
+)
+def test_prompts_skip_the_dense_copy_where_it_would_not_fit(qwen_files, monkeypatch):
+    """The prompts' dense kernels need a bf16 copy of every linear (an 8B model's: 16 GB): where
+    it exceeds DENSE_COPY_SHARE of the machine's memory, prompts run on the 4-bit kernel."""
+    dense = next(k for k in kernels.DENSE_KERNELS if not kernels.int4_kernel_missing(k))
+    monkeypatch.setattr(models, "prefill_kernel", lambda *a, **k: dense)  # as if fastest
+    model, _ = models.load_model(str(qwen_files["qwen3"]), weights="int4")
+    assert model.prefill == dense and model.linears[0].dense is not None
+    monkeypatch.setattr(models, "DENSE_COPY_SHARE", 1e-9)
+    model, _ = models.load_model(str(qwen_files["qwen3"]), weights="int4")
+    assert model.prefill == "int4" and all(m.dense is None for m in model.linears)

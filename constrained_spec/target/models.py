@@ -144,7 +144,8 @@ def load_model(
         model, tokenizer = _load_gguf_int4(name_or_path)
         measured = calibration(model.config)
         choose_layers(_model_key(name_or_path, model), model)
-        model.use_prefill(prefill_kernel(measured, model.matmul, model.layer_kernel == "fused"))
+        kernel = prefill_kernel(measured, model.matmul, model.layer_kernel == "fused")
+        model.use_prefill(kernel if _dense_copy_fits(model) else "int4")
         model.use_head(measured["head"])
         return model, tokenizer
     local = Path(name_or_path).expanduser()
@@ -155,6 +156,18 @@ def load_model(
         model = llama.from_transformers(model, weights)
         choose_layers(_model_key(name_or_path, model), model)
     return model.eval(), tokenizer
+
+
+# The prompts' dense kernels multiply a bf16 copy of every linear (2 bytes a weight beside the
+# blocks' half byte): taken only while that copy fits in this share of the machine's memory (an
+# 8B model's would need 16 GB), else prompts run on the 4-bit kernel.
+DENSE_COPY_SHARE = 0.25
+
+
+def _dense_copy_fits(model) -> bool:
+    weights = sum(m.nibbles.numel() * 2 // m.copies for m in model.linears)  # (N, copies·K/2)
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return 2 * weights <= DENSE_COPY_SHARE * memory
 
 
 def _user_gguf(name_or_path: str) -> Path | None:
