@@ -167,41 +167,19 @@ def write_gguf(
     seed: int = 0,
     rope_factors: np.ndarray | None = None,
     tied: bool = True,
+    chat_template: str | None = GGUF_TEMPLATE,
 ) -> Path:
-    """A small GGUF of ``arch`` ("llama", "qwen2": q/k/v biases, "qwen3": q/k norms) over a
-    byte-level vocabulary (and one UNUSED padding token, last) with the chat template above, random weights in the tensor types
-    ``types`` (one for every linear, or {"attn_q": ..., ..., "*": default, "token_embd": ...});
-    norms, biases and ``rope_factors`` (Llama 3's rope_freqs) in F32. K-quants need inputs in
-    multiples of 256: ``hidden`` and ``ffn`` are."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
+    """A small GGUF of ``arch`` ("llama", "qwen2": q/k/v biases, "qwen3": q/k norms) over
+    _gguf_header's vocabulary, random weights in the tensor types ``types`` (one for every
+    linear, or {"attn_q": ..., ..., "*": default, "token_embd": ...}); norms, biases and
+    ``rope_factors`` (Llama 3's rope_freqs) in F32. K-quants need inputs in multiples of 256:
+    ``hidden`` and ``ffn`` are."""
     rng = np.random.default_rng(seed)
     kinds = {"*": types} if isinstance(types, str) else types
     kind_of = lambda name: kinds.get(name, kinds["*"])
-    tokens = [*GGUF_SPECIALS, *bytes_to_unicode().values(), "Ġt", "Ġth", "[PAD0]"]
-    vocab, hd = len(tokens), hidden // heads
+    hd = hidden // heads
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(layers)
-    w.add_context_length(256)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(hd)
-    w.add_rope_freq_base(10000.0 if arch == "llama" else 1e6)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(vocab)
-    if arch == "qwen3":
-        w.add_key_length(hd)
-        w.add_value_length(hd)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([3] * len(GGUF_SPECIALS) + [1] * (vocab - len(GGUF_SPECIALS) - 1) + [5])
-    w.add_token_merges(["Ġ t", "Ġt h"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(GGUF_TEMPLATE)
+    vocab = _gguf_header(w, arch, layers, hidden, ffn, heads, kv_heads, chat_template)
 
     def add(name: str, rows: int, k: int, kind: str) -> None:
         if kind in ("F32", "F16"):
@@ -240,6 +218,39 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _gguf_header(w, arch: str, layers, hidden, ffn, heads, kv_heads, chat_template) -> int:
+    """write_gguf's metadata: the shape as llama.cpp's convert script names it, and a byte-level
+    BPE vocabulary with SmolLM2's special tokens and one UNUSED padding token (last). Returns
+    the vocabulary's size."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = [*GGUF_SPECIALS, *bytes_to_unicode().values(), "Ġt", "Ġth", "[PAD0]"]
+    vocab, hd = len(tokens), hidden // heads
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(10000.0 if arch == "llama" else 1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(vocab)
+    if arch == "qwen3":
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(GGUF_SPECIALS) + [1] * (vocab - len(GGUF_SPECIALS) - 1) + [5])
+    w.add_token_merges(["Ġ t", "Ġt h"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    if chat_template:
+        w.add_chat_template(chat_template)
+    return vocab
 
 
 def random_head(target, seed: int = 0) -> DraftHead:

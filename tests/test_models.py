@@ -5,69 +5,26 @@ import shutil
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from constrained_spec import testing
 from constrained_spec.target import models
 from constrained_spec.target.models import BuiltinModel, ModelFetchError, load_model, quantize_int8
 
 NAME = "tiny-test"
 MEMBER = "fake_model/tiny.gguf"
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-)
+TEMPLATE = testing.GGUF_TEMPLATE
 
 
 def write_tiny_gguf(path: Path, chat_template: str | None = TEMPLATE) -> None:
     """A 1-layer llama GGUF with a byte-level BPE vocabulary and SmolLM2's special tokens."""
-    import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = [*specials, *bytes_to_unicode().values(), "Ġt", "Ġth"]
-    vocab, hidden, ffn = len(tokens), 16, 32
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(2)
-    w.add_head_count_kv(1)
-    w.add_rope_dimension_count(hidden // 2)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([3] * 3 + [1] * (vocab - 3))  # 3 = control
-    w.add_token_merges(["Ġ t", "Ġt h"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(False)
-    if chat_template:
-        w.add_chat_template(chat_template)
-    rng = np.random.default_rng(0)
-    shapes = {
-        "token_embd.weight": (vocab, hidden),
-        "output_norm.weight": (hidden,),
-        "blk.0.attn_norm.weight": (hidden,),
-        "blk.0.ffn_norm.weight": (hidden,),
-        "blk.0.attn_q.weight": (hidden, hidden),
-        "blk.0.attn_k.weight": (hidden // 2, hidden),
-        "blk.0.attn_v.weight": (hidden // 2, hidden),
-        "blk.0.attn_output.weight": (hidden, hidden),
-        "blk.0.ffn_gate.weight": (ffn, hidden),
-        "blk.0.ffn_up.weight": (ffn, hidden),
-        "blk.0.ffn_down.weight": (hidden, ffn),
-    }
-    for name, shape in shapes.items():
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.5).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    testing.write_gguf(
+        path, "llama", {"*": "F32", "token_embd": "F32"}, layers=1, hidden=16, ffn=32, heads=2,
+        kv_heads=1,
+        chat_template=chat_template,
+    )  # fmt: skip
 
 
 WHEEL = "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
