@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from constrained_spec import GenerationInputError, Generator
-from constrained_spec.decoding import loop
-from constrained_spec.decoding.drafters import CompositeDrafter
+from constrained_spec.decoding import cost, loop
+from constrained_spec.decoding.cost import PassCost
+from constrained_spec.decoding.drafters import EMPTY_DRAFT, CompositeDrafter, Draft
 from constrained_spec.target import kv
 from constrained_spec.testing import (
     PERSON,
@@ -58,33 +59,124 @@ def test_greedy_rows_equal_their_single_runs(
     assert drafted > 0, "no row drafted: the batch ran the baseline"
 
 
-def test_a_wide_batch_drafts_at_most_its_cap_and_each_row_commits_what_it_commits_alone(
-    tiny_int4_target, tiny_tokenizer, monkeypatch
+# Pass costs that make the plan vary: every token fed costs 1 ms (a row's step about what its
+# rows' host share adds), so forced tokens (gain 1) are always drafted and lookup tokens only
+# where the row's own acceptance has risen above ~0.9.
+LINEAR_COST = PassCost({1: [(1, 1.0), (64, 64.0)], 64: [(64, 64.0), (512, 512.0)]})
+# A drafted token at half a row's step: lookup tokens are drafted while the row's own record
+# keeps their chance above ~0.45, then dropped.
+MID_COST = PassCost({1: [(1, 1.0), (64, 32.5)], 64: [(64, 64.0), (512, 288.0)]})
+# Cheap drafted tokens (a tenth of a row's step): every row drafts its whole draft.
+CHEAP_COST = PassCost({1: [(1, 1.0), (64, 7.3)], 64: [(64, 64.0), (512, 108.8)]})
+
+
+@pytest.fixture
+def planned(tiny_int4_target, monkeypatch):
+    """Decode on the tiny target under a given pass-cost table; returns the list of each round's
+    (full draft lengths, planned lengths)."""
+    plans, plan = [], loop.plan
+
+    def recorded(costs, rows, drafts):
+        lengths = plan(costs, rows, drafts)
+        plans.append(([len(d) for d in drafts], lengths))
+        return lengths
+
+    monkeypatch.setattr(loop, "plan", recorded)
+
+    def use(table):
+        cost.use(tiny_int4_target, table)
+        return plans
+
+    yield use
+    cost.use(tiny_int4_target, None)
+    cost._known.pop(tiny_int4_target, None)  # measured again where a later test decodes
+
+
+def test_rows_of_a_round_draft_what_the_plan_gives_and_commit_what_they_commit_alone(
+    tiny_int4_target, tiny_tokenizer, planned
 ):
-    """From loop.WIDE_BATCH rows on, each row drafts at most WIDE_MAX_DRAFT tokens; the
-    rows that are left once the queue runs dry draft longer again. Greedy rows are unchanged."""
+    """Under pass costs that price a drafted token like a committed one, a round verifies some
+    rows' whole drafts (forced tokens), cuts others to 0 (the baseline step) and some between;
+    every greedy row still commits what it commits alone."""
     gen = lookup_generator(tiny_int4_target, tiny_tokenizer)
+    plans = planned(LINEAR_COST)
     requests = REQUESTS * 2  # 12 rows, 8 at a time: full rounds, then the tail
-    passes, forward_rows = [], kv.forward_rows
-
-    def recorded(model, caches, rows, device, masks=None, features=False):
-        passes.append([len(fed) for fed in rows])
-        return forward_rows(model, caches, rows, device, masks, features)
-
-    monkeypatch.setattr(kv, "forward_rows", recorded)
-    batch = gen.generate_batch(requests, batch_size=loop.WIDE_BATCH)
-    wide = [fed for fed in passes if len(fed) >= loop.WIDE_BATCH]
-    narrow = [fed for fed in passes if len(fed) < loop.WIDE_BATCH]
-    assert wide and max(max(fed) for fed in wide) == 1 + loop.WIDE_MAX_DRAFT
-    assert max(max(fed) for fed in narrow) > 1 + loop.WIDE_MAX_DRAFT
+    batch = gen.generate_batch(requests, batch_size=8)
+    rows = [(full, k) for fulls, ks in plans for full, k in zip(fulls, ks) if full]
+    assert any(k == 0 for _, k in rows), "no row was cut to the baseline step"
+    assert any(k == full for full, k in rows), "no row kept its whole draft"
+    assert any(0 < k < full for full, k in rows), "no draft was cut short"
+    assert any(len(set(ks)) > 1 for _, ks in plans), "the rows of a round drafted alike"
     for request, got in zip(requests, batch):
-        assert got.token_ids == gen.generate(**request).token_ids
+        alone = gen.generate(**request)
+        constraint = gen.compile(schema=request.get("schema"), regex=request.get("regex"))
+        prompt = gen.encode_prompt(request["prompt"])
+        assert_greedy_match(tiny_int4_target, constraint, prompt, alone.token_ids, got.token_ids)
 
 
-def test_a_row_samples_exactly_inside_a_batch_of_other_schemas(tiny_int4_target, tiny_tokenizer):
-    """The chi-square test on one constraint's rows, each decoded beside rows of another
-    constraint and temperature (lookup drafts rejected and accepted in the same rounds)."""
+def test_the_plan():
+    """Forced tokens always pay; a lookup token pays where a drafted token is cheap, or where the
+    row's own record says it is accepted; a sampled draft is kept whole; no table keeps all."""
+    vocab = 8
+    forced = Draft([1, 2], None, ("forced", "forced"))
+    lookup = Draft([3, 4, 5], None, ("lookup",) * 3)
+    sampled = Draft([6], torch.full((1, vocab), 1 / vocab), ("model",))
+
+    def rows(n):
+        return [loop.Row([0], None, None, None, None, 10) for _ in range(n)]
+
+    three = rows(3)
+    assert loop.plan(LINEAR_COST, three, [forced, lookup, sampled]) == [2, 0, 1]
+    assert loop.plan(CHEAP_COST, three, [forced, lookup, sampled]) == [2, 3, 1]
+    assert loop.plan(None, three, [forced, lookup, EMPTY_DRAFT]) == [2, 3, 0]
+    reliable = rows(1)[0]
+    for _ in range(30):  # its lookups accepted round after round
+        reliable.acceptance.update(lookup, 3)
+    assert loop.plan(LINEAR_COST, [reliable, three[1]], [lookup, lookup]) == [3, 0]
+
+
+def test_pass_costs_are_measured_once_and_interpolated(tiny_int4_target):
+    measured = cost.measure(tiny_int4_target)
+    assert sorted(measured.grid) == list(cost.GRID_ROWS)
+    assert all(ms > 0 for points in measured.grid.values() for _, ms in points)
+    assert PassCost.from_json(measured.to_json()) == measured
+    table = PassCost({1: [(1, 2.0), (3, 4.0)], 4: [(4, 6.0), (12, 14.0)]})
+    assert table.ms(1, 2) == 3.0 and table.ms(4, 8) == 10.0
+    assert table.ms(2, 2) == pytest.approx(2.0 + (6.0 - 2.0) / 3)  # between the row counts
+    assert table.ms(8, 8) == pytest.approx(6.0 + (6.0 - 2.0) / 3 * 4)  # on past the grid
+    assert cost.pass_cost(tiny_int4_target) is cost.pass_cost(tiny_int4_target)
+
+
+def test_a_seeded_row_samples_the_same_tokens_however_much_it_drafts(
+    tiny_int4_target, tiny_tokenizer, planned
+):
+    """A sampled row's deterministic drafts are checked against the target's own draws, the
+    generator rewound to one uniform per committed token: the same seeded batch gives the same
+    tokens on every run, and each row the tokens of its own masked baseline run (the 4-bit
+    target's pass computes a row's step bit for bit), whatever the plan drafts for it."""
     gen = lookup_generator(tiny_int4_target, tiny_tokenizer)
+    requests = [
+        {**r, "temperature": t, "seed": s} for s, t in ((1, 1.0), (2, 0.7)) for r in REQUESTS
+    ]
+    runs = []
+    for table, batch_size in ((LINEAR_COST, 4), (LINEAR_COST, 4), (CHEAP_COST, 3), (None, 1)):
+        planned(table)
+        runs.append([r.token_ids for r in gen.generate_batch(requests, batch_size)])
+    baseline = [
+        r.token_ids for r in gen.generate_batch([{**r, "speculative": False} for r in requests], 5)
+    ]
+    assert runs[0] == runs[1] == runs[2] == runs[3] == baseline
+
+
+@pytest.mark.parametrize("table", ["mid", "cheap"])
+def test_a_row_samples_exactly_inside_a_batch_of_other_schemas(
+    table, tiny_int4_target, tiny_tokenizer, planned
+):
+    """The chi-square test on one constraint's rows, each decoded beside rows of another
+    constraint and temperature (lookup drafts rejected and accepted in the same rounds), with
+    the plan cutting drafts (mid: some rows' drafts to 0, others whole) or keeping nearly all."""
+    gen = lookup_generator(tiny_int4_target, tiny_tokenizer)
+    plans = planned(MID_COST if table == "mid" else CHEAP_COST)
     prompt = tiny_tokenizer.encode(LOOKUP_PROMPT)
     exact = sequence_distribution(tiny_int4_target, gen.compile(regex=FORCED_REGEX), prompt, 1.0)
     tested = dict(prompt=prompt, regex=FORCED_REGEX, temperature=1.0, max_new_tokens=12)
@@ -98,6 +190,11 @@ def test_a_row_samples_exactly_inside_a_batch_of_other_schemas(tiny_int4_target,
     drafted = sum(r.stats.drafted for r in rows)
     accepted = sum(r.stats.accepted for r in rows)
     assert 0 < accepted < drafted, "drafts were not both accepted and rejected"
+    rows = [(full, k) for fulls, ks in plans for full, k in zip(fulls, ks) if full]
+    if table == "mid":
+        assert any(k == 0 for _, k in rows) and any(k == full for full, k in rows)
+    else:
+        assert sum(k for _, k in rows) > 0.9 * sum(full for full, _ in rows)
 
 
 def test_each_rows_cache_after_ragged_rollbacks_equals_a_fresh_forward(

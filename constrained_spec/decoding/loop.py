@@ -25,8 +25,16 @@ import torch
 
 from ..constraints import FINISHED, Constraint
 from ..target import kernels, kv
+from . import cost
 from .drafters import EMPTY_DRAFT, Draft, Drafter
-from .sample import SamplingConfig, greedy_outcome, one_hot, policy, verify_sampled
+from .sample import (
+    SamplingConfig,
+    greedy_outcome,
+    policy,
+    rewind,
+    verify_deterministic,
+    verify_sampled,
+)
 from .text import ReplyText
 
 
@@ -144,6 +152,7 @@ class Row:
     stats: Stats = field(default_factory=Stats)
     started: float = 0.0
     scores: list[TokenLogprob] = field(default_factory=list)  # per committed token, if kept
+    acceptance: Acceptance = field(default_factory=lambda: Acceptance())
 
     @property
     def output(self) -> list[int]:
@@ -205,12 +214,16 @@ def admit(target, row: Row) -> None:
 
 
 def step(target, rows: list[Row]) -> list[Round]:
-    """One round for every row: draft, ONE target forward over all rows' [last committed] +
-    draft, the exact acceptance rule per row (one host sync), commit and roll back per row."""
+    """One round for every row: draft, choose how much of each draft the pass verifies
+    (``plan``), ONE target forward over all rows' [last committed] + draft, the exact acceptance
+    rule per row (one host sync), commit and roll back per row."""
     start = time.perf_counter()
-    cap = WIDE_MAX_DRAFT if len(rows) >= WIDE_BATCH else None
-    proposed = [propose(row, cap) for row in rows]
+    proposed = [propose(row) for row in rows]
     drafts, states = zip(*(legal_states(r.constraint, r.state, d) for r, d in zip(rows, proposed)))
+    lengths = plan(cost.pass_cost(target), rows, drafts)
+    proposed = [p if k == len(d) else p.truncate(k) for p, d, k in zip(proposed, drafts, lengths)]
+    drafts = [d.truncate(k) for d, k in zip(drafts, lengths)]
+    states = [at[: k + 1] for at, k in zip(states, lengths)]
     drafted = time.perf_counter()
     device = next(target.parameters()).device
     fed = [[row.tokens[-1]] + draft.tokens for row, draft in zip(rows, drafts)]  # n_i = k_i + 1
@@ -244,21 +257,14 @@ def learn(row: Row, draft: Draft, n: int, committed: list[int], features, times)
     row.stats.verify_s += verify_s
     if row.stats.target_calls == 1:
         row.stats.ttft_s = time.perf_counter() - row.started
+    row.acceptance.update(draft, n)
     if row.adaptive is not None:
         row.adaptive.update(draft, n, draft_s, verify_s)
     if row.drafter is not None:
         row.drafter.observe(committed, features)
 
 
-# A wide pass is bound by the CPU's dot products, so every drafted token costs about what a
-# committed one does: from WIDE_BATCH rows on, each row drafts at most WIDE_MAX_DRAFT tokens
-# (tuned and reported in docs/batching.md). The cap depends on the batch's size only (never on
-# timings), so a seeded row samples the same tokens on every run.
-WIDE_BATCH = 8
-WIDE_MAX_DRAFT = 1
-
-
-def propose(row: Row, cap: int | None = None) -> Draft:
+def propose(row: Row) -> Draft:
     """The row's draft for this round, leaving room for the target's own token."""
     if row.drafter is None or row.room <= 1:
         return EMPTY_DRAFT
@@ -266,7 +272,81 @@ def propose(row: Row, cap: int | None = None) -> Draft:
     draft = row.drafter.propose(
         row.tokens, row.state, row.constraint, k, row.sampling, row.generator
     )
-    return draft.truncate(row.room - 1 if cap is None else min(row.room - 1, cap))
+    return draft.truncate(row.room - 1)
+
+
+# --- load-aware speculation: how much of each row's draft a round verifies ----------------------
+
+# Each draft token's chance of acceptance, by source, before a row has seen its own: a prior of
+# PRIOR_WEIGHT observations (tuned on the tuning split: docs/batching.md). "forced" tokens have
+# p = 1 and are never rejected.
+PRIOR = {"grammar": 0.9, "lookup": 0.6, "model": 0.7}
+PRIOR_WEIGHT = 2.0
+HOST_MS_PER_ROW = 0.1  # a row's share of a round outside the pass (masks, rule, commit)
+
+
+@dataclass
+class Acceptance:
+    """A row's running estimate of each draft source's acceptance: of the draft tokens the
+    verification reached (every token before them accepted), how many were accepted."""
+
+    hits: dict[str, float] = field(default_factory=dict)
+    reached: dict[str, float] = field(default_factory=dict)
+
+    def alpha(self, source: str) -> float:
+        if source == "forced":
+            return 1.0
+        prior = PRIOR.get(source, 0.5)
+        hits, reached = self.hits.get(source, 0.0), self.reached.get(source, 0.0)
+        return (hits + PRIOR_WEIGHT * prior) / (reached + PRIOR_WEIGHT)
+
+    def update(self, draft: Draft, accepted: int) -> None:
+        for i, source in enumerate(draft.sources[: accepted + 1]):  # reached: i <= accepted
+            self.reached[source] = self.reached.get(source, 0.0) + 1
+            self.hits[source] = self.hits.get(source, 0.0) + (i < accepted)
+
+
+def plan(costs: cost.PassCost | None, rows: list[Row], drafts: list[Draft]) -> list[int]:
+    """How many of each row's draft tokens this round verifies (0: the row takes a baseline
+    step), for the most expected committed tokens per millisecond of the round.
+
+    A row's j-th draft token is committed with the chance that it and every token before it
+    are accepted (the product of the row's acceptance estimates by source); the round costs
+    the measured pass of its rows and tokens (``cost.PassCost``) plus HOST_MS_PER_ROW a row.
+    Greedy marginal allocation: every row starts at 0 drafts, and draft tokens are added in
+    order of their expected gain (a row's gains fall along its draft, so each row gets a
+    prefix); the count with the best ratio wins (the fewest tokens on a tie).
+
+    Exact: the drafts are deterministic (forced, grammar and lookup tokens, or a greedy
+    model's argmax): functions of the rows' committed tokens, drawn before no random number,
+    so cutting them by position keeps the rule exact. A draft that holds sampled tokens (q
+    rows: a draft model at T > 0) was drawn already: it is kept whole, as its length was
+    chosen before drawing. The choice reads no clock: a seeded batch samples the same tokens
+    on every run."""
+    lengths = [len(d) for d in drafts]
+    if costs is None or not any(lengths):
+        return lengths
+    expected, fed, gains = float(len(rows)), len(rows), []
+    for i, (row, draft) in enumerate(zip(rows, drafts)):
+        chance, sampled = 1.0, draft.probs is not None
+        for j, source in enumerate(draft.sources):
+            chance *= row.acceptance.alpha(source)
+            if sampled:  # kept whole: its tokens are in every plan
+                expected, fed = expected + chance, fed + 1
+            else:
+                gains.append((-chance, i, j))
+    gains.sort()  # most likely first; a row's tokens in their order (their gains fall along it)
+    host = HOST_MS_PER_ROW * len(rows)
+    best, best_ratio = 0, expected / (costs.ms(len(rows), fed) + host)
+    for m, (gain, _, _) in enumerate(gains, 1):
+        expected -= gain
+        ratio = expected / (costs.ms(len(rows), fed + m) + host)
+        if ratio > best_ratio:
+            best, best_ratio = m, ratio
+    lengths = [len(d) if d.probs is not None else 0 for d in drafts]
+    for _, i, _ in gains[:best]:
+        lengths[i] += 1
+    return lengths
 
 
 def legal_states(constraint: Constraint, state: int, draft: Draft) -> tuple[Draft, list[int]]:
@@ -304,34 +384,42 @@ def verify(
     log-probs of draft[:accepted] + [token] where the row keeps them), from ONE host sync.
     ``logits``, ``legal``: (Σ sizes, V), each row's [last committed] + draft in turn. A greedy
     row needs only its positions' masked argmax, taken for the whole pass in one call (after a
-    forward, each small call costs more than its work); a sampled row runs Leviathan's rule on
-    its own positions, against the q its draft was drawn from."""
+    forward, each small call costs more than its work); a sampled row with a deterministic
+    draft (or none) draws the target's own token at each of its positions and keeps the draft
+    up to the first that differs (``sample.verify_deterministic``: a seeded row then commits
+    the same tokens however much it drafts); one with sampled draft tokens runs Leviathan's
+    rule against the q they were drawn from."""
     bounds = list(zip(itertools.accumulate([0] + sizes), itertools.accumulate(sizes)))
     greedy = [row.sampling.greedy for row in rows]
     masked = logits.masked_fill(~legal, float("-inf")) if any(greedy) else None
     best = masked.argmax(-1) if any(greedy) else logits.new_empty(0, dtype=torch.long)
     sent = []  # per row: (n, token) of a sampled row, then its scores if it keeps them
-    for (a, b), draft, row, g in zip(bounds, drafts, rows, greedy):
+    rewinds = {}  # row index → its generator's state before a deterministic draft's draws
+    for i, ((a, b), draft, row, g) in enumerate(zip(bounds, drafts, rows, greedy)):
         if g:
             if row.logprobs is not None:  # the committed tokens are the argmaxes
                 sent.append(scored(masked[a:b].log_softmax(-1), best[a:b], row.logprobs))
             continue
-        width, device = logits.shape[-1], logits.device
+        device = logits.device
         target_probs = policy(logits[a:b], legal[a:b], row.sampling)  # (k+1, V)
-        draft_probs = (
-            draft.probs if draft.probs is not None else one_hot(draft.tokens, width, device)
-        )
         draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # (k,)
-        n, token = verify_sampled(target_probs, draft_probs, draft_ids, row.generator)
-        sent.append(torch.stack([n, token]))
-        if row.logprobs is not None:
+        if draft.probs is None:  # deterministic: the target's own draws (the same tokens
+            if len(draft):  # whatever the row drafts), its generator rewound after the sync
+                rewinds[i] = row.generator.get_state()
+            n, token, tokens = verify_deterministic(target_probs, draft_ids, row.generator)
+        else:
+            n, token = verify_sampled(target_probs, draft.probs, draft_ids, row.generator)
             tokens = torch.cat([draft_ids, token[None]])  # (k+1,): draft[:n] + [token] at ≤ n
             tokens[n] = token
+        sent.append(torch.stack([n, token]))
+        if row.logprobs is not None:
             sent.append(scored(target_probs.log(), tokens, row.logprobs))
     best, *host = to_host([best, *sent])  # the round's one host sync
     best, host, outcomes = [int(t) for t in best], iter(host), []
-    for (a, b), draft, row, g in zip(bounds, drafts, rows, greedy):
+    for i, ((a, b), draft, row, g) in enumerate(zip(bounds, drafts, rows, greedy)):
         n, token = greedy_outcome(best[a:b], draft.tokens) if g else map(int, next(host))
+        if i in rewinds and n < len(draft):  # k + 1 uniforms drawn, n + 1 used
+            rewind(row.generator, rewinds[i], n + 1)
         committed = draft.tokens[:n] + [token]
         keeps = row.logprobs is not None
         kept = read_scores(next(host), b - a, committed, row.logprobs) if keeps else []

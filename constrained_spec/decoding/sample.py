@@ -84,6 +84,38 @@ def verify_sampled(
     return n, draw(row, generator)
 
 
+def verify_deterministic(
+    target_probs: torch.Tensor, draft: torch.Tensor, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exact rule for a deterministic draft (one-hot q: forced, grammar, lookup tokens or
+    none), drawing the target's own token at every position: (k+1, V) p rows, (k,) draft tokens
+    → (n_accepted, next_token, the k+1 drawn tokens) as tensors, with no host sync.
+
+    Position j draws t_j ~ p_j by inverting its CDF at the stream's j-th uniform (as ``draw``);
+    the draft is accepted up to the first j with t_j ≠ d_j, and t_j is committed there (after
+    all k, t_k is the bonus). Each committed token is thus a draw from p at its prefix: for a
+    one-hot q this is Leviathan's rule (accept x with p(x), else a draw from p without x), with
+    the coupling that the committed tokens are the draws a row without drafts would make from
+    the same uniforms. The caller then rewinds the generator to n + 1 uniforms used (``rewind``):
+    a seeded row commits the same tokens whatever it drafts (the baseline's, where the pass's
+    logits are the step's)."""
+    k = draft.shape[0]
+    cdf = torch.cumsum(target_probs.double(), dim=-1)  # (k+1, V)
+    u = torch.rand(k + 1, generator=generator, dtype=torch.float64, device=draft.device)
+    total = cdf[:, -1]
+    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    drawn = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]  # (k+1,)
+    n = torch.cumprod((drawn[:k] == draft).int(), dim=0).sum()
+    return n, drawn[n], drawn
+
+
+def rewind(generator: torch.Generator, state: torch.Tensor, used: int) -> None:
+    """Set ``generator`` to ``state`` advanced by ``used`` float64 uniforms (one per committed
+    token of ``verify_deterministic``)."""
+    generator.set_state(state)
+    torch.rand(used, generator=generator, dtype=torch.float64, device=generator.device)
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One index from a probability row (V,) as a 0-d tensor, by inverting its CDF at a uniform
     draw (in float64): on a CPU a twentieth of torch.multinomial's cost on a 49k-token row

@@ -1,0 +1,117 @@
+"""What a target pass costs by its size: the table load-aware speculation (``loop.plan``) weighs
+each row's drafts against.
+
+A pass of R rows feeding N tokens in all (each row its last committed token and its draft) is
+timed once per machine and model shape, on a grid of R and tokens per row, and cached in the
+calibration cache beside the layers' kernel choices (``machine.remembered``); decoding reads it
+back and never times itself, so a seeded row samples the same tokens on every run.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..target import kernels, machine
+from ..target.llama import CompactLlama
+from ..target.models import _shape_key
+
+# The grid: rows per pass, and tokens each row feeds (1: the baseline step, 1 + k: k drafts).
+GRID_ROWS = (1, 2, 4, 8, 16)
+GRID_FED = (1, 2, 3, 4, 6)
+CONTEXT = 256  # positions each row's cache holds while timed (a short prompt and some output)
+REPEATS = 7  # each point: the fastest of these
+# Part of the cache key: a new method invalidates the cached tables.
+METHOD = "pass cost v1: rows 1-16 x 1-6 tokens each, 256 cached, whole head, best of 7"
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """Milliseconds of one pass by (rows, tokens fed in all), interpolated from a measured grid
+    (linear in the tokens at each measured row count, then linear in the rows; beyond the grid
+    it goes on along the last segment)."""
+
+    grid: dict[int, list[tuple[int, float]]]  # rows → [(tokens fed in all, ms)], tokens rising
+
+    def ms(self, rows: int, tokens: int) -> float:
+        counts = sorted(self.grid)
+        i = min(max(bisect.bisect_left(counts, rows), 1), len(counts) - 1)
+        if len(counts) == 1:
+            return _along(self.grid[counts[0]], tokens)
+        lo, hi = counts[i - 1], counts[i]
+        per_row = tokens / rows  # the same mix of drafts at the neighbouring row counts
+        a, b = _along(self.grid[lo], per_row * lo), _along(self.grid[hi], per_row * hi)
+        return a + (b - a) * (rows - lo) / (hi - lo)
+
+    def to_json(self) -> dict:
+        return {"method": METHOD, "grid": {str(r): points for r, points in self.grid.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> PassCost:
+        return cls({int(r): [tuple(p) for p in points] for r, points in data["grid"].items()})
+
+
+def _along(points: list[tuple[int, float]], x: float) -> float:
+    """Linear interpolation through ``points`` (x rising), extended along the end segments."""
+    if len(points) == 1:
+        return points[0][1]
+    xs = [p[0] for p in points]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+_known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target → PassCost | None
+
+
+def pass_cost(target) -> PassCost | None:
+    """The target's pass costs: set by ``use``, else measured once per machine and model shape
+    (a few seconds) and cached; None for a target whose rows do not share a pass (transformers'
+    forward runs them one after another: a row's drafts cost it alone, so it keeps them)."""
+    if target in _known:
+        return _known[target]
+    if not isinstance(target, CompactLlama):
+        _known[target] = None
+        return None
+    way = f"{target.weights} {target.layer_kernel}/{target.matmul} {type(target.lm_head).__name__}"
+    key = f"{METHOD} | {_shape_key(target.config)} | {way}"
+    _known[target] = cost = PassCost.from_json(
+        machine.remembered(key, lambda: measure(target).to_json())
+    )
+    return cost
+
+
+def use(target, cost: PassCost | None) -> None:
+    """Decode on ``target`` with these pass costs (tests; None: each row keeps its whole draft)."""
+    _known[target] = cost
+
+
+@torch.inference_mode()
+def measure(target: CompactLlama) -> PassCost:
+    """Time passes of every grid size: R rows each after CONTEXT cached positions, each feeding
+    n tokens, the caches cut back after each pass; the fastest of REPEATS per point."""
+    device = target.embed.weight.device
+    vocab = target.embed.weight.shape[0]
+    cached = min(CONTEXT, target.shape.context - max(GRID_FED))  # a tiny test model's is short
+    context = torch.arange(7, 7 + cached, device=device) % vocab
+    caches = []
+    for _ in range(max(GRID_ROWS)):  # through forward_rows: the kept prompts stay untouched
+        caches.append(target.new_cache())
+        target.forward_rows([context], caches[-1:], logits=False)
+    grid = {}
+    for rows in GRID_ROWS:
+        points = []
+        for fed in GRID_FED:
+            ids = [context[:fed]] * rows
+
+            def one_pass(ids=ids, used=caches[:rows]):
+                target.forward_rows(ids, used)
+                for cache in used:
+                    cache.crop(cached)
+
+            points.append((rows * fed, round(kernels.best_ms(one_pass, REPEATS), 4)))
+        grid[rows] = points
+    return PassCost(grid)
