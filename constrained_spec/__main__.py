@@ -1,7 +1,5 @@
 """``python -m constrained_spec``: the same as the ``constrained-spec`` command."""
 
-import sys
+from .cli import run
 
-from .cli import main
-
-sys.exit(main())
+run()

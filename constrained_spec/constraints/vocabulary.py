@@ -9,11 +9,8 @@ SentencePiece (``▁`` for space, ``<0xNN>`` byte-fallback tokens).
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from functools import cached_property
-
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,8 +73,9 @@ def token_vocabulary(tokenizer) -> TokenVocabulary:
             "the tokenizer has no eos_token_id: set tokenizer.eos_token to the "
             "token that ends a reply (e.g. '<|im_end|>' for chat models)."
         )
-    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
-    to_bytes = _byte_level if "ByteLevel" in json.dumps(decoder) else _sentencepiece
+    decoder = tokenizer.backend_tokenizer.decoder  # its JSON alone (the whole tokenizer's: 0.1 s)
+    byte_level = decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
+    to_bytes = _byte_level if byte_level else _sentencepiece
     special = set(tokenizer.all_special_ids)
     # a GGUF file's UNUSED tokens (padding such as Qwen's "[PAD151643]"): never text, as in
     # llama.cpp (target.models.load_tokenizer names them)
@@ -94,7 +92,15 @@ def token_vocabulary(tokenizer) -> TokenVocabulary:
     return TokenVocabulary(tuple(token_bytes), tokenizer.eos_token_id)
 
 
-_UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, stand-in character → byte: printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for U+0100 on in byte order (``Ġ`` = U+0120 is the space)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()
 
 
 def _byte_level(piece: str) -> bytes | None:

@@ -22,11 +22,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
-from transformers import LlamaConfig, LlamaModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..errors import DraftHeadError, VocabularyMismatch
 
@@ -48,6 +45,8 @@ _LAYER_FIELDS = (
 
 class DraftHead(nn.Module):
     def __init__(self, layer_config: dict, draft_ids: torch.Tensor):
+        from transformers import LlamaConfig, LlamaModel  # here: ≈ 0.5 s to import
+
         super().__init__()
         config = LlamaConfig(
             **layer_config,
@@ -126,6 +125,8 @@ class DraftHead(nn.Module):
             proj(h).view(*x.shape[:2], -1, attn.head_dim).transpose(1, 2)
             for proj in (attn.q_proj, attn.k_proj, attn.v_proj)
         )
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
         return (*apply_rotary_pos_emb(q, k, cos, sin), v)
 
     def attend(
@@ -149,6 +150,8 @@ class DraftHead(nn.Module):
     def save(self, path: str | Path, card: dict) -> None:
         """fp16 safetensors (the embedding stub of the 1-layer LlamaModel left out) + a JSON card
         with the layer config, the weights' sha256 and whatever the trainer reports."""
+        from safetensors.torch import save_file
+
         path = Path(path)
         tensors = {
             k: (v.half() if v.is_floating_point() else v).contiguous()
@@ -350,6 +353,8 @@ def load_head(target, vocab, path: str | Path) -> DraftHead:
             f"-wide features but the target's are {width}-wide: it belongs "
             "to another model."
         )
+    from safetensors.torch import load_file
+
     tensors = load_file(path)
     head = DraftHead(card["layer_config"], tensors["draft_ids"])
     fuse = tensors.get("fuse.weight")

@@ -33,7 +33,6 @@ __all__ = [
     "EIGHT_BITS",
     "REQUANTIZED",
     "check_gguf",
-    "describe",
     "from_gguf",
     "read_gguf",
     "unused_token_ids",
@@ -220,11 +219,6 @@ def _check_shapes(tensors: dict, s, config, path) -> None:
                 f"{Path(path).name}: tensor {name} is {have}, its metadata implies {shape} "
                 "(a file whose metadata does not match its tensors)."
             )
-
-
-def describe(types: dict[str, int]) -> str:
-    """``CompactLlama.tensor_types`` in a line: "168 Q4_K, 28 Q6_K → Q8_0 (re-quantized), …"."""
-    return ", ".join(f"{n} {kind}" for kind, n in types.items())
 
 
 def _linear(parts: list, types: Counter) -> kernels.Int4Linear:

@@ -8,6 +8,8 @@ Q8_0 (w = d·q, q int8) is dequantized once to float32, where d·q is exact.
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
 import re
 import time
 from pathlib import Path
@@ -15,7 +17,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils import cpp_extension
 
 from ..errors import WeightsError
 from .machine import cache_dir, cpu_name, say
@@ -550,8 +551,13 @@ def fused_build():
     vector units), loaded from there afterwards."""
     key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{cpu_name()}-torch-{torch.__version__}")
     folder = cache_dir() / "kernels" / key
+    if (module := _built_before(folder)) is not None:
+        _remember(module)
+        return module, None
     try:
         import fcntl  # Unix: where the extension builds (gcc with OpenMP)
+
+        from torch.utils import cpp_extension  # ≈ 0.1 s to import: only to build
 
         folder.mkdir(parents=True, exist_ok=True)
         if not any(folder.glob("*.so")):
@@ -566,18 +572,50 @@ def fused_build():
                 (folder / "lock").unlink(missing_ok=True)
             except OSError:
                 pass
-            module = cpp_extension.load(
+            stamp = _build_stamp()
+            module = cpp_extension.load(  # (it appends to the flag lists it is given: copies)
                 "constrained_spec_fused",
                 [str(FUSED_SOURCE)],
                 build_directory=str(folder),
-                **FUSED_FLAGS,
+                **{k: list(v) for k, v in FUSED_FLAGS.items()},
             )
+        (folder / BUILT).write_text(stamp)
     except Exception as err:  # no compiler, no ninja, an unsupported platform: the Python loop
         lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
         return None, f"{type(err).__name__}: {lines[-1][:200]}"
+    _remember(module)
+    return module, None
+
+
+# Written beside the compiled module once it built: what it was built from. A later process
+# whose source, flags and torch match imports the module directly, without torch's build
+# machinery (whose import, ninja call and hashing cost ≈ 0.1 s, and whose ninja file names the
+# virtualenv: another environment sharing the cache would rebuild it for 20 s).
+BUILT = "built-from.txt"
+
+
+def _build_stamp() -> str:
+    source = hashlib.sha256(FUSED_SOURCE.read_bytes()).hexdigest()
+    return f"{source} {FUSED_FLAGS} torch {torch.__version__}"
+
+
+def _built_before(folder: Path):
+    """The module built into ``folder`` from this source, flags and torch, or None."""
+    library = folder / "constrained_spec_fused.so"
+    try:
+        if (folder / BUILT).read_text() != _build_stamp() or not library.is_file():
+            return None
+        spec = importlib.util.spec_from_file_location("constrained_spec_fused", library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (OSError, ImportError):
+        return None
+
+
+def _remember(module) -> None:
     global _built
     _built = module
-    return module, None
 
 
 def fused_if_built():

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import inspect
 from functools import cache as memoize
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from transformers import DynamicCache
 
 from .llama import CompactLlama
+
+if TYPE_CHECKING:  # transformers loads only for a float target (≈ 0.5 s to import)
+    from transformers import DynamicCache
 
 
 def new_cache(model):
     if isinstance(model, CompactLlama):
         return model.new_cache()
+    from transformers import DynamicCache
+
     return DynamicCache(config=model.config)
 
 

@@ -16,15 +16,17 @@ linear layers quantized the same way as Q4_1 (group 32, affine) or kept as they 
 
 from __future__ import annotations
 
+import copy
+import json
 import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..errors import WeightsError
 from . import kernels
@@ -259,6 +261,20 @@ def common_prefix(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+class Config(SimpleNamespace):
+    """A model config's fields as plain values (transformers' config, as its JSON has them): what
+    a compact model keeps, so that a prepared model loads without transformers."""
+
+    @classmethod
+    def of(cls, config) -> Config:
+        if isinstance(config, cls):
+            return config
+        return cls(**json.loads(config.to_json_string(use_diff=False)))
+
+    def to_dict(self) -> dict:
+        return copy.deepcopy(vars(self))
+
+
 @dataclass(frozen=True)
 class Shape:
     layers: int
@@ -277,7 +293,7 @@ class CompactLlama(nn.Module):
 
     Offers what the rest of the package reads off a transformers model: ``config``,
     ``get_input_embeddings()``, ``get_output_embeddings().weight`` (the draft head uses them).
-    ``tensor_types``: how each of the file's tensor types runs (GGUF files: files.describe)."""
+    ``tensor_types``: how each of the file's tensor types runs (GGUF files: models.describe_weights says them)."""
 
     def __init__(
         self,
@@ -295,7 +311,7 @@ class CompactLlama(nn.Module):
         layer the query and the key heads' RMSNorm weights (hd,) (Qwen3); ``rope``: the rotary
         inverse frequencies (hd/2,) where the config's do not say them (a GGUF's factors)."""
         super().__init__()
-        self.config, self.weights = config, weights
+        self.weights = weights
         self.shape = _shape(config)
         self.embed = nn.Embedding.from_pretrained(embed, freeze=True)  # (V, d)
         self.lm_head = lm_head  # (V, d): a kernels.Q8Head (4-bit paths) or kernels.DenseLinear
@@ -305,12 +321,19 @@ class CompactLlama(nn.Module):
         self.qk_norms = [w.float().contiguous() for w in qk_norms or []]
         self.rope = rope if rope is not None else rope_inverse_frequencies(config, self.shape)
         self.tensor_types: dict[str, int] = {}
-        self._cos = self._sin = None  # rotary factors by position (_rotary)
         self.prefill = "int4"  # the 4-bit linears' kernel for long inputs (use_prefill)
         self.layer_kernel = "python"  # how steps, verify passes and batches run (use_layers)
+        self.start(Config.of(config))
+
+    def start(self, config: Config) -> None:
+        """What a model holds beside its weights and kernel choices (a prepared model's load
+        restores those, then calls this)."""
+        self.config, self.shape = config, _shape(config)
+        self._cos = self._sin = None  # rotary factors by position (_rotary)
         self._fused = None  # the fused layers' arguments, where they run
         self.prompt_cache: PromptCache | None = None  # kept prompts, while the layers are fused
         self.cache_pool = CachePool(CACHE_POOL_BYTES)  # dropped caches' buffers, for new ones
+        self.use_layers(self.layer_kernel)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed
@@ -326,6 +349,8 @@ class CompactLlama(nn.Module):
         they feed: its rows are independent, so a kept prompt's remainder adds what a fresh
         prompt would."""
         assert kernel in kernels.PREFILL_KERNELS, kernel
+        if kernel == self.prefill:  # a prepared model's copy is already there
+            return
         if self._fused is not None and kernel == "bf16":
             raise WeightsError(
                 "the fused layers' prompts take 'int4', 'amx-bf16' or 'avx512-bf16', not 'bf16'"
@@ -679,6 +704,8 @@ def rope_inverse_frequencies(config, s: Shape) -> torch.Tensor:
     kind = _rope_type(_rope_parameters(config))
     if kind == "default":
         return base
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # here: ≈ 0.5 s to import
+
     inverse, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
     assert attention_factor == 1.0, (kind, attention_factor)
     return inverse.float()

@@ -36,16 +36,12 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-import transformers
-from gguf import GGUFReader
-from huggingface_hub import constants
-from rich.console import Console
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import WeightsError
-from . import files, kernels, llama
+from . import kernels, llama, prepared
 from .machine import CACHE_ENV, cache_dir, remembered, say
+from .tokenizer import Tokenizer
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -124,8 +120,10 @@ def load_model(
             f"weights={weights!r} is not an option: choose one of {', '.join(WEIGHTS)}."
         )
     gguf = _user_gguf(name_or_path)
-    if gguf and weights == "int4":  # the file's architecture and types, before any weight is read
-        files.check_gguf(files.read_gguf(gguf), gguf)
+    if gguf and weights == "int4" and not prepared.path_for(gguf).is_file():
+        from . import files
+
+        files.check_gguf(files.read_gguf(gguf), gguf)  # before any weight is read
     if weights == "auto":  # a float dtype other than float32 asks for the float path
         weights = choose_weights(name_or_path) if dtype == torch.float32 else "float"
     if weights in ("int4", "int8"):
@@ -141,13 +139,7 @@ def load_model(
             "or use weights='float'."
         )
     if weights == "int4" and (name_or_path in BUILTIN_MODELS or gguf):
-        model, tokenizer = _load_gguf_int4(name_or_path)
-        measured = calibration(model.config)
-        choose_layers(_model_key(name_or_path, model), model)
-        kernel = prefill_kernel(measured, model.matmul, model.layer_kernel == "fused")
-        model.use_prefill(kernel if _dense_copy_fits(model) else "int4")
-        model.use_head(measured["head"])
-        return model, tokenizer
+        return _load_prepared(name_or_path)
     local = Path(name_or_path).expanduser()
     if weights != "float" and name_or_path not in BUILTIN_MODELS and local.exists():
         llama.check_compact(load_config(local), weights)  # refused before any weights are read
@@ -184,8 +176,13 @@ def _model_key(name_or_path: str, model) -> str:
     file's copy, or a test's fresh file, reuses the measurement."""
     if name_or_path in BUILTIN_MODELS:
         return name_or_path
-    types = files.describe(model.tensor_types) if model.tensor_types else model.weights
+    types = _describe_types(model.tensor_types) if model.tensor_types else model.weights
     return f"{_shape_key(model.config)} | {types}"
+
+
+def _describe_types(types: dict[str, int]) -> str:
+    """``CompactLlama.tensor_types`` in a line: "168 Q4_K, 28 Q6_K → Q8_0 (re-quantized), …"."""
+    return ", ".join(f"{n} {kind}" for kind, n in types.items())
 
 
 def _shape_key(config) -> str:
@@ -209,9 +206,17 @@ def auto_weights(name_or_path: str) -> tuple[str, str]:
     shape."""
     gguf = _user_gguf(name_or_path)
     local = Path(name_or_path).expanduser()
-    reader = files.read_gguf(gguf) if gguf else None  # an unreadable file: its error, not float
+    known = name_or_path in BUILTIN_MODELS or gguf
+    source = _model_file(name_or_path) if known else None
+    config = prepared.config(source) if known and source.is_file() else None
+    if config is None:  # (the GGUF reader: ≈ 0.1 s to import, seconds to read a large file)
+        from . import files
+
+        reader = files.read_gguf(gguf) if gguf else None  # an unreadable file: its error
     try:
-        if name_or_path in BUILTIN_MODELS or gguf:
+        if config is not None:  # prepared: the file's checks passed then
+            choice = "int4"
+        elif name_or_path in BUILTIN_MODELS or gguf:
             if gguf:
                 files.check_gguf(reader, gguf)
             choice, config = (
@@ -241,7 +246,7 @@ def describe_weights(name: str, requested: str, used: str, model=None) -> str:
     with the loaded ``model``, how its layers run too, and a GGUF file's tensors."""
     layers = _describe_layers(model)
     types = getattr(model, "tensor_types", None)
-    tensors = f", GGUF tensors: {files.describe(types)}" if types else ""
+    tensors = f", GGUF tensors: {_describe_types(types)}" if types else ""
     why = "asked for" if requested != "auto" else auto_weights(name)[1]
     if used != "int4" or model is None:
         return f"{used}{tensors}{layers} ({why})"
@@ -353,19 +358,52 @@ def choose_layers(name: str, model) -> str:
 LAYERS_CALIBRATION = "layers v3: with the 4-bit matmul kernel (AMX too)"
 
 
+def _load_prepared(name_or_path: str):
+    """A GGUF's compact model with its kernels chosen: the prepared file mapped where one is
+    stored (target.prepared), else converted and then stored."""
+    source = _model_file(name_or_path)
+    loaded = prepared.load(source) if source.is_file() else None
+    model, tokenizer = loaded or _load_gguf_int4(name_or_path)
+    before = _kernel_choices(model)
+    measured = calibration(model.config)
+    choose_layers(_model_key(name_or_path, model), model)
+    kernel = prefill_kernel(measured, model.matmul, model.layer_kernel == "fused")
+    model.use_prefill(kernel if _dense_copy_fits(model) else "int4")
+    model.use_head(measured["head"])
+    if loaded is None or _kernel_choices(model) != before:  # new, or re-laid for this machine
+        prepared.save(source, model, tokenizer)
+    return model, tokenizer
+
+
+def _kernel_choices(model) -> tuple:
+    return model.matmul, model.layer_kernel, model.prefill, type(model.lm_head).__name__
+
+
+def _model_file(name_or_path: str) -> Path:
+    """The GGUF file behind a built-in name or a path (where the built-in one is stored once
+    fetched and verified)."""
+    if name_or_path in BUILTIN_MODELS:
+        return cache_dir() / name_or_path / Path(BUILTIN_MODELS[name_or_path].gguf_member).name
+    return Path(name_or_path).expanduser()
+
+
 def _load_gguf_int4(name_or_path: str):
     """A GGUF's own blocks in the compact forward: the built-in model as it ships (its tokenizer
     and config from the converted copy), or a GGUF file (its tokenizer, chat template and config
     from the file)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from . import files
+
     if name_or_path not in BUILTIN_MODELS:
         path = Path(name_or_path).expanduser()
-        tokenizer = load_tokenizer(str(path))
+        tokenizer = Tokenizer.of(load_tokenizer(str(path)))
         model = files.from_gguf(path, load_config(path))
         return model.eval(), tokenizer
     spec = BUILTIN_MODELS[name_or_path]
     path = _converted_copy(name_or_path, spec)  # the tokenizer and config (and the GGUF, verified)
     gguf = verified_gguf(spec, cache_dir() / name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = Tokenizer.of(AutoTokenizer.from_pretrained(path))
     model = files.from_gguf(gguf, AutoConfig.from_pretrained(path))
     _check_builtin(
         model, tokenizer, spec, f"Delete {cache_dir() / name_or_path} to have it rebuilt."
@@ -400,6 +438,10 @@ def load_config(path: Path):
     """A local model's config alone (no weights): a save_pretrained folder or a .gguf file. (A
     hub id's is checked once it has loaded: resolving one here would pay the hub's retries
     before _load_float's clearer errors.)"""
+    from transformers import AutoConfig
+
+    from . import files
+
     if path.is_file() and path.suffix == ".gguf":
         return files.gguf_config(path)
     return AutoConfig.from_pretrained(str(path))
@@ -407,6 +449,14 @@ def load_config(path: Path):
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
     """The tokenizer alone (compiling a constraint needs no weights); same names as load_model."""
+    known = name_or_path in BUILTIN_MODELS or _user_gguf(name_or_path)
+    if known and (source := _model_file(name_or_path)).is_file():
+        if stored := prepared.tokenizer(source):
+            return stored
+    from transformers import AutoTokenizer
+
+    from . import files
+
     if name_or_path in BUILTIN_MODELS:
         spec = BUILTIN_MODELS[name_or_path]
         return AutoTokenizer.from_pretrained(_converted_copy(name_or_path, spec))
@@ -603,6 +653,8 @@ def _remove_tree(path: Path) -> None:
 
 @contextmanager
 def _status(message: str) -> Iterator[None]:
+    from rich.console import Console
+
     console = Console(stderr=True)
     if not console.is_terminal:
         say(message + " ...")
@@ -616,10 +668,14 @@ def _status(message: str) -> Iterator[None]:
 
 
 def _transformers_version() -> str:
+    import transformers
+
     return transformers.__version__
 
 
 def _from_pretrained(name_or_path: str, dtype: torch.dtype, local_only: bool = False):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     # the tokenizer first: fails fast on a bad hub id
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_only)
     model = AutoModelForCausalLM.from_pretrained(
@@ -634,6 +690,8 @@ HUB_PROBE_S = 3.0  # a reachable hub answers a TCP connect in well under this
 def hub_offline() -> bool:
     """True when the Hugging Face hub cannot be reached (HF_HUB_OFFLINE set, or no connection
     to its endpoint within HUB_PROBE_S): hub ids are then read from the local cache only."""
+    from huggingface_hub import constants
+
     if constants.HF_HUB_OFFLINE:
         return True
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
@@ -648,6 +706,9 @@ def hub_offline() -> bool:
 
 
 def _from_gguf(gguf: Path, dtype: torch.dtype):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
     kwargs = {}
     if hasattr(transformers, "GgufConfig"):
         # transformers >= 5.x may keep GGUF blocks packed behind a quantizer, and then refuses
@@ -663,6 +724,8 @@ def _from_gguf(gguf: Path, dtype: torch.dtype):
 
 def _gguf_chat_template(gguf: Path) -> str | None:
     """The `tokenizer.chat_template` string from a GGUF file's metadata, if it has one."""
+    from gguf import GGUFReader
+
     field = GGUFReader(str(gguf)).fields.get("tokenizer.chat_template")
     if field is None or not field.data:
         return None

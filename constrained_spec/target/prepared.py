@@ -1,0 +1,219 @@
+"""Prepared models: a compact model as its kernels run it (4-bit blocks in the chosen kernel's
+layout, the prompts' bf16 copy, the LM head's Q8_0 blocks and bounds, the float rows), its
+config and its tokenizer, stored once per model file in ONE file that later loads map instead
+of converting (``torch.load(mmap=True)``: no copy; pages come in as the first passes touch
+them). A GGUF's conversion costs seconds to a minute (its metadata parsed in Python, every block
+re-laid, the bf16 copy computed); mapping the prepared file costs milliseconds.
+
+Layout: ``cache_dir()/prepared/<key>.pt`` (the tensors) and ``<key>.json`` (the config and the
+tokenizer, read without touching the tensors), the key a hash of the source file's path, size and
+modification time, this module's FORMAT, torch's version and the CPU (the kernels' layouts
+follow the CPU's calibration). A file that does not load (truncated, another format) is
+rebuilt; a cache without room for one is skipped, and said so. ``index.json`` names each file's
+source: storing one removes those whose source is gone or changed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import kernels, llama
+from .machine import atomic_write, cache_dir, cpu_name, say
+from .tokenizer import Tokenizer
+
+FORMAT = "prepared v1"
+
+# the modules a compact model is made of, by the name the file stores
+_MODULES = {
+    c.__name__: c
+    for c in (llama.CompactLlama, kernels.Int4Linear, kernels.Q8Head, kernels.DenseLinear)
+}
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor)
+
+
+def path_for(source: Path) -> Path:
+    """Where the prepared form of the model file ``source`` lives (whether or not it does)."""
+    stat = source.stat()
+    what = f"{FORMAT} | {source.resolve()} | {stat.st_size} | {stat.st_mtime_ns} | "
+    what += f"torch {torch.__version__} | {cpu_name()}"
+    return cache_dir() / "prepared" / f"{hashlib.sha256(what.encode()).hexdigest()[:24]}.pt"
+
+
+def load(source: Path) -> tuple[llama.CompactLlama, Tokenizer] | None:
+    """The prepared model and tokenizer of ``source``, mapped; None where none is stored (or it
+    does not load: it is then removed, to be rebuilt)."""
+    path = path_for(source)
+    if (header := _header(path)) is None:
+        return None
+    try:
+        model = _restore(torch.load(path, mmap=True, weights_only=True))
+        model.start(llama.Config(**header["config"]))
+        return model.eval(), Tokenizer.from_state(header["tokenizer"])
+    except Exception as err:  # noqa: BLE001 - any damage means: rebuild it
+        say(
+            f"The prepared model {path} does not load ({type(err).__name__}: {err}); rebuilding it."
+        )
+        _remove(path)
+        return None
+
+
+def config(source: Path) -> llama.Config | None:
+    """The config of ``source``'s prepared model, where one is stored (no tensor is read)."""
+    header = _header(path_for(source))
+    return llama.Config(**header["config"]) if header else None
+
+
+def tokenizer(source: Path) -> Tokenizer | None:
+    """The tokenizer of ``source``'s prepared model, where one is stored."""
+    header = _header(path_for(source))
+    return Tokenizer.from_state(header["tokenizer"]) if header else None
+
+
+def _header(path: Path) -> dict | None:
+    """The config and tokenizer stored beside a prepared model (``<key>.json``), where both
+    files are there and the header is whole."""
+    try:
+        stat = path.with_suffix(".json").stat()
+        if not path.is_file():
+            return None
+        return _read_header(path.with_suffix(".json"), stat.st_mtime_ns, stat.st_size)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def _read_header(path: Path, mtime_ns: int, size: int) -> dict:
+    header = json.loads(path.read_text())
+    if header.get("format") != FORMAT or not {"config", "tokenizer"} <= set(header):
+        raise ValueError(f"{path}: not a header of this format")
+    return header
+
+
+def save(source: Path, model: llama.CompactLlama, tokenizer: Tokenizer) -> None:
+    """Store the prepared form of ``source``: the model's tensors and attributes (``<key>.pt``),
+    then its config and tokenizer (``<key>.json``), each written whole and renamed into place."""
+    path = path_for(source)
+    state = _state(model)
+    header = {"format": FORMAT, "config": model.config.to_dict(), "tokenizer": tokenizer.state()}
+    size = sum(t.nbytes for t in _tensors(state))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(path.parent).free < size + (1 << 30):  # keep 1 GB free
+            say(f"Not storing the prepared model ({size >> 20} MB): {path.parent} is nearly full.")
+            return
+        _remove(path)  # the header last: a file without one is never read
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as f:
+            try:
+                torch.save(state, f)
+            except BaseException:
+                Path(f.name).unlink(missing_ok=True)
+                raise
+        os.replace(f.name, path)
+        atomic_write(path.with_suffix(".json"), json.dumps(header))
+        _sweep(path, source)
+    except OSError as err:  # a read-only or full cache: the model still runs, converted again
+        say(f"Could not store the prepared model in {path}: {err}")
+
+
+def _remove(path: Path) -> None:
+    path.with_suffix(".json").unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+
+
+def _sweep(path: Path, source: Path) -> None:
+    """Record which file ``path`` prepares, and remove the prepared files of sources that are
+    gone or changed since (a replaced model file, a test's temporary one)."""
+    index_path = path.parent / "index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    index = index if isinstance(index, dict) else {}
+    index[path.name] = str(source.resolve())
+    for name, origin in list(index.items()):
+        origin = Path(origin)
+        if not origin.is_file() or path_for(origin).name != name:
+            _remove(path.parent / name)
+            del index[name]
+    atomic_write(index_path, json.dumps(index, indent=1))
+
+
+def _state(module: nn.Module) -> dict:
+    """A module as plain values and tensors (what ``torch.load(weights_only=True)`` reads)."""
+    if isinstance(module, nn.Embedding):
+        return {"class": "Embedding", "weight": _own(module.weight.data)}
+    if isinstance(module, nn.ParameterList):
+        return {"class": "ParameterList", "items": [_own(p.data) for p in module]}
+    if isinstance(module, nn.ModuleList):
+        return {"class": "ModuleList", "items": [_state(m) for m in module]}
+    assert type(module).__name__ in _MODULES, type(module)
+    return {
+        "class": type(module).__name__,
+        "parameters": {k: _own(p.data) for k, p in module._parameters.items()},
+        "buffers": {k: _own(t) for k, t in module._buffers.items()},
+        "modules": {k: _state(m) for k, m in module._modules.items()},
+        # public plain attributes; objects (config, shape, caches) are rebuilt by start()
+        "attributes": {
+            k: _own(v) for k, v in vars(module).items() if not k.startswith("_") and _plain(v)
+        },
+    }
+
+
+def _own(value):
+    """A tensor that views a larger storage (a slice of a file's array) as a copy of its own:
+    torch.save writes a tensor's whole storage. Tensors sharing one storage whole (tied
+    embeddings) stay shared, stored once."""
+    if isinstance(value, list | tuple):
+        return type(value)(_own(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.nbytes:
+        return value.clone()
+    return value
+
+
+def _restore(state: dict) -> nn.Module:
+    kind = state["class"]
+    if kind == "Embedding":
+        return nn.Embedding.from_pretrained(state["weight"], freeze=True)
+    if kind == "ParameterList":
+        return nn.ParameterList(nn.Parameter(t, requires_grad=False) for t in state["items"])
+    if kind == "ModuleList":
+        return nn.ModuleList(_restore(s) for s in state["items"])
+    module = _MODULES[kind].__new__(_MODULES[kind])
+    nn.Module.__init__(module)
+    for k, t in state["parameters"].items():
+        module.register_parameter(k, nn.Parameter(t, requires_grad=False))
+    for k, t in state["buffers"].items():
+        module.register_buffer(k, t)
+    for k, s in state["modules"].items():
+        module.add_module(k, _restore(s))
+    for k, v in state["attributes"].items():
+        setattr(module, k, v)
+    return module
+
+
+def _plain(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return isinstance(value, _PLAIN)
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)

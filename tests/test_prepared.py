@@ -1,0 +1,152 @@
+"""Instant start: the prepared model file (a load maps it instead of converting), the tokenizer
+on `tokenizers` alone, and imports that leave transformers (and torch, for the bare package) out
+until needed."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from constrained_spec import Generator, testing
+from constrained_spec.constraints import token_vocabulary
+from constrained_spec.constraints.vocabulary import _UNICODE_TO_BYTE
+from constrained_spec.target import models, prepared
+from constrained_spec.target.tokenizer import Tokenizer
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+
+
+@pytest.fixture
+def gguf_file(tmp_path):
+    return testing.write_gguf(tmp_path / "qwen2.gguf", "qwen2", "Q4_K", seed=3)
+
+
+def _logits(model, ids):
+    cache = model.new_cache()
+    return model(torch.tensor(ids), cache)[0]
+
+
+def test_a_prepared_model_maps_to_the_model_it_was_converted_to(gguf_file):
+    """The first load converts and stores the prepared file; the second maps it (no GGUF
+    reading: the reader is made to explode) and computes bit for bit the same logits, commits
+    the same greedy tokens and the same kernels."""
+    assert not prepared.path_for(gguf_file).exists()
+    model, tokenizer = models.load_model(str(gguf_file), weights="int4")
+    assert prepared.path_for(gguf_file).is_file()
+    ids = tokenizer.encode('Give a: {"a": "the same text again"}')
+    first = _logits(model, ids)
+    first_text = Generator(model, tokenizer).generate(ids, schema=SCHEMA, max_new_tokens=30)
+
+    with pytest.MonkeyPatch.context() as patch:
+        from constrained_spec.target import files
+
+        def explode(*args, **kwargs):
+            raise AssertionError("the GGUF file was read again")
+
+        patch.setattr(files, "read_gguf", explode)
+        patch.setattr(files, "from_gguf", explode)
+        mapped, mapped_tokenizer = models.load_model(str(gguf_file), weights="int4")
+        assert models.auto_weights(str(gguf_file))[0] in ("int4", "float")
+    assert isinstance(mapped_tokenizer, Tokenizer)
+    assert models._kernel_choices(mapped) == models._kernel_choices(model)
+    assert torch.equal(_logits(mapped, ids), first)
+    again = Generator(mapped, mapped_tokenizer).generate(ids, schema=SCHEMA, max_new_tokens=30)
+    assert again.token_ids == first_text.token_ids
+
+
+def test_a_damaged_prepared_file_is_rebuilt(gguf_file, capsys):
+    model, tokenizer = models.load_model(str(gguf_file), weights="int4")
+    ids = tokenizer.encode("hello there")
+    path = prepared.path_for(gguf_file)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    rebuilt, _ = models.load_model(str(gguf_file), weights="int4")
+    assert "does not load" in capsys.readouterr().err
+    assert torch.equal(_logits(rebuilt, ids), _logits(model, ids))
+    assert prepared.load(gguf_file) is not None  # stored again, whole
+
+
+def test_a_changed_model_file_is_prepared_again_and_the_old_one_removed(gguf_file):
+    models.load_model(str(gguf_file), weights="int4")
+    old = prepared.path_for(gguf_file)
+    testing.write_gguf(gguf_file, "qwen2", "Q4_K", seed=4)  # new weights, same path
+    assert prepared.path_for(gguf_file) != old
+    models.load_model(str(gguf_file), weights="int4")
+    assert prepared.path_for(gguf_file).is_file() and not old.exists()
+
+
+MESSAGES = [
+    [{"role": "user", "content": "Extract: Alice, 30"}],
+    [
+        {"role": "system", "content": "Answer in JSON. Ünïcödé ✓"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": '{"a": 1}'},
+        {"role": "user", "content": "again <|im_end|> with a marker"},
+    ],
+]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.real_model
+def test_the_light_tokenizer_is_transformers_tokenizer(tmp_path):
+    """Same ids, text, special and added tokens, token bytes and chat text (tools too) as the
+    transformers tokenizer it was taken from: the built-in model's and a GGUF file's."""
+    spec = models.BUILTIN_MODELS[models.DEFAULT_MODEL]
+    gguf = testing.write_gguf(tmp_path / "t.gguf", "qwen2", "Q4_K")
+    for theirs in (
+        AutoTokenizer.from_pretrained(models._converted_copy(models.DEFAULT_MODEL, spec)),
+        models.load_tokenizer(str(gguf)),
+    ):
+        ours = Tokenizer.from_state(json.loads(json.dumps(Tokenizer.of(theirs).state())))
+        assert len(ours) == len(theirs) and ours.eos_token_id == theirs.eos_token_id
+        assert ours.all_special_ids == sorted(theirs.all_special_ids)
+        for text in ["", "Alice, 30 ✓ ünï", "<|im_start|>user\nhi<|im_end|>", "  \n\t{}"]:
+            for special in (True, False):
+                assert ours.encode(text, special) == theirs.encode(text, add_special_tokens=special)
+            ids = theirs.encode(text)
+            assert ours.decode(ids) == theirs.decode(ids)
+        assert token_vocabulary(ours).token_bytes == token_vocabulary(theirs).token_bytes
+        for messages in MESSAGES:
+            for tools in (None, TOOLS):
+                for prompt in (True, False):
+                    kwargs = dict(tools=tools, add_generation_prompt=prompt, tokenize=False)
+                    assert ours.apply_chat_template(messages, **kwargs) == (
+                        theirs.apply_chat_template(messages, **kwargs)
+                    )
+
+
+def test_the_byte_level_alphabet_is_gpt2s():
+    assert _UNICODE_TO_BYTE == {c: b for b, c in bytes_to_unicode().items()}
+
+
+def _imports(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys, json; print(json.dumps(sorted(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return set(json.loads(out.splitlines()[-1]))
+
+
+def test_importing_the_package_loads_neither_torch_nor_transformers():
+    loaded = _imports("import constrained_spec")
+    assert "torch" not in loaded and "transformers" not in loaded
+    assert "transformers" not in _imports("from constrained_spec import Generator")
+
+
+@pytest.mark.real_model
+def test_a_warm_start_of_the_default_model_never_imports_transformers():
+    """The built-in model prepared once, a later process maps it, compiles a schema and
+    generates without importing transformers (≈ 0.5 s) or reading the GGUF."""
+    Generator.from_pretrained()  # prepared, if it was not yet
+    code = (
+        "from constrained_spec import Generator\n"
+        "gen = Generator.from_pretrained()\n"
+        f"r = gen.generate('Extract: a', schema={SCHEMA!r}, max_new_tokens=8)\n"
+    )
+    loaded = _imports(code)
+    assert "transformers" not in loaded and "gguf" not in loaded
