@@ -2,6 +2,7 @@
 token, each measured in fresh processes from the moment the process is started.
 
     python benchmarks/startup.py --out /tmp/startup [--repeats 5] [--baseline-python PY]
+                                 [--model NAME|FILE.gguf]
 
 - ``import constrained_spec`` and ``from constrained_spec import Generator``: process wall time
   (``python -c pass`` alone is reported beside them);
@@ -42,7 +43,7 @@ start = float(os.environ["STARTUP_T0"])
 marks = {}
 from constrained_spec import Generator
 marks["import"] = time.time() - start
-gen = Generator.from_pretrained()
+gen = Generator.from_pretrained(sys.argv[3])
 marks["load"] = time.time() - start
 def first(round):
     marks.setdefault("first_token", time.time() - start)
@@ -57,8 +58,8 @@ print(json.dumps(marks))
 
 def timed(argv: list[str], env: dict) -> tuple[float, str]:
     start = time.time()
-    out = subprocess.run(
-        argv, env={**env, "STARTUP_T0": repr(start)}, capture_output=True, text=True
+    out = subprocess.run(  # run outside the checkout: `python -c` puts its folder on sys.path
+        argv, env={**env, "STARTUP_T0": repr(start)}, capture_output=True, text=True, cwd="/"
     )
     wall = time.time() - start
     if out.returncode:
@@ -66,16 +67,17 @@ def timed(argv: list[str], env: dict) -> tuple[float, str]:
     return wall, out.stdout
 
 
-def prepared_files() -> list[Path]:
+def prepared_files(model: str) -> list[Path]:
     from constrained_spec.target import models, prepared
 
-    source = models._model_file(models.DEFAULT_MODEL)
+    source = models._model_file(model)
     return [prepared.path_for(source)] if source.is_file() else []
 
 
-def measure(python: str, env: dict, repeats: int, cold: bool, say) -> dict:
-    cli = [python, "-m", "constrained_spec", "generate", "--schema", str(SCHEMA), PROMPT]
-    api = [python, "-c", CHILD, str(SCHEMA), PROMPT]
+def measure(python: str, env: dict, model: str, repeats: int, cold: bool, say) -> dict:
+    cli = [python, "-m", "constrained_spec", "generate", "--model", model]
+    cli += ["--schema", str(SCHEMA), PROMPT]
+    api = [python, "-c", CHILD, str(SCHEMA), PROMPT, model]
     runs: dict[str, list[float]] = {}
 
     def add(name: str, value: float) -> None:
@@ -90,13 +92,13 @@ def measure(python: str, env: dict, repeats: int, cold: bool, say) -> dict:
         ]:
             add(name, timed([python, "-c", code], env)[0])
         if cold:
-            for path in prepared_files():
+            for path in prepared_files(model):
                 path.unlink(missing_ok=True)
         marks = json.loads(timed(api, env)[1].splitlines()[-1])
         for k in ("import", "load", "first_token", "end"):
             add(f"api: {k}", marks[k])
         if cold:
-            for path in prepared_files():
+            for path in prepared_files(model):
                 path.unlink(missing_ok=True)
         add("cli: whole call", timed(cli, env)[0])
         say("  " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items()))
@@ -108,10 +110,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--baseline-python", help="a Python with another version of the package")
+    p.add_argument("--model", default=None, help="a built-in name or a GGUF file (default model)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     say = lambda *a: print(*a, flush=True)
+    from constrained_spec.target.models import DEFAULT_MODEL
+
+    model = args.model or DEFAULT_MODEL
     versions = {"this checkout": sys.executable}
     if args.baseline_python:
         versions[f"baseline ({args.baseline_python})"] = args.baseline_python
@@ -120,10 +126,11 @@ def main(argv=None) -> int:
         for cold in (False, True):
             say(f"{label}, {'cold' if cold else 'warm'}:")
             results[f"{label}, {'cold' if cold else 'warm'}"] = measure(
-                python, dict(os.environ), args.repeats, cold, say
+                python, dict(os.environ), model, args.repeats, cold, say
             )
     meta = {
         "command": shlex.join(["python", *sys.argv]),
+        "model": model,
         "python": sys.executable,
         "baseline_python": args.baseline_python,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
@@ -135,7 +142,7 @@ def main(argv=None) -> int:
         "# Start-up time (seconds from the process's start; medians of "
         f"{args.repeats} fresh processes)",
         "",
-        f"Command: `{meta['command']}` (python: `{meta['python']}`)",
+        f"Command: `{meta['command']}` (python: `{meta['python']}`); model {model}",
         "",
         "| | " + " | ".join(results) + " |",
         "|---|" + "---|" * len(results),

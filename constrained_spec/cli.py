@@ -37,7 +37,7 @@ from .errors import (
 )
 from .generator import DRAFTS, SETTINGS, Generator, Request, setting_problems
 from .jobs import done_ids, read_rows, run_job, run_job_on_ray
-from .target import BUILTIN_MODELS, DEFAULT_MODEL, WEIGHTS, ModelFetchError
+from .target import BUILTIN_MODELS, DEFAULT_MODEL, WEIGHTS, ModelFetchError, prepared
 
 __all__ = ["main", "build_parser"]
 
@@ -852,6 +852,7 @@ def run() -> None:
     (benchmarks/startup.py)."""
     code = main()
     if len(sys.argv) > 1 and sys.argv[1] in ONE_SHOT:
+        prepared.wait()  # a model prepared by this call: stored for the next
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

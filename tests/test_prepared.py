@@ -36,6 +36,7 @@ def test_a_prepared_model_maps_to_the_model_it_was_converted_to(gguf_file):
     the same greedy tokens and the same kernels."""
     assert not prepared.path_for(gguf_file).exists()
     model, tokenizer = models.load_model(str(gguf_file), weights="int4")
+    prepared.wait()  # stored in a thread
     assert prepared.path_for(gguf_file).is_file()
     ids = tokenizer.encode('Give a: {"a": "the same text again"}')
     first = _logits(model, ids)
@@ -60,21 +61,25 @@ def test_a_prepared_model_maps_to_the_model_it_was_converted_to(gguf_file):
 
 def test_a_damaged_prepared_file_is_rebuilt(gguf_file, capsys):
     model, tokenizer = models.load_model(str(gguf_file), weights="int4")
+    prepared.wait()
     ids = tokenizer.encode("hello there")
     path = prepared.path_for(gguf_file)
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     rebuilt, _ = models.load_model(str(gguf_file), weights="int4")
     assert "does not load" in capsys.readouterr().err
     assert torch.equal(_logits(rebuilt, ids), _logits(model, ids))
+    prepared.wait()
     assert prepared.load(gguf_file) is not None  # stored again, whole
 
 
 def test_a_changed_model_file_is_prepared_again_and_the_old_one_removed(gguf_file):
     models.load_model(str(gguf_file), weights="int4")
+    prepared.wait()
     old = prepared.path_for(gguf_file)
     testing.write_gguf(gguf_file, "qwen2", "Q4_K", seed=4)  # new weights, same path
     assert prepared.path_for(gguf_file) != old
     models.load_model(str(gguf_file), weights="int4")
+    prepared.wait()
     assert prepared.path_for(gguf_file).is_file() and not old.exists()
 
 
@@ -143,6 +148,7 @@ def test_a_warm_start_of_the_default_model_never_imports_transformers():
     """The built-in model prepared once, a later process maps it, compiles a schema and
     generates without importing transformers (≈ 0.5 s) or reading the GGUF."""
     Generator.from_pretrained()  # prepared, if it was not yet
+    prepared.wait()
     code = (
         "from constrained_spec import Generator\n"
         "gen = Generator.from_pretrained()\n"

@@ -14,6 +14,7 @@ file's values exactly (gguf's dequantization); norms, biases and rotary factors 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections import Counter
@@ -75,6 +76,27 @@ def _reader(path: Path, size: int, mtime_ns: int) -> GGUFReader:
             f"{path}: not a readable GGUF file ({size} bytes; {type(err).__name__}: {err}). "
             "A truncated download reads like this: fetch it again."
         ) from err
+
+
+@contextlib.contextmanager
+def shared_reader(path: Path):
+    """While it lasts, transformers' own reading of ``path`` (its tokenizer and its config each
+    parse the metadata again: 7 s apiece for a 150k vocabulary) gets the reader read_gguf
+    parsed once."""
+    import gguf  # transformers imports GGUFReader from it when it reads a file
+
+    original, path = gguf.GGUFReader, Path(path).resolve()
+
+    def reader(file, *args, **kwargs):
+        if not args and not kwargs and Path(file).resolve() == path:
+            return read_gguf(path)
+        return original(file, *args, **kwargs)
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def unused_token_ids(reader: GGUFReader) -> frozenset[int]:
@@ -140,7 +162,8 @@ def gguf_config(path: str | Path):
 def _config(path: Path, size: int, mtime_ns: int):
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with shared_reader(path):
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     reader = read_gguf(path)
     arch = _field(reader, "general.architecture")
     if (head_dim := _field(reader, f"{arch}.attention.key_length")) is not None:

@@ -371,7 +371,7 @@ def _load_prepared(name_or_path: str):
     model.use_prefill(kernel if _dense_copy_fits(model) else "int4")
     model.use_head(measured["head"])
     if loaded is None or _kernel_choices(model) != before:  # new, or re-laid for this machine
-        prepared.save(source, model, tokenizer)
+        prepared.save_later(source, model, tokenizer)
     return model, tokenizer
 
 
@@ -462,7 +462,8 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
         return AutoTokenizer.from_pretrained(_converted_copy(name_or_path, spec))
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        with files.shared_reader(path):
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         if not tokenizer.chat_template:
             tokenizer.chat_template = _gguf_chat_template(path)
         tokenizer.unused_token_ids = files.unused_token_ids(files.read_gguf(path))
@@ -724,9 +725,9 @@ def _from_gguf(gguf: Path, dtype: torch.dtype):
 
 def _gguf_chat_template(gguf: Path) -> str | None:
     """The `tokenizer.chat_template` string from a GGUF file's metadata, if it has one."""
-    from gguf import GGUFReader
+    from . import files
 
-    field = GGUFReader(str(gguf)).fields.get("tokenizer.chat_template")
+    field = files.read_gguf(gguf).fields.get("tokenizer.chat_template")
     if field is None or not field.data:
         return None
     return bytes(field.parts[field.data[0]]).decode("utf-8")
