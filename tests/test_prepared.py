@@ -13,7 +13,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from constrained_spec import Generator, testing
 from constrained_spec.constraints import token_vocabulary
-from constrained_spec.constraints.vocabulary import _UNICODE_TO_BYTE
+from constrained_spec.constraints.vocabulary import _UNICODE_TO_BYTE, _byte_level
 from constrained_spec.target import models, prepared
 from constrained_spec.target.tokenizer import Tokenizer
 
@@ -124,7 +124,15 @@ def test_the_light_tokenizer_is_transformers_tokenizer(tmp_path):
 
 
 def test_the_byte_level_alphabet_is_gpt2s():
-    assert _UNICODE_TO_BYTE == {c: b for b, c in bytes_to_unicode().items()}
+    """Our alphabet is transformers' (GPT-2's), and a piece's bytes are its characters' bytes
+    one by one, or None where one is not in the alphabet."""
+    alphabet = {c: b for b, c in bytes_to_unicode().items()}
+    assert _UNICODE_TO_BYTE == alphabet
+    pieces = ["", "Ġhello", "ĊĊ", "âĢľ", "a b", "é", "\u0100\u0143", "x\u0144", "\x00", "ÿ"]
+    pieces += ["".join(chr(c) for c in range(n, n + 40)) for n in range(0, 400, 40)]
+    for piece in pieces:
+        expected = bytes(alphabet[c] for c in piece) if set(piece) <= set(alphabet) else None
+        assert _byte_level(piece) == expected, piece
 
 
 def _imports(code: str) -> set[str]:

