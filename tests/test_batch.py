@@ -10,6 +10,7 @@ from constrained_spec import GenerationInputError, Generator
 from constrained_spec.decoding import cost, loop
 from constrained_spec.decoding.cost import PassCost
 from constrained_spec.decoding.drafters import EMPTY_DRAFT, CompositeDrafter, Draft
+from constrained_spec.decoding.sample import SamplingConfig
 from constrained_spec.target import kv
 from constrained_spec.testing import (
     PERSON,
@@ -123,7 +124,7 @@ def test_the_plan():
     sampled = Draft([6], torch.full((1, vocab), 1 / vocab), ("model",))
 
     def rows(n):
-        return [loop.Row([0], None, None, None, None, 10) for _ in range(n)]
+        return [loop.Row([0], None, SamplingConfig(), None, None, 10) for _ in range(n)]
 
     three = rows(3)
     assert loop.plan(LINEAR_COST, three, [forced, lookup, sampled]) == [2, 0, 1]

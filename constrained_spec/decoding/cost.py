@@ -18,6 +18,7 @@ import torch
 from ..target import kernels, machine
 from ..target.llama import CompactLlama
 from ..target.models import _shape_key
+from .sample import SamplingConfig, policy, verify_deterministic
 
 # The grid: rows per pass, and tokens each row feeds (1: the baseline step, 1 + k: k drafts).
 GRID_ROWS = (1, 2, 4, 8, 16)
@@ -25,7 +26,10 @@ GRID_FED = (1, 2, 4, 6)
 CONTEXT = 256  # positions each row's cache holds while timed (a short prompt and some output)
 REPEATS = 5  # each point: the fastest of these
 # Part of the cache key: a new method invalidates the cached tables.
-METHOD = "pass cost v1: rows 1-16 x 1-6 tokens each, 256 cached, whole head, best of 5"
+METHOD = (
+    "pass cost v2: rows 1-16 x 1-6 tokens each, 256 cached, whole head, best of 5; "
+    "the rule's host cost per position"
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,10 @@ class PassCost:
     it goes on along the last segment)."""
 
     grid: dict[int, list[tuple[int, float]]]  # rows → [(tokens fed in all, ms)], tokens rising
+    # what one more verified position adds to the rule on the host: a sampled row's (its policy
+    # over the vocabulary and its draw), a greedy row's (its share of the masked argmax)
+    sampled_ms: float = 0.0
+    greedy_ms: float = 0.0
     _known: dict = field(default_factory=dict, compare=False, repr=False)  # (rows, tokens) → ms
 
     def ms(self, rows: int, tokens: int) -> float:
@@ -54,11 +62,17 @@ class PassCost:
         return a + (b - a) * (rows - lo) / (hi - lo)
 
     def to_json(self) -> dict:
-        return {"method": METHOD, "grid": {str(r): points for r, points in self.grid.items()}}
+        return {
+            "method": METHOD,
+            "grid": {str(r): points for r, points in self.grid.items()},
+            "sampled_ms": self.sampled_ms,
+            "greedy_ms": self.greedy_ms,
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> PassCost:
-        return cls({int(r): [tuple(p) for p in points] for r, points in data["grid"].items()})
+        grid = {int(r): [tuple(p) for p in points] for r, points in data["grid"].items()}
+        return cls(grid, data.get("sampled_ms", 0.0), data.get("greedy_ms", 0.0))
 
 
 def _along(points: list[tuple[int, float]], x: float) -> float:
@@ -121,4 +135,31 @@ def measure(target: CompactLlama) -> PassCost:
 
             points.append((rows * fed, round(kernels.best_ms(one_pass, REPEATS), 4)))
         grid[rows] = points
-    return PassCost(grid)
+    return PassCost(grid, *rule_ms(vocab, device))
+
+
+def rule_ms(vocab: int, device) -> tuple[float, float]:
+    """What one more position adds to the acceptance rule's host work, (sampled, greedy) ms: a
+    sampled row's policy and draw at 4 positions against 1 (a deterministic draft), a greedy
+    row's masked argmax over 32 positions against 16; logits and masks at random."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(0)
+    logits = torch.randn(32, vocab, generator=generator, device=device)
+    legal = torch.rand(32, vocab, generator=generator, device=device) < 0.75
+    sampling = SamplingConfig(temperature=0.7)
+
+    def rule(n):
+        drafted = torch.zeros(n - 1, dtype=torch.long, device=device)
+        probs = policy(logits[:n], legal[:n], sampling)
+        verify_deterministic(probs, drafted, generator)[0].item()
+
+    def argmax(n):
+        logits[:n].masked_fill(~legal[:n], float("-inf")).argmax(-1).tolist()
+
+    sampled = (
+        kernels.best_ms(lambda: rule(4), REPEATS) - kernels.best_ms(lambda: rule(1), REPEATS)
+    ) / 3
+    greedy = (
+        kernels.best_ms(lambda: argmax(32), REPEATS) - kernels.best_ms(lambda: argmax(16), REPEATS)
+    ) / 16
+    return round(max(sampled, 0.0), 4), round(max(greedy, 0.0), 4)

@@ -314,10 +314,12 @@ def plan(costs: cost.PassCost | None, rows: list[Row], drafts: list[Draft]) -> l
 
     A row's j-th draft token is committed with the chance that it and every token before it
     are accepted (the product of the row's acceptance estimates by source); the round costs
-    the measured pass of its rows and tokens (``cost.PassCost``) plus HOST_MS_PER_ROW a row.
-    Greedy marginal allocation: every row starts at 0 drafts, and draft tokens are added in
-    order of their expected gain (a row's gains fall along its draft, so each row gets a
-    prefix); the count with the best ratio wins (the fewest tokens on a tie).
+    the measured pass of its rows and tokens (``cost.PassCost``), plus HOST_MS_PER_ROW a row
+    and the rule's measured host work per verified position (a sampled row's policy and draw
+    cost more than a greedy row's argmax). Greedy marginal allocation: every row starts at 0
+    drafts, and draft tokens are added in order of expected gain per cost (a row's fall along
+    its draft, so each row gets a prefix); the count with the best ratio wins (the fewest
+    tokens on a tie).
 
     Exact: the drafts are deterministic (forced, grammar and lookup tokens, or a greedy
     model's argmax): functions of the rows' committed tokens, drawn before no random number,
@@ -328,25 +330,28 @@ def plan(costs: cost.PassCost | None, rows: list[Row], drafts: list[Draft]) -> l
     lengths = [len(d) for d in drafts]
     if costs is None or not any(lengths):
         return lengths
-    expected, fed, gains = float(len(rows)), len(rows), []
+    rows_n = len(rows)
+    expected, fed, extra, candidates = float(rows_n), rows_n, 0.0, []
+    marginal = (costs.ms(rows_n, 2 * rows_n) - costs.ms(rows_n, rows_n)) / rows_n  # a token's
     for i, (row, draft) in enumerate(zip(rows, drafts)):
         chance, sampled = 1.0, draft.probs is not None
-        for j, source in enumerate(draft.sources):
+        host = costs.greedy_ms if row.sampling.greedy else costs.sampled_ms  # a position's rule
+        for source in draft.sources:
             chance *= row.acceptance.alpha(source)
             if sampled:  # kept whole: its tokens are in every plan
-                expected, fed = expected + chance, fed + 1
-            else:
-                gains.append((-chance, i, j))
-    gains.sort()  # most likely first; a row's tokens in their order (their gains fall along it)
-    host = HOST_MS_PER_ROW * len(rows)
-    best, best_ratio = 0, expected / (costs.ms(len(rows), fed) + host)
-    for m, (gain, _, _) in enumerate(gains, 1):
-        expected -= gain
-        ratio = expected / (costs.ms(len(rows), fed + m) + host)
+                expected, fed, extra = expected + chance, fed + 1, extra + host
+            else:  # by gain per cost: a row's ratios fall along its draft, so it gets a prefix
+                candidates.append((-chance / (marginal + host), chance, host, i))
+    candidates.sort()
+    fixed = HOST_MS_PER_ROW * rows_n
+    best, best_ratio = 0, expected / (costs.ms(rows_n, fed) + fixed + extra)
+    for m, (_, chance, host, _) in enumerate(candidates, 1):
+        expected, extra = expected + chance, extra + host
+        ratio = expected / (costs.ms(rows_n, fed + m) + fixed + extra)
         if ratio > best_ratio:
             best, best_ratio = m, ratio
     lengths = [len(d) if d.probs is not None else 0 for d in drafts]
-    for _, i, _ in gains[:best]:
+    for *_, i in candidates[:best]:
         lengths[i] += 1
     return lengths
 
