@@ -125,7 +125,10 @@ class DraftModel:
 def lookup(text: bytes, min_match: int = 4, max_match: int = 32, max_bytes: int = 64) -> bytes:
     """Prompt lookup on text: the bytes that followed the latest earlier occurrence of the
     longest suffix of ``text`` (max_match … min_match bytes). Matching bytes rather than token
-    ids finds copies whose tokenization differs (" Alice" in a prompt, "Alice" after a quote)."""
+    ids finds copies whose tokenization differs (" Alice" in a prompt, "Alice" after a quote).
+    Where the shortest suffix occurs nowhere earlier, no longer one does: one search, not 29."""
+    if len(text) <= min_match or text.rfind(text[-min_match:], 0, len(text) - 1) < 0:
+        return b""
     for n in range(min(max_match, len(text) - 1), min_match - 1, -1):
         start = text.rfind(text[-n:], 0, len(text) - 1)
         if start >= 0:
