@@ -54,6 +54,13 @@ def test_a_prepared_model_maps_to_the_model_it_was_converted_to(gguf_file):
         assert models.auto_weights(str(gguf_file))[0] in ("int4", "float")
     assert isinstance(mapped_tokenizer, Tokenizer)
     assert models._kernel_choices(mapped) == models._kernel_choices(model)
+    for ours, theirs in zip(
+        [*mapped.linears, mapped.lm_head.blocks], [*model.linears, model.lm_head.blocks]
+    ):
+        left_out = ours.kernel != "torch"  # rebuilt from our kernel's tiles when read
+        assert (ours.nibbles is None) == left_out
+        assert torch.equal(ours.stored_nibbles(), theirs.nibbles)
+        assert torch.equal(ours.dequantized(), theirs.dequantized())
     assert torch.equal(_logits(mapped, ids), first)
     again = Generator(mapped, mapped_tokenizer).generate(ids, schema=SCHEMA, max_new_tokens=30)
     assert again.token_ids == first_text.token_ids
@@ -164,3 +171,23 @@ def test_a_warm_start_of_the_default_model_never_imports_transformers():
     )
     loaded = _imports(code)
     assert "transformers" not in loaded and "gguf" not in loaded
+
+
+@pytest.mark.parametrize("kernel", ["avx512-bf16", "amx-bf16"])
+def test_our_kernels_tiles_give_back_the_nibbles(kernel):
+    """A prepared file leaves a linear's plain nibbles out where our kernel's tiles hold them:
+    rebuilt from the tiles, they are the originals (a two-halves linear and a 4-bit one)."""
+    from constrained_spec.target import kernels
+
+    if missing := kernels.int4_kernel_missing(kernel):
+        pytest.skip(f"the {kernel} kernel cannot run here: {missing}")
+    g = torch.Generator().manual_seed(0)
+    for copies, (n, k) in [(1, (48, 96)), (2, (2064, 64))]:  # 2064 rows: more than one slice
+        q = torch.randint(0, 16, (n, copies * k), generator=g)
+        scale, zero = torch.rand(n, copies * k // 32, generator=g), torch.rand(n, copies * k // 32)
+        linear = kernels.Int4Linear(q, scale, zero, copies=copies)
+        original = linear.nibbles.clone()
+        linear.use_kernel(kernel)
+        linear.nibbles = None
+        assert torch.equal(linear.stored_nibbles(), original)
+        assert torch.equal(linear.dequantized_nibbles(), q.to(torch.uint8))

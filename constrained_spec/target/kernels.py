@@ -199,9 +199,15 @@ class Int4Linear(nn.Module):
 
     def dequantized_nibbles(self) -> torch.Tensor:
         """q (N, copies·K) uint8 in 0..15."""
-        return torch.stack((self.nibbles & 0x0F, self.nibbles >> 4), dim=-1).view(
-            self.nibbles.shape[0], -1
-        )
+        nibbles = self.stored_nibbles()
+        return torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).view(nibbles.shape[0], -1)
+
+    def stored_nibbles(self) -> torch.Tensor:
+        """``nibbles``, rebuilt from our kernel's tiles where a prepared model left them out
+        (target.prepared: only re-laying or dequantizing the weights reads them)."""
+        if self.nibbles is None:
+            self.nibbles = _tile_nibbles(self.packed, self.scale_rows.shape[0])
+        return self.nibbles
 
     def scale_and_zero(self):
         """The kernels' scale and zero (N, copies·K/32) bf16, w = (q − 8)·scale + zero, read
@@ -236,7 +242,8 @@ class Int4Linear(nn.Module):
     def dequantized(self, dtype: torch.dtype = torch.float32, rows=slice(None)) -> torch.Tensor:
         """The weight's ``rows`` (n, copies·K) in ``dtype``; in float32, exactly the values the
         4-bit kernel multiplies (a 4-bit q times a bf16 scale plus a bf16 offset is exact)."""
-        nibbles, scale, offset = self.nibbles[rows], self.scale_rows[rows], self.offset_rows[rows]
+        nibbles = self.stored_nibbles()[rows]
+        scale, offset = self.scale_rows[rows], self.offset_rows[rows]
         n = nibbles.shape[0]
         q = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).view(n, -1, GROUP)
         w = q.to(dtype) * scale[..., None].to(dtype) + offset[..., None].to(dtype)
@@ -262,6 +269,21 @@ def _tile_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
         tiles[start // 16 : (start + 1024) // 16] = lanes.transpose(1, 2)
     scales = torch.stack((scale, zero)).to(torch.bfloat16).view(2, n // 16, 16, k // GROUP)
     return tiles, scales.permute(1, 3, 0, 2).contiguous()
+
+
+def _tile_nibbles(tiles: torch.Tensor, n: int) -> torch.Tensor:
+    """_tile_pack's inverse for the weights: its tiles (any view of them) of an (n, K) q →
+    nibbles (n, K/2) uint8, two inputs a byte, the first in the low half (Int4Linear's)."""
+    tiles = tiles.reshape(n // 16, -1, 16)
+    k = 8 * tiles.shape[1]
+    shifts = (4 * torch.arange(4)[:, None] + 16 * torch.arange(2)[None, :]).view(1, 1, 1, 4, 2)
+    nibbles = torch.empty(n, k // 2, dtype=torch.uint8)
+    for start in range(0, n, 1024):  # in slices, as _tile_pack
+        lanes = tiles[start // 16 : (start + 1024) // 16].transpose(1, 2).to(torch.int64)
+        q = ((lanes & 0xFFFFFFFF)[..., None, None] >> shifts) & 15  # (blocks, 16, K/8, 4, 2)
+        q = q.reshape(-1, k)
+        nibbles[start : start + q.shape[0]] = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+    return nibbles
 
 
 # The 4-bit matmul of a model's linears (steps, verify passes, batch rows, and prompts through

@@ -157,7 +157,7 @@ DENSE_COPY_SHARE = 0.25
 
 
 def _dense_copy_fits(model) -> bool:
-    weights = sum(m.nibbles.numel() * 2 // m.copies for m in model.linears)  # (N, copies·K/2)
+    weights = sum(m.packed.nbytes * 2 // m.copies for m in model.linears)  # copies·N·K/2 bytes
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return 2 * weights <= DENSE_COPY_SHARE * memory
 

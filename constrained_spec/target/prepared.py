@@ -189,13 +189,24 @@ def _state(module: nn.Module) -> dict:
     return {
         "class": type(module).__name__,
         "parameters": {k: _own(p.data) for k, p in module._parameters.items()},
-        "buffers": {k: _own(t) for k, t in module._buffers.items()},
+        "buffers": {
+            k: None if _rebuilt(module, k) else _own(t) for k, t in module._buffers.items()
+        },
         "modules": {k: _state(m) for k, m in module._modules.items()},
         # public plain attributes; objects (config, shape, caches) are rebuilt by start()
         "attributes": {
             k: _own(v) for k, v in vars(module).items() if not k.startswith("_") and _plain(v)
         },
     }
+
+
+def _rebuilt(module: nn.Module, buffer: str) -> bool:
+    """Whether a buffer is left out of the file, to be rebuilt where needed: a 4-bit linear's
+    plain nibbles, which our kernels' tiles hold too (Int4Linear.stored_nibbles; 0.9 GB of a
+    1.5B model's file, read only to re-lay or dequantize the weights)."""
+    return (
+        isinstance(module, kernels.Int4Linear) and buffer == "nibbles" and module.kernel != "torch"
+    )
 
 
 def _own(value):
