@@ -58,7 +58,7 @@ from constrained_spec.target import (  # noqa: E402
 SOURCE = "constrained_spec/csrc/fused_layers.cpp"
 CONTEXT = list(range(1000, 1400))  # a 400-token context before each timed pass
 SIZES = (1, 4, 8, 17, 32)  # new tokens a pass: a step, a verify pass, batches' rows
-ROWS = 16  # and a pass of 16 rows of 2 tokens each (a wide batch's round: batch.WIDE_MAX_DRAFT)
+ROWS = 16  # and a pass of 16 rows of 2 tokens each (a wide batch's round, one draft a row)
 
 
 def build_other(commit: str, folder: Path):
