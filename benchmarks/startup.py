@@ -70,8 +70,8 @@ def timed(argv: list[str], env: dict) -> tuple[float, str]:
 def prepared_files(model: str) -> list[Path]:
     from constrained_spec.target import models, prepared
 
-    source = models._model_file(model)
-    return [prepared.path_for(source)] if source.is_file() else []
+    source = models.model_file(model)
+    return [prepared.path_for(source)] if source else []
 
 
 def measure(python: str, env: dict, model: str, repeats: int, cold: bool, say) -> dict:

@@ -548,10 +548,9 @@ def accepted_but_invalid(constraint: Constraint, schema: dict, texts) -> list[st
 
 
 @contextlib.contextmanager
-def server_process(*args: str, timeout_s: float = 900.0, on_loading=None) -> Iterator[str]:
+def server_process(*args: str, timeout_s: float = 900.0) -> Iterator[str]:
     """Run ``constrained-spec serve *args`` on a free local port until the block ends; yields
     its base URL (``http://127.0.0.1:PORT``) once /health says the model is loaded.
-    ``on_loading(base_url)`` is called once if /health answered 503 (loading) first.
     The child imports this checkout's package (cwd = the repository root, via ``-m``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -559,7 +558,7 @@ def server_process(*args: str, timeout_s: float = 900.0, on_loading=None) -> Ite
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, "-m", "constrained_spec", "serve", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, cwd=root)
-    url, deadline, loading_seen = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s, False
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
     try:
         while True:
             if proc.poll() is not None:
@@ -570,11 +569,7 @@ def server_process(*args: str, timeout_s: float = 900.0, on_loading=None) -> Ite
                 with urllib.request.urlopen(url + "/health", timeout=5) as r:
                     if r.status == 200:
                         break
-            except urllib.error.HTTPError as e:  # 503 while loading
-                if e.code == 503 and not loading_seen and on_loading is not None:
-                    loading_seen = True
-                    on_loading(url)
-            except OSError:  # not listening yet
+            except OSError:  # not listening yet; 503 while loading (HTTPError is an OSError)
                 pass
             time.sleep(0.2)
         yield url

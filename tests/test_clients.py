@@ -8,6 +8,8 @@ import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import jsonschema
 import pytest
@@ -79,6 +81,49 @@ def served(request):
     yield client, app.state.worker.gen, request.param
     server.should_exit = True
     thread.join(10)
+
+
+def test_a_loading_server_answers_503_until_its_model_is_ready():
+    """/health and completions answer 503 while the model loads (held here until released:
+    a prepared model maps too fast for a real server to show it), then serve."""
+    ready = threading.Event()
+
+    def load():
+        ready.wait(60)
+        return tiny_generator()
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(CONFIG, load=load)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}"
+        body = json.dumps({"messages": ASK, "max_tokens": 5, "regex": FREE}).encode()
+
+        def status(path: str, data: bytes | None = None) -> int:
+            request = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=60) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        assert status("/health") == 503 and status("/v1/chat/completions", body) == 503
+        ready.set()
+        deadline = time.monotonic() + 60
+        while status("/health") != 200:
+            assert time.monotonic() < deadline, "the model never finished loading"
+            time.sleep(0.05)
+        assert status("/v1/chat/completions", body) == 200
+    finally:
+        ready.set()
+        server.should_exit = True
+        thread.join(10)
 
 
 def ask(client, **fields):

@@ -53,18 +53,12 @@ def json_format(schema: dict) -> dict:
 @pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "batched"])
 def server(request):
     """A server per --batch-size: requests one at a time (Generator.stream), or batched."""
-    seen = {}
-
-    def during_loading(url):  # the first /health answer was 503: ask for a completion now
-        seen["health"] = 503
-        seen["chat"] = post(url, {"messages": ASK}).status
-
     args = ["--api-key", KEY, "--max-queue", str(MAX_QUEUE), "--max-tokens", "400"]
     args += ["--threads", "1"]  # the test process shares the cores (2 on CI)
     args += ["--batch-size", str(request.param)]
     args += ["--max-body-bytes", "65536", "--max-schema-bytes", "4096"]
-    with server_process(*args, on_loading=during_loading) as url:
-        yield url, seen, request.param
+    with server_process(*args) as url:
+        yield url, request.param
 
 
 @pytest.fixture
@@ -107,15 +101,6 @@ def wait_for(url: str, check, timeout_s: float = 60.0) -> dict:
 
 
 # ---------------------------------------------------------------- completions
-
-
-def test_loading_answers_503(server):
-    _, seen, _ = server
-    if not seen:
-        pytest.skip("the model loaded before /health was first asked: no loading phase seen")
-    if seen["chat"] == 200:  # a prepared model maps in a fraction of a second
-        pytest.skip("the model finished loading between the 503 and the completion request")
-    assert seen == {"health": 503, "chat": 503}
 
 
 def test_json_schema_reply_validates_and_reports_speculation(client):
@@ -168,7 +153,7 @@ def test_sampled_replies_validate(server, client):
             stopped += 1
             jsonschema.validate(json.loads(texts[-1]), PERSON)
     assert stopped >= 1, "no sampled reply stopped: nothing was validated"
-    if server[2] > 1:
+    if server[1] > 1:
         assert texts[1] == texts[2]
 
 

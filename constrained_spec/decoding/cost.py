@@ -17,7 +17,7 @@ import torch
 
 from ..target import kernels, machine
 from ..target.llama import CompactLlama
-from ..target.models import _shape_key
+from ..target.models import shape_key
 from .sample import SamplingConfig, policy, verify_deterministic
 
 # The grid: rows per pass, and tokens each row feeds (1: the baseline step, 1 + k: k drafts).
@@ -98,7 +98,7 @@ def pass_cost(target) -> PassCost | None:
         _known[target] = None
         return None
     way = f"{target.weights} {target.layer_kernel}/{target.matmul} {type(target.lm_head).__name__}"
-    key = f"{METHOD} | {_shape_key(target.config)} | {way}"
+    key = f"{METHOD} | {shape_key(target.config)} | {way}"
     _known[target] = cost = PassCost.from_json(
         machine.remembered(key, lambda: measure(target).to_json())
     )

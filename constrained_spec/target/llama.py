@@ -312,14 +312,13 @@ class CompactLlama(nn.Module):
         inverse frequencies (hd/2,) where the config's do not say them (a GGUF's factors)."""
         super().__init__()
         self.weights = weights
-        self.shape = _shape(config)
         self.embed = nn.Embedding.from_pretrained(embed, freeze=True)  # (V, d)
         self.lm_head = lm_head  # (V, d): a kernels.Q8Head (4-bit paths) or kernels.DenseLinear
         self.norms = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in norms)
         self.linears = nn.ModuleList(linears)  # per layer: qkv, o, gate_up, down
         self.biases = [b.float().contiguous() for b in biases or []]
         self.qk_norms = [w.float().contiguous() for w in qk_norms or []]
-        self.rope = rope if rope is not None else rope_inverse_frequencies(config, self.shape)
+        self.rope = rope if rope is not None else rope_inverse_frequencies(config, _shape(config))
         self.tensor_types: dict[str, int] = {}
         self.prefill = "int4"  # the 4-bit linears' kernel for long inputs (use_prefill)
         self.layer_kernel = "python"  # how steps, verify passes and batches run (use_layers)

@@ -177,7 +177,7 @@ def _model_key(name_or_path: str, model) -> str:
     if name_or_path in BUILTIN_MODELS:
         return name_or_path
     types = _describe_types(model.tensor_types) if model.tensor_types else model.weights
-    return f"{_shape_key(model.config)} | {types}"
+    return f"{shape_key(model.config)} | {types}"
 
 
 def _describe_types(types: dict[str, int]) -> str:
@@ -185,7 +185,7 @@ def _describe_types(types: dict[str, int]) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in types.items())
 
 
-def _shape_key(config) -> str:
+def shape_key(config) -> str:
     d, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     h, kv, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
     hd = getattr(config, "head_dim", None) or d // h
@@ -206,9 +206,8 @@ def auto_weights(name_or_path: str) -> tuple[str, str]:
     shape."""
     gguf = _user_gguf(name_or_path)
     local = Path(name_or_path).expanduser()
-    known = name_or_path in BUILTIN_MODELS or gguf
-    source = _model_file(name_or_path) if known else None
-    config = prepared.config(source) if known and source.is_file() else None
+    source = model_file(name_or_path)
+    config = prepared.config(source) if source else None
     if config is None:  # (the GGUF reader: ≈ 0.1 s to import, seconds to read a large file)
         from . import files
 
@@ -293,7 +292,7 @@ CALIBRATION = "v9: per shape; each 4-bit matmul kernel measured (AMX too), 8-bit
 def calibration(config) -> dict:
     """The linear-kernel timings behind ``auto_weights`` and the kernel choices for a model of
     ``config``'s shapes, cached."""
-    return remembered(f"{_shape_key(config)} | {CALIBRATION}", lambda: _measure_kernels(config))
+    return remembered(f"{shape_key(config)} | {CALIBRATION}", lambda: _measure_kernels(config))
 
 
 def _measure_kernels(config) -> dict:
@@ -361,8 +360,8 @@ LAYERS_CALIBRATION = "layers v3: with the 4-bit matmul kernel (AMX too)"
 def _load_prepared(name_or_path: str):
     """A GGUF's compact model with its kernels chosen: the prepared file mapped where one is
     stored (target.prepared), else converted and then stored."""
-    source = _model_file(name_or_path)
-    loaded = prepared.load(source) if source.is_file() else None
+    source = model_file(name_or_path)
+    loaded = prepared.load(source) if source else None
     model, tokenizer = loaded or _load_gguf_int4(name_or_path)
     before = _kernel_choices(model)
     measured = calibration(model.config)
@@ -371,7 +370,7 @@ def _load_prepared(name_or_path: str):
     model.use_prefill(kernel if _dense_copy_fits(model) else "int4")
     model.use_head(measured["head"])
     if loaded is None or _kernel_choices(model) != before:  # new, or re-laid for this machine
-        prepared.save_later(source, model, tokenizer)
+        prepared.save_later(model_file(name_or_path), model, tokenizer)  # now on disk
     return model, tokenizer
 
 
@@ -379,12 +378,13 @@ def _kernel_choices(model) -> tuple:
     return model.matmul, model.layer_kernel, model.prefill, type(model.lm_head).__name__
 
 
-def _model_file(name_or_path: str) -> Path:
-    """The GGUF file behind a built-in name or a path (where the built-in one is stored once
-    fetched and verified)."""
+def model_file(name_or_path: str) -> Path | None:
+    """The GGUF file behind a built-in name (where it is stored once fetched and verified) or
+    a GGUF path, if it is on disk: what a prepared model is keyed by."""
     if name_or_path in BUILTIN_MODELS:
-        return cache_dir() / name_or_path / Path(BUILTIN_MODELS[name_or_path].gguf_member).name
-    return Path(name_or_path).expanduser()
+        path = cache_dir() / name_or_path / Path(BUILTIN_MODELS[name_or_path].gguf_member).name
+        return path if path.is_file() else None
+    return _user_gguf(name_or_path)
 
 
 def _load_gguf_int4(name_or_path: str):
@@ -449,10 +449,8 @@ def load_config(path: Path):
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
     """The tokenizer alone (compiling a constraint needs no weights); same names as load_model."""
-    known = name_or_path in BUILTIN_MODELS or _user_gguf(name_or_path)
-    if known and (source := _model_file(name_or_path)).is_file():
-        if stored := prepared.tokenizer(source):
-            return stored
+    if (source := model_file(name_or_path)) and (stored := prepared.tokenizer(source)):
+        return stored
     from transformers import AutoTokenizer
 
     from . import files
