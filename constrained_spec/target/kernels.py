@@ -164,6 +164,8 @@ class Int4Linear(nn.Module):
         """``prefill``: x is a prompt's prefill (never a step, a verify pass or a batch of
         rows), which may take the prefill kernel."""
         x = x.to(torch.bfloat16)
+        if self.kernel in BLOCK_KERNELS:  # the input once, whatever the copies (8-bit tiles)
+            return fused_build()[0].blocks_mm(x.contiguous(), self.packed, self.scale_zero).float()
         if self.copies > 1 and not (prefill and self.dense is not None):
             x = x.repeat(1, self.copies)  # (n, copies·K)
         if prefill and self.dense is not None:
@@ -188,7 +190,9 @@ class Int4Linear(nn.Module):
             raise WeightsError(f"the {kernel!r} 4-bit kernel cannot run here: {why}")
         q = self.dequantized_nibbles()
         scale, zero = self.scale_and_zero()
-        if kernel != "torch":  # ours: the tiles' shape names the instructions (csrc int4_mm)
+        if kernel in BLOCK_KERNELS:  # csrc/blocks.h: 4-bit tiles, or the halves as 8-bit ones
+            self.packed, self.scale_zero = _blocks_pack(q, scale, zero, self.copies)
+        elif kernel != "torch":  # ours: the tiles' shape names the instructions (csrc int4_mm)
             self.packed, self.scale_zero = _tile_pack(q, scale, zero)
             if kernel == "amx-bf16":
                 self.packed = self.packed.view(self.packed.shape[0], -1, 4, 16)
@@ -206,7 +210,11 @@ class Int4Linear(nn.Module):
         """``nibbles``, rebuilt from our kernel's tiles where a prepared model left them out
         (target.prepared: only re-laying or dequantizing the weights reads them)."""
         if self.nibbles is None:
-            self.nibbles = _tile_nibbles(self.packed, self.scale_rows.shape[0])
+            n = self.scale_rows.shape[0]
+            if self.kernel in BLOCK_KERNELS:
+                self.nibbles = _blocks_nibbles(self.packed, n, self.copies)
+            else:
+                self.nibbles = _tile_nibbles(self.packed, n)
         return self.nibbles
 
     def scale_and_zero(self):
@@ -214,6 +222,12 @@ class Int4Linear(nn.Module):
         from the current kernel's layout."""
         if self.kernel == "torch":
             return self.scale_zero[..., 0].T, self.scale_zero[..., 1].T  # from (K/32, N, 2)
+        if self.kernel in BLOCK_KERNELS:  # (N/8, K/32, 1 + zeros, 8)
+            tiles, groups, planes = self.scale_zero.shape[:3]
+            rows = self.scale_zero.permute(2, 0, 3, 1).reshape(planes, 8 * tiles, groups)
+            if planes == 2:
+                return rows[0], rows[1]
+            return torch.cat((16 * rows[0], rows[0]), 1), torch.cat((rows[1], rows[2]), 1)
         blocks, groups = self.scale_zero.shape[:2]  # (N/16, K/32, 2, 16)
         both = self.scale_zero.permute(2, 0, 3, 1).reshape(2, 16 * blocks, groups)
         return both[0], both[1]
@@ -271,6 +285,51 @@ def _tile_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
     return tiles, scales.permute(1, 3, 0, 2).contiguous()
 
 
+def _blocks_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, copies: int):
+    """q (N, copies·K) in 0..15 and bf16 scale, zero (N, copies·K/32) → csrc/blocks.h's tiles
+    and scales. One copy: 4-bit tiles (N/8, K/8, 8) int32, scales (N/8, K/32, 2, 8). Two (the
+    halves of an 8-bit q, scales 16s and s): the signed byte 16·hi + lo − 128 in 8-bit tiles
+    (N/8, K/4, 8), w = (byte − 8)·s + zero_hi + zero_lo, scales (N/8, K/32, 3, 8): s and both
+    zeros, so that the weights are the halves' exactly."""
+    n, k = q.shape[0], q.shape[1] // copies
+    groups = k // GROUP
+    if copies == 1:
+        quads = q.to(torch.uint8).view(n // 8, 8, k // 8, 2, 4)  # (tile, lane, c, half, j)
+        lanes = quads[..., 0, :] | (quads[..., 1, :] << 4)
+        planes = (scale, zero)
+    else:
+        assert copies == 2, copies
+        if not torch.equal(scale[:, :groups], 16 * scale[:, groups:]):
+            raise WeightsError("8-bit tiles need the high half's scales at 16× the low half's")
+        byte = (16 * q[:, :k].to(torch.int16) + q[:, k:] - 128).to(torch.int8)
+        lanes = byte.view(n // 8, 8, k // 4, 4)
+        planes = (scale[:, groups:], zero[:, :groups], zero[:, groups:])
+    tiles = lanes.permute(0, 2, 1, 3).contiguous().view(torch.int32).squeeze(-1)
+    scales = torch.stack(planes).to(torch.bfloat16).view(len(planes), n // 8, 8, groups)
+    return tiles.contiguous(), scales.permute(1, 3, 0, 2).contiguous()
+
+
+def _blocks_nibbles(tiles: torch.Tensor, n: int, copies: int) -> torch.Tensor:
+    """_blocks_pack's inverse for the weights: nibbles (n, copies·K/2) uint8 (Int4Linear's)."""
+    lanes = tiles.view(torch.uint8).view(n // 8, tiles.shape[1], 8, 4).permute(0, 2, 1, 3)
+    if copies == 1:
+        q = torch.stack((lanes & 15, lanes >> 4), dim=-2).reshape(n, -1)  # (tile, lane, c, half, j)
+    else:
+        u = lanes.reshape(n, -1).view(torch.int8).to(torch.int16) + 128
+        q = torch.cat((u >> 4, u & 15), 1).to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def quantize_int8(x: torch.Tensor):
+    """csrc/blocks.h's activations: x (n, K) in groups of 32 → q (n, K) int8 in −127..127 and
+    d (n, K/32) float32, x ≈ d·q: d = max|x|/127, q = x·(127/max|x|) rounded, ties to even."""
+    groups = x.float().reshape(x.shape[0], -1, GROUP)
+    top = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, 127 / top, torch.zeros_like(top))
+    q = torch.round(groups * inverse).to(torch.int8).reshape(x.shape)
+    return q, (top / 127).squeeze(-1)
+
+
 def _tile_nibbles(tiles: torch.Tensor, n: int) -> torch.Tensor:
     """_tile_pack's inverse for the weights: its tiles (any view of them) of an (n, K) q →
     nibbles (n, K/2) uint8, two inputs a byte, the first in the low half (Int4Linear's)."""
@@ -296,7 +355,12 @@ def _tile_nibbles(tiles: torch.Tensor, n: int) -> torch.Tensor:
 # different orders (one bf16 ulp apart on ~0.1% of outputs). One of them runs for a model's
 # whole life (models.choose_layers measures them), so the baseline and speculation compute the
 # same function.
-INT4_KERNELS = ("avx512-bf16", "amx-bf16", "torch")
+# "avx2" and "neon" (ours, csrc/blocks.h: the activations quantized to int8 per group of 32, as
+# llama.cpp's are, integer dot products over the weights' own 4-bit or 8-bit values: vpmaddubsw
+# on x86 CPUs with AVX2 and FMA, sdot on ARM CPUs with dot products) multiply another function:
+# x rounded to int8 groups rather than bf16, then exact integer sums and float32 scales.
+INT4_KERNELS = ("avx512-bf16", "amx-bf16", "avx2", "neon", "torch")
+BLOCK_KERNELS = ("avx2", "neon")
 
 
 def int4_kernel_missing(kernel: str) -> str | None:
@@ -307,6 +371,11 @@ def int4_kernel_missing(kernel: str) -> str | None:
     module, why = fused_build()
     if module is None:
         return f"it is compiled with the fused layers, which cannot be built here ({why})"
+    if kernel in BLOCK_KERNELS:
+        if module.blocks_isa() != kernel:
+            need = "AVX2 and FMA" if kernel == "avx2" else "NEON dot products (ARMv8.2 dotprod)"
+            return f"this CPU or build has no {need} (built for {module.blocks_isa()})"
+        return None
     if not module.avx512_bf16():
         return "this CPU has no AVX-512 BF16 instructions (avx512_bf16)"
     if kernel == "amx-bf16" and not module.amx_bf16():
@@ -371,15 +440,23 @@ class Q8Head(nn.Module):
         self.blocks.use_kernel(kernel)
         vocab = self.weight.shape[0]  # the blocks' rows are padded to a multiple of 16
         ours = kernel != "torch"
-        self.terms[:, 2] = _group_error(self.blocks)[:, :vocab].norm(dim=0) if ours else 0
+        error = _blocks_group_error if kernel in BLOCK_KERNELS else _group_error
+        self.terms[:, 2] = error(self.blocks)[:, :vocab].norm(dim=0) if ours else 0
         self.terms[:, 3] = 2.0**-100 if ours else 0
 
     def approximate(self, x: torch.Tensor):
         """The kernel's logits of x (n, d), (n, V) float32 holding bf16 values, and how far
         each may be from float32's."""
-        rounded = x.to(torch.bfloat16)
-        rounded = rounded.masked_fill(rounded.abs() < 2.0**-126, 0).float()  # DAZ: flushed
-        approx = self.blocks(rounded)[:, : self.weight.shape[0]]
+        if self.blocks.kernel in BLOCK_KERNELS:  # x̃: int8 groups, the input fed once
+            q, d = quantize_int8(x)
+            rounded = (q.float().view(x.shape[0], -1, GROUP) * d[..., None]).view(x.shape)
+            blocks = self.blocks
+            approx = fused_build()[0].blocks_mm(x.float().contiguous(), blocks.packed, blocks.scale_zero)
+            approx = approx.float()[:, : self.weight.shape[0]]
+        else:  # bf16 with denormals flushed (DAZ), fed twice
+            rounded = x.to(torch.bfloat16)
+            rounded = rounded.masked_fill(rounded.abs() < 2.0**-126, 0).float()
+            approx = self.blocks(rounded)[:, : self.weight.shape[0]]
         sums = rounded.abs().view(x.shape[0], -1, GROUP).sum(-1)  # (n, K/32): S_g
         scales = torch.stack(
             [x.norm(dim=1), (x - rounded).norm(dim=1), sums.norm(dim=1), x.new_ones(x.shape[0])], 1
@@ -415,6 +492,20 @@ class Q8Head(nn.Module):
             ids = row.nonzero().squeeze(1)
             approx[i, ids] = self.weight[ids] @ x[i]
         return approx
+
+
+def _blocks_group_error(blocks: Int4Linear) -> torch.Tensor:
+    """_group_error for csrc/blocks.h's 8-bit tiles: per group, the exact integer A = Σ(q − 8)·q̃
+    (|q − 8| ≤ 136) and Σq̃, then three rounded products (s·d, d·Σq̃ and the two zeros' fma's
+    operands) and three fused multiply-adds a group over G groups: ≤ γ(3G + 1)·Σ_g (|s_g|·|A|·d
+    + (|z_hi| + |z_lo|)·|Σq̃|·d), and d·Σ|q̃| = S_g. So c_{t,g} = γ(3G + 1)·(136|s| + |z_hi| +
+    |z_lo|), 1% on top for the second-order terms."""
+    u = 2.0**-24
+    scale, zero = (t.float().abs() for t in blocks.scale_and_zero())  # the halves: (V, 2G)
+    groups = scale.shape[1] // 2
+    gamma = (3 * groups + 1) * u / (1 - (3 * groups + 1) * u)
+    coef = 1.01 * gamma * (136 * scale[:, groups:] + zero[:, :groups] + zero[:, groups:])
+    return coef.T.contiguous()
 
 
 def _group_error(blocks: Int4Linear) -> torch.Tensor:
@@ -563,6 +654,7 @@ def best_ms(call, repeats: int) -> float:
 # the same way (the Python loop: one masked attention call per layer), on the prefill kernel.
 LAYER_KERNELS = ("fused", "python")
 FUSED_SOURCE = Path(__file__).with_name("csrc") / "fused_layers.cpp"
+FUSED_HEADERS = [Path(__file__).with_name("csrc") / "blocks.h"]  # in the build stamp too
 FUSED_FLAGS = dict(extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
 
 
@@ -617,7 +709,8 @@ BUILT = "built-from.txt"
 
 
 def _build_stamp() -> str:
-    source = hashlib.sha256(FUSED_SOURCE.read_bytes()).hexdigest()
+    source = hashlib.sha256(b"".join(p.read_bytes() for p in [FUSED_SOURCE, *FUSED_HEADERS]))
+    source = source.hexdigest()
     return f"{source} {FUSED_FLAGS} torch {torch.__version__}"
 
 

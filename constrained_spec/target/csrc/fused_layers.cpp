@@ -24,7 +24,9 @@
 #endif
 #include <ATen/cpu/vec/vec.h>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>  // arch_prctl: a process asks Linux for the AMX tile registers
 #include <unistd.h>
@@ -34,6 +36,8 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "blocks.h"  // weight blocks times int8 activations: AVX2, NEON, the scalar reference
 
 namespace {
 
@@ -612,8 +616,68 @@ Tensor dense_mm(const Tensor& x, const Tensor& tiles, bool amx) {
 
 namespace {
 
-// torch's int4 weight-only kernel for its own pack (uint8), ours (int4_mm) for our tiles (int32)
+// x's rows as blocks::Acts (blocks.h: int8 per group of 32), owning the storage.
+struct Quantized {
+  std::vector<int8_t> q;
+  std::vector<float> d, dsum;
+  std::vector<int32_t> sum;
+  blocks::Acts acts;
+};
+
+Quantized quantize(const Tensor& x) {
+  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.dim() == 2 &&
+                  x.is_contiguous() && x.size(1) % blocks::GROUP == 0,
+              "x: (n, K) bf16 or float32, K a multiple of 32");
+  const int64_t n = x.size(0), K = x.size(1), groups = K / blocks::GROUP;
+  Quantized out{std::vector<int8_t>(n * K), std::vector<float>(n * groups), std::vector<float>(n * groups),
+                std::vector<int32_t>(n * groups), {}};
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto* raw = static_cast<const char*>(x.data_ptr());
+  at::parallel_for(0, n, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int8_t* q = &out.q[r * K];
+      float *d = &out.d[r * groups], *ds = &out.dsum[r * groups];
+      int32_t* sum = &out.sum[r * groups];
+      if (bf16)
+        blocks::quantize_row(reinterpret_cast<const uint16_t*>(raw) + r * K, K, q, d, sum, ds);
+      else
+        blocks::quantize_row(reinterpret_cast<const float*>(raw) + r * K, K, q, d, sum, ds);
+    }
+  });
+  out.acts = {out.q.data(), out.d.data(), out.sum.data(), out.dsum.data(), K};
+  return out;
+}
+
+// Whether a linear's tiles are blocks.h's (8 rows a tile) rather than int4_mm's (16) or torch's pack.
+bool is_blocks(const Tensor& tiles) { return tiles.scalar_type() == at::kInt && tiles.size(-1) == blocks::LANES; }
+
+// x quantized (n rows) times blocks.h tiles (N/8, K·bits/32, 8) and scales (N/8, K/32, 1 + zeros, 8):
+// (n, N) bf16, every row from its own inputs alone. `reference`: the scalar reference instead.
+Tensor blocks_matmul(const Quantized& x, int64_t n, const Tensor& tiles, const Tensor& scales, bool reference) {
+  const int64_t K = x.acts.K, count = tiles.size(0);
+  TORCH_CHECK(is_blocks(tiles) && tiles.dim() == 3 && tiles.is_contiguous() &&
+                  (tiles.size(1) * 8 == K || tiles.size(1) * 4 == K),
+              "tiles: (N/8, K/8, 8) (4-bit) or (N/8, K/4, 8) (8-bit) int32");
+  const int bits = tiles.size(1) * 8 == K ? 4 : 8;
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 4 &&
+                  scales.size(0) == count && scales.size(1) * blocks::GROUP == K && scales.size(3) == 8 &&
+                  (scales.size(2) == 2 || (bits == 8 && scales.size(2) == 3)),
+              "scales: (N/8, K/32, 1 + zeros, 8) bf16, one zero (4-bit) or one or two (8-bit)");
+  const int zeros = scales.size(2) - 1;
+  Tensor out = at::empty({n, count * blocks::LANES}, tiles.options().dtype(at::kBFloat16));
+  const auto* T = reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>());
+  const auto* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<BFloat16>());
+  auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>());
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    blocks::columns(bits, zeros, T, S, x.acts, n, begin, end, O, count * blocks::LANES, reference);
+  });
+  return out;
+}
+
+// torch's int4 weight-only kernel for its own pack (uint8), ours (int4_mm) for our tiles (int32),
+// blocks.h's for its tiles (which take the input once whatever the copies: 8-bit weights)
 Tensor int4_matmul(const Tensor& x, const Tensor& packed, const Tensor& scale_zero, int64_t copies) {
+  if (is_blocks(packed)) return blocks_matmul(quantize(x), x.size(0), packed, scale_zero, false);
   const Tensor input = copies > 1 ? x.repeat({1, copies}) : x;
   if (packed.scalar_type() == at::kInt) return int4_mm(input, packed, scale_zero);
   return at::_weight_int4pack_mm_for_cpu(input, packed, 32, scale_zero);
@@ -823,24 +887,34 @@ Tensor q8_head(const Tensor& x, const Tensor& packed, const Tensor& scale_zero, 
                           legal.size(0) == n && legal.size(1) == V),
               "legal: (n, V) bool");
   const float* X = x.data_ptr<float>();
-  Tensor fed = at::empty({n, 2 * d}, x.options().dtype(at::kBFloat16));
-  BFloat16* F = fed.data_ptr<BFloat16>();
+  // x̃, what the blocks multiply: x in int8 groups (blocks.h's 8-bit tiles, fed once), else in bf16
+  // with denormals flushed (int4_mm's or torch's 4-bit halves, fed twice)
+  const bool int8 = is_blocks(packed);
+  const Quantized quantized = int8 ? quantize(x) : Quantized{};
+  Tensor fed = int8 ? Tensor() : at::empty({n, 2 * d}, x.options().dtype(at::kBFloat16));
+  BFloat16* F = int8 ? nullptr : fed.data_ptr<BFloat16>();
   std::vector<float> scales(n * 4);  // ‖x‖, ‖x − x̃‖, ‖S‖, 1
   for (int64_t r = 0; r < n; ++r) {
     const float* row = X + r * d;
     float xx = 0.f, dd = 0.f, ss = 0.f, group = 0.f;
     for (int64_t j = 0; j < d; ++j) {
-      BFloat16 b = static_cast<BFloat16>(row[j]);
-      float v = static_cast<float>(b);
-      if (std::fabs(v) < 0x1p-126f) v = 0.f, b = static_cast<BFloat16>(0.f);  // flushed
-      F[r * 2 * d + j] = F[r * 2 * d + d + j] = b;
+      float v;
+      if (int8) {
+        v = quantized.d[(r * d + j) / 32] * quantized.q[r * d + j];
+      } else {
+        BFloat16 b = static_cast<BFloat16>(row[j]);
+        v = static_cast<float>(b);
+        if (std::fabs(v) < 0x1p-126f) v = 0.f, b = static_cast<BFloat16>(0.f);  // flushed
+        F[r * 2 * d + j] = F[r * 2 * d + d + j] = b;
+      }
       xx += row[j] * row[j], dd += (row[j] - v) * (row[j] - v), group += std::fabs(v);
       if (j % 32 == 31) ss += group * group, group = 0.f;
     }
     scales[r * 4 + 0] = std::sqrt(xx), scales[r * 4 + 1] = std::sqrt(dd);
     scales[r * 4 + 2] = std::sqrt(ss), scales[r * 4 + 3] = 1.f;
   }
-  const Tensor approx = int4_matmul(fed, packed, scale_zero, 1);  // (n, ≥ V) bf16
+  const Tensor approx = int8 ? blocks_matmul(quantized, n, packed, scale_zero, false)
+                             : int4_matmul(fed, packed, scale_zero, 1);  // (n, ≥ V) bf16
   const BFloat16* A = approx.data_ptr<BFloat16>();
   const int64_t stride = approx.size(1);
   Tensor out = at::empty({n, V}, x.options());
@@ -867,6 +941,12 @@ Tensor q8_head(const Tensor& x, const Tensor& packed, const Tensor& scale_zero, 
       if ((!ok || ok[t]) && upper[t] >= best) o[t] = dot(W + t * d, X + r * d, d);
   }
   return out;
+}
+
+// x (n, K) bf16 or float32 times a weight in blocks.h's tiles: (n, N) bf16 (kernels.Int4Linear's
+// "avx2" and "neon" kernels); `reference`: through the scalar reference, for the tests.
+Tensor blocks_mm(const Tensor& x, const Tensor& tiles, const Tensor& scales, bool reference) {
+  return blocks_matmul(quantize(x), x.size(0), tiles, scales, reference);
 }
 
 // Bitmasks (bit t of byte t / 8 set iff token t is legal; one bytes object of V / 8 bytes per
@@ -938,6 +1018,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("count_legal", &count_legal, "each row's number of true entries of (rows, V) bool masks",
         nogil);
   m.def("unpack_bits", &unpack_bits, "bitmasks (bytes, bit t: token t) as a (rows, V) bool tensor");
+  m.def("blocks_mm", &blocks_mm, "x (n, K) bf16 or float32, int8 per group, times blocks.h tiles: (n, N) bf16",
+        py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("reference") = false, nogil);
+  m.def("blocks_isa", [] { return std::string(blocks::isa()); }, "blocks.h's variant compiled in");
   m.def("avx512_bf16", [] { return HAVE_AVX512_BF16; }, "whether int4_mm was compiled in");
   m.def("amx_bf16", &amx_bf16, "whether int4_mm takes AMX tiles here (compiled in, and granted)");
 }
