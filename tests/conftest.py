@@ -44,19 +44,28 @@ def int4_target(tokenizer, way: str):
 def tiny_int4_target(request, tiny_tokenizer):
     """The 4-bit tiny target (int4_target); every test taking it runs on the fused layers with
     the 4-bit kernel a CPU like this one picks (ours: AMX where it has amx_bf16, else AVX-512
-    where it has avx512_bf16) and on the Python loop with torch's kernel (a machine without a
+    where it has avx512_bf16, else AVX2 or NEON dot products on int8 activations) and on the Python loop with torch's kernel (a machine without a
     compiler). The fused layers with the other kernels run in the kernel-level tests
     (tests/test_llama.py) and in every_int4_target's."""
     from constrained_spec.target import kernels
 
     if request.param == "python":
         return int4_target(tiny_tokenizer, "python/torch")
-    runs = [k for k in ("amx-bf16", "avx512-bf16") if kernels.int4_kernel_missing(k) is None]
+    ours = ("amx-bf16", "avx512-bf16", "avx2", "neon")
+    runs = [k for k in ours if kernels.int4_kernel_missing(k) is None]
     return int4_target(tiny_tokenizer, f"fused/{(runs or ['torch'])[0]}")
 
 
 @pytest.fixture(
-    scope="session", params=["fused/avx512-bf16", "fused/amx-bf16", "fused/torch", "python/torch"]
+    scope="session",
+    params=[
+        "fused/avx512-bf16",
+        "fused/amx-bf16",
+        "fused/avx2",
+        "fused/neon",
+        "fused/torch",
+        "python/torch",
+    ],
 )
 def every_int4_target(request, tiny_tokenizer):
     """The 4-bit tiny target on every way of running it (int4_target)."""

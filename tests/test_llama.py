@@ -461,12 +461,16 @@ def kernel_cases():
 @pytest.mark.parametrize("matmul", INT4_KERNELS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_int4_linear_computes_x_times_the_dequantized_weights(kind, matmul):
-    """x·Wᵀ up to the kernel's roundings: x to bf16 (done in the reference too), scales and zeros
-    to bf16 (bounded per weight), the output to bf16 (relative BF16)."""
+    """x·Wᵀ up to the kernel's roundings: x to bf16, then for ours on int8 activations to int8
+    groups (both done in the reference too), scales and zeros to bf16 (bounded per weight), the
+    output to bf16 (relative BF16)."""
     layer, w, weight_bound = kernel_cases()[kind]
     layer.use_kernel(matmul)
     x = torch.randn(9, w.shape[1], generator=torch.Generator().manual_seed(1))
     xb = x.bfloat16().float()
+    if matmul in kernels.BLOCK_KERNELS:
+        q, d = kernels.quantize_int8(xb)
+        xb = (q.float().view(9, -1, kernels.GROUP) * d[..., None]).view(xb.shape)
     expected = xb @ w.T  # (9, N)
     scales = xb.abs() @ weight_bound.T  # (9, N)
     bound = scales + BF16 * (expected.abs() + scales) + 1e-6
@@ -717,13 +721,19 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
         "measure_linears",
         lambda shapes: (
             calls.append(shapes)
-            or {"float": 2.0, "avx512-bf16": 1.0, "amx-bf16": 1.2, "torch": 1.5, "int8": 1.8}
+            or {
+                **{"float": 2.0, "avx512-bf16": 1.0, "amx-bf16": 1.2, "avx2": 1.3},
+                **{"neon": float("inf"), "torch": 1.5, "int8": 1.8},
+            }
         ),
     )
     monkeypatch.setattr(
         kernels,
         "measure_prefill",
-        lambda shapes: {"bf16": 3.0, "avx512-bf16": 2.5, "amx-bf16": 2.0, "torch": 4.0},
+        lambda shapes: {
+            **{"bf16": 3.0, "avx512-bf16": 2.5, "amx-bf16": 2.0, "avx2": 3.5},
+            **{"neon": float("inf"), "torch": 4.0},
+        },
     )
     monkeypatch.setattr(kernels, "measure_head", lambda vocab, d: {"q8": 1.5, "float": 2.5})
     name, path = models.DEFAULT_MODEL, tmp_path / "calibration.json"
@@ -739,11 +749,15 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_tar
         "choice": "int4",
         "matmul_avx512-bf16_ms": 1.0,
         "matmul_amx-bf16_ms": 1.2,
+        "matmul_avx2_ms": 1.3,
+        "matmul_neon_ms": float("inf"),
         "matmul_torch_ms": 1.5,
         "measured": "linears of 4 layers, 1 + 5 rows",
         "prefill_bf16_ms": 3.0,
         "prefill_avx512-bf16_ms": 2.5,
         "prefill_amx-bf16_ms": 2.0,
+        "prefill_avx2_ms": 3.5,
+        "prefill_neon_ms": float("inf"),
         "prefill_torch_ms": 4.0,
         "head_q8_ms": 1.5,
         "head_float_ms": 2.5,
@@ -1148,7 +1162,7 @@ def test_auto_runs_a_local_checkpoint_in_8_bits_where_faster(
     folder = tmp_path / "tiny"
     tiny_target.save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
-    timings = {"float": 2.0, "avx512-bf16": 1.0, "amx-bf16": 1.0, "torch": 1.0, "int8": 1.5}
+    timings = {**dict.fromkeys(kernels.INT4_KERNELS, 1.0), "float": 2.0, "int8": 1.5}
     monkeypatch.setattr(kernels, "measure_linears", lambda shapes: dict(timings))
     monkeypatch.setattr(kernels, "measure_prefill", lambda shapes: dict.fromkeys(timings, 1.0))
     monkeypatch.setattr(kernels, "measure_head", lambda vocab, d: {"q8": 1.0, "float": 2.0})

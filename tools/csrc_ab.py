@@ -72,7 +72,7 @@ def build_other(commit: str, folder: Path):
     source = folder / "fused_other.cpp"
     source.write_text(text.stdout)
     module = cpp_extension.load(
-        "fused_other", [str(source)], build_directory=str(folder), **kernels.FUSED_FLAGS
+        "fused_other", [str(source)], build_directory=str(folder), **kernels.fused_flags()
     )
     if "bool dense_amx" not in text.stdout:  # before the dense copy on AVX-512 BF16 too
         module = WithoutDenseFlag(module)

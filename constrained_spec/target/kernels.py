@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import os
 import re
 import time
 from pathlib import Path
@@ -212,7 +213,8 @@ class Int4Linear(nn.Module):
         if self.nibbles is None:
             n = self.scale_rows.shape[0]
             if self.kernel in BLOCK_KERNELS:
-                self.nibbles = _blocks_nibbles(self.packed, n, self.copies)
+                groups = self.scale_rows.shape[1] // self.copies
+                self.nibbles = _blocks_nibbles(self.packed, n, groups, self.copies)
             else:
                 self.nibbles = _tile_nibbles(self.packed, n)
         return self.nibbles
@@ -287,36 +289,54 @@ def _tile_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
 
 def _blocks_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, copies: int):
     """q (N, copies·K) in 0..15 and bf16 scale, zero (N, copies·K/32) → csrc/blocks.h's tiles
-    and scales. One copy: 4-bit tiles (N/8, K/8, 8) int32, scales (N/8, K/32, 2, 8). Two (the
-    halves of an 8-bit q, scales 16s and s): the signed byte 16·hi + lo − 128 in 8-bit tiles
-    (N/8, K/4, 8), w = (byte − 8)·s + zero_hi + zero_lo, scales (N/8, K/32, 3, 8): s and both
-    zeros, so that the weights are the halves' exactly."""
+    (N/8, K·bits/32, 8) int32 and scales (N/8, K/32, 1 + zeros, 8) bf16. One copy: 4-bit tiles,
+    the scale and the zero. Two (the halves hi, lo of a wider q, scales 16s and s): 5-bit tiles
+    of 16·hi + lo where every hi is 0 or 1 (Q5 blocks), else 8-bit ones of the signed byte
+    16·hi + lo − 128; s and both zeros, so that the weights are the halves' exactly."""
     n, k = q.shape[0], q.shape[1] // copies
     groups = k // GROUP
     if copies == 1:
-        quads = q.to(torch.uint8).view(n // 8, 8, k // 8, 2, 4)  # (tile, lane, c, half, j)
-        lanes = quads[..., 0, :] | (quads[..., 1, :] << 4)
-        planes = (scale, zero)
+        bits, planes = 4, (scale, zero)
     else:
         assert copies == 2, copies
         if not torch.equal(scale[:, :groups], 16 * scale[:, groups:]):
             raise WeightsError("8-bit tiles need the high half's scales at 16× the low half's")
-        byte = (16 * q[:, :k].to(torch.int16) + q[:, k:] - 128).to(torch.int8)
-        lanes = byte.view(n // 8, 8, k // 4, 4)
+        hi = q[:, :k]
+        bits = 5 if hi.max() <= 1 else 8
+        q = 16 * hi.to(torch.int16) + q[:, k:]
         planes = (scale[:, groups:], zero[:, :groups], zero[:, groups:])
-    tiles = lanes.permute(0, 2, 1, 3).contiguous().view(torch.int32).squeeze(-1)
+    if bits == 8:  # vector c of a group: inputs 4c..4c+3, a byte each
+        vectors = (q - 128).to(torch.int8).view(n // 8, 8, groups, 8, 4)
+    else:  # vector c: inputs 8c..8c+3 in the low nibbles, 8c+4.. in the high ones; then the bits
+        q = q.to(torch.uint8).view(n // 8, 8, groups, 4, 2, 4)  # (tile, lane, group, c, half, j)
+        vectors = (q[..., 0, :] & 15) | ((q[..., 1, :] & 15) << 4)
+        if bits == 5:  # bit v = 2c + half of byte j: unpacked vector v's fifth bit
+            fifth = (q >> 4).permute(0, 1, 2, 5, 3, 4).reshape(n // 8, 8, groups, 4, 8)
+            plane = (fifth << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+            vectors = torch.cat((vectors, plane[:, :, :, None]), 3)
+    tiles = vectors.permute(0, 2, 3, 1, 4).contiguous().view(torch.int32)  # (tile, group, c, lane)
     scales = torch.stack(planes).to(torch.bfloat16).view(len(planes), n // 8, 8, groups)
-    return tiles.contiguous(), scales.permute(1, 3, 0, 2).contiguous()
+    return tiles.reshape(n // 8, -1, 8), scales.permute(1, 3, 0, 2).contiguous()
 
 
-def _blocks_nibbles(tiles: torch.Tensor, n: int, copies: int) -> torch.Tensor:
-    """_blocks_pack's inverse for the weights: nibbles (n, copies·K/2) uint8 (Int4Linear's)."""
-    lanes = tiles.view(torch.uint8).view(n // 8, tiles.shape[1], 8, 4).permute(0, 2, 1, 3)
-    if copies == 1:
-        q = torch.stack((lanes & 15, lanes >> 4), dim=-2).reshape(n, -1)  # (tile, lane, c, half, j)
+def _blocks_nibbles(tiles: torch.Tensor, n: int, groups: int, copies: int) -> torch.Tensor:
+    """_blocks_pack's inverse for the weights of an (n, K) q, K = 32·groups: nibbles
+    (n, copies·K/2) uint8 (Int4Linear's)."""
+    vectors = tiles.reshape(n // 8, groups, -1, 8).view(torch.uint8)  # (tile, group, c, lane·4)
+    vectors = vectors.view(n // 8, groups, -1, 8, 4).permute(0, 3, 1, 2, 4)  # (tile, lane, g, c, j)
+    if vectors.shape[3] == 8:  # 8-bit
+        q = vectors.reshape(n, -1).view(torch.int8).to(torch.int16) + 128
     else:
-        u = lanes.reshape(n, -1).view(torch.int8).to(torch.int16) + 128
-        q = torch.cat((u >> 4, u & 15), 1).to(torch.uint8)
+        nibbles = vectors[:, :, :, :4]
+        q = torch.stack((nibbles & 15, nibbles >> 4), dim=-2)  # (tile, lane, g, c, half, j)
+        if vectors.shape[3] == 5:
+            plane = vectors[:, :, :, 4]  # (tile, lane, g, j): bit 2c + half
+            bits = (plane[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1  # (…, j, v)
+            q = q | (bits.view(*bits.shape[:-1], 4, 2).permute(0, 1, 2, 4, 5, 3) << 4)
+        q = q.reshape(n, -1).to(torch.int16)
+    if copies == 2:
+        q = torch.cat((q >> 4, q & 15), 1)
+    q = q.to(torch.uint8)
     return q[:, 0::2] | (q[:, 1::2] << 4)
 
 
@@ -451,7 +471,9 @@ class Q8Head(nn.Module):
             q, d = quantize_int8(x)
             rounded = (q.float().view(x.shape[0], -1, GROUP) * d[..., None]).view(x.shape)
             blocks = self.blocks
-            approx = fused_build()[0].blocks_mm(x.float().contiguous(), blocks.packed, blocks.scale_zero)
+            approx = fused_build()[0].blocks_mm(
+                x.float().contiguous(), blocks.packed, blocks.scale_zero
+            )
             approx = approx.float()[:, : self.weight.shape[0]]
         else:  # bf16 with denormals flushed (DAZ), fed twice
             rounded = x.to(torch.bfloat16)
@@ -655,7 +677,24 @@ def best_ms(call, repeats: int) -> float:
 LAYER_KERNELS = ("fused", "python")
 FUSED_SOURCE = Path(__file__).with_name("csrc") / "fused_layers.cpp"
 FUSED_HEADERS = [Path(__file__).with_name("csrc") / "blocks.h"]  # in the build stamp too
-FUSED_FLAGS = dict(extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+# The CPU the fused layers are compiled for: this one (-march=native), or the one named by
+# CONSTRAINED_SPEC_MARCH (a gcc -march value: "haswell" builds what an AVX2-only laptop runs, for
+# the tests and benchmarks of that path on a CPU with more), each into its own cache entry.
+MARCH_ENV = "CONSTRAINED_SPEC_MARCH"
+
+
+def fused_march() -> str:
+    march = os.environ.get(MARCH_ENV, "native")
+    if not re.fullmatch(r"[A-Za-z0-9.+_-]+", march):
+        raise WeightsError(
+            f"{MARCH_ENV}={march!r} is not a compiler -march value (haswell, native, ...)"
+        )
+    return march
+
+
+def fused_flags() -> dict:
+    march = f"-march={fused_march()}"
+    return dict(extra_cflags=["-O3", march, "-fopenmp"], extra_ldflags=["-fopenmp"])
 
 
 @functools.cache
@@ -663,7 +702,12 @@ def fused_build():
     """(the compiled fused layers, None) or (None, why they cannot be built here). Compiled once
     per CPU model and torch version under the cache (about 20 s: C++ with OpenMP, for this CPU's
     vector units), loaded from there afterwards."""
-    key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{cpu_name()}-torch-{torch.__version__}")
+    try:
+        march = fused_march()
+    except WeightsError as err:
+        return None, str(err)
+    target = cpu_name() if march == "native" else f"{cpu_name()}-as-{march}"
+    key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{target}-torch-{torch.__version__}")
     folder = cache_dir() / "kernels" / key
     if (module := _built_before(folder)) is not None:
         _remember(module)
@@ -691,7 +735,7 @@ def fused_build():
                 "constrained_spec_fused",
                 [str(FUSED_SOURCE)],
                 build_directory=str(folder),
-                **{k: list(v) for k, v in FUSED_FLAGS.items()},
+                **fused_flags(),
             )
         (folder / BUILT).write_text(stamp)
     except Exception as err:  # no compiler, no ninja, an unsupported platform: the Python loop
@@ -711,7 +755,7 @@ BUILT = "built-from.txt"
 def _build_stamp() -> str:
     source = hashlib.sha256(b"".join(p.read_bytes() for p in [FUSED_SOURCE, *FUSED_HEADERS]))
     source = source.hexdigest()
-    return f"{source} {FUSED_FLAGS} torch {torch.__version__}"
+    return f"{source} {fused_flags()} torch {torch.__version__}"
 
 
 def _built_before(folder: Path):
@@ -724,8 +768,8 @@ def _built_before(folder: Path):
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
-    except (OSError, ImportError):
-        return None
+    except (OSError, ImportError, ValueError):  # missing, another build's, or a damaged stamp
+        return None  # (UnicodeDecodeError is a ValueError): rebuilt
 
 
 def _remember(module) -> None:

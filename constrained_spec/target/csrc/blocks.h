@@ -6,19 +6,22 @@
 //
 // The numbers. Activations: each row's inputs in groups of 32, x ≈ d·q with d = max|x|/127 and q
 // the nearest integer in −127..127 (llama.cpp's Q8 activations; the rounding ties to even), and
-// the group's Σq. Weights: w = (q − 8)·s + Σ zeros per row and group of 32 inputs, s and the zeros
-// bf16 (kernels.Int4Linear's scales), q a 4-bit nibble (Q4 blocks) or a signed byte (Q8_0 and the
-// 5-bit types as two 4-bit halves, hi·16 + lo − 128, whose two zeros are kept apart). Per row,
-// output and group: the integer a = Σ q·qx − 8·Σqx (exact), then in float32
+// the group's Σq. Weights: w = (q − bias)·s + Σ zeros per row and group of 32 inputs, s and the
+// zeros bf16 (kernels.Int4Linear's scales), q a 4-bit nibble (Q4 blocks: bias 8, one zero), a
+// 5-bit value (Q5 blocks: two 4-bit halves hi·16 + lo, bias 136, their two zeros kept apart) or a
+// signed byte (Q8_0 and other types as two halves, hi·16 + lo − 128: bias 8, two zeros). Per row,
+// output and group: the integer a = Σ q·qx − bias·Σqx (exact), then in float32
 //     acc = fma(s·d, a, acc), then acc = fma(z, d·Σqx, acc) for each zero,
 // the groups in order. So a token's outputs depend on its own inputs only, whatever the rows
 // beside it (a verify pass computes what one-token steps would).
 //
-// Layout: tiles of 8 output rows, each 32-bit lane one row. 4-bit: (N/8, K/8, 8) lanes, lane i of
-// tile (b, c) holding row 8b + i's inputs 8c..8c+7: input 8c + j in the low nibble of byte j,
-// 8c + 4 + j in its high nibble (j < 4). 8-bit: (N/8, K/4, 8) lanes, lane i of tile (b, c) row
-// 8b + i's inputs 4c..4c+3, one signed byte each. Scales (N/8, K/32, 1 + zeros, 8) bf16: group g's
-// 8 scales, then each zero's 8 values.
+// Layout: tiles of 8 output rows, each 32-bit lane one row, a group of 32 inputs in `bits` vectors
+// of 8 lanes: (N/8, K·bits/32, 8). Nibbles, in a group's first 4 vectors: lane i of vector c holds
+// row 8b + i's inputs 8c..8c+7 of the group, input 8c + j in the low nibble of byte j, 8c + 4 + j in
+// its high nibble (j < 4); unpacked, they are 8 vectors of bytes, v = 2c (low) and 2c + 1 (high).
+// 5-bit: a fifth vector holds their fifth bits: bit v of byte j of lane i is vector v's. 8-bit:
+// 8 vectors, lane i of vector c row 8b + i's inputs 4c..4c+3, one signed byte each. Scales
+// (N/8, K/32, 1 + zeros, 8) bf16: group g's 8 scales, then each zero's 8 values.
 
 #pragma once
 
@@ -92,16 +95,19 @@ void quantize_row(const In* x, int64_t K, int8_t* q, float* d, int32_t* sum, flo
 
 // --- the scalar reference: one output at a time ---------------------------------------------------
 
-// Weight q of row `row` (within its tile), input k, in either layout.
-inline int32_t weight4(const uint32_t* tile, int64_t k, int64_t row) {
-  const uint32_t lane = tile[(k / 8) * LANES + row];
-  const int64_t j = k % 8;
-  return (lane >> (8 * (j % 4) + 4 * (j / 4))) & 15;
+// Weight q of row `row` (within its tile), input k, in the layout of BITS.
+template <int BITS>
+int32_t weight(const uint32_t* tile, int64_t k, int64_t row) {
+  const uint32_t* group = tile + (k / GROUP) * BITS * LANES;
+  const int64_t c = k % GROUP / 8, j = k % 8;
+  if (BITS == 8) return static_cast<int8_t>((group[(k % GROUP / 4) * LANES + row] >> (8 * (k % 4))) & 255);
+  const int32_t nibble = (group[c * LANES + row] >> (8 * (j % 4) + 4 * (j / 4))) & 15;
+  if (BITS == 4) return nibble;
+  const int32_t plane = (group[4 * LANES + row] >> (8 * (j % 4))) & 255;
+  return nibble | ((plane >> (2 * c + j / 4)) & 1) << 4;
 }
-inline int32_t weight8(const uint32_t* tile, int64_t k, int64_t row) {
-  const uint32_t lane = tile[(k / 4) * LANES + row];
-  return static_cast<int8_t>((lane >> (8 * (k % 4))) & 255);
-}
+
+constexpr int32_t bias(int bits) { return bits == 5 ? 136 : 8; }
 
 template <int BITS, typename Out>
 void columns_scalar(const uint32_t* tiles, const uint16_t* scales, int zeros, const Acts& x,
@@ -115,11 +121,8 @@ void columns_scalar(const uint32_t* tiles, const uint16_t* scales, int zeros, co
         float acc = 0.f;
         for (int64_t g = 0; g < groups; ++g) {
           int32_t a = 0;
-          for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
-            const int32_t w = BITS == 4 ? weight4(tile, k, i) : weight8(tile, k, i);
-            a += w * x.q[r * K + k];
-          }
-          a -= 8 * x.sum[r * groups + g];
+          for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) a += weight<BITS>(tile, k, i) * x.q[r * K + k];
+          a -= bias(BITS) * x.sum[r * groups + g];
           const uint16_t* s = sc + g * (1 + zeros) * LANES;
           acc = std::fma(from_bf16(s[i]) * x.d[r * groups + g], static_cast<float>(a), acc);
           for (int z = 1; z <= zeros; ++z)
@@ -156,7 +159,7 @@ inline void store8(uint16_t* out, __m256 v) {  // round to nearest even, as to_b
 }
 
 // The group's epilogue for R rows: int32 sums a[r] of Σ q·qx (8 lanes: the tile's rows).
-template <int R, int ZEROS>
+template <int R, int ZEROS, int BIAS>
 inline void add_group(const __m256i* a, const uint16_t* sc, const Acts& x, int64_t r0, int64_t g,
                       __m256* acc) {
   const int64_t groups = x.K / GROUP;
@@ -165,7 +168,7 @@ inline void add_group(const __m256i* a, const uint16_t* sc, const Acts& x, int64
   for (int k = 0; k < ZEROS; ++k) z[k] = bf16x8(sc + (1 + k) * LANES);
   for (int r = 0; r < R; ++r) {
     const int64_t at = (r0 + r) * groups + g;
-    const __m256i shifted = _mm256_sub_epi32(a[r], _mm256_set1_epi32(8 * x.sum[at]));
+    const __m256i shifted = _mm256_sub_epi32(a[r], _mm256_set1_epi32(BIAS * x.sum[at]));
     const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(x.d[at]));
     acc[r] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(shifted), acc[r]);
     const __m256 ds = _mm256_set1_ps(x.dsum[at]);
@@ -173,30 +176,55 @@ inline void add_group(const __m256i* a, const uint16_t* sc, const Acts& x, int64
   }
 }
 
-// 4-bit: vpmaddubsw multiplies a nibble (unsigned) by an activation byte (signed) and adds pairs:
-// |15·127·2| = 3810, so a group's 8 products per lane add in 16 bits (≤ 30480) before one vpmaddwd.
-template <int R, typename Out>
-void tile4(const uint32_t* tile, const uint16_t* sc, const Acts& x, int64_t r0, Out* out,
-           int64_t out_stride) {
+// Unpacked vector v's fifth bits (5-bit layout), at bit 4 of each byte: a 16-bit shift moves no
+// bit 4 across a byte boundary for shifts up to 4 left or 3 right.
+inline __m256i fifth_bits(__m256i plane, int v) {
+  const __m256i shifted = v <= 4 ? _mm256_sll_epi16(plane, _mm_cvtsi32_si128(4 - v))
+                                 : _mm256_srl_epi16(plane, _mm_cvtsi32_si128(v - 4));
+  return _mm256_and_si256(shifted, _mm256_set1_epi8(0x10));
+}
+
+// 4-bit and 5-bit: vpmaddubsw multiplies a weight (unsigned) by an activation byte (signed) and
+// adds pairs: ≤ 15·127·2 = 3810 (4-bit), so all 8 products of a group add in 16 bits (≤ 30480)
+// before one vpmaddwd; ≤ 31·127·2 = 7874 (5-bit): 4 at a time (≤ 31496), two vpmaddwd a group.
+template <int R, int BITS, typename Out>
+void tile_unsigned(const uint32_t* tile, const uint16_t* sc, const Acts& x, int64_t r0, Out* out,
+                   int64_t out_stride) {
+  constexpr int ZEROS = BITS == 4 ? 1 : 2;
   const int64_t K = x.K, groups = K / GROUP;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (auto& a : acc) a = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i p[R];
+    const uint32_t* group = tile + g * BITS * LANES;
+    __m256i p[R], a[R];
     for (auto& v : p) v = _mm256_setzero_si256();
-    for (int64_t c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (g * 4 + c) * LANES));
-      const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    for (auto& v : a) v = _mm256_setzero_si256();
+    const __m256i plane = BITS == 5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 4 * LANES))
+                                    : _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + c * LANES));
+      __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      if constexpr (BITS == 5) {
+        lo = _mm256_or_si256(lo, fifth_bits(plane, 2 * c));
+        hi = _mm256_or_si256(hi, fifth_bits(plane, 2 * c + 1));
+      }
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q + (r0 + r) * K + g * GROUP + c * 8;
         p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(lo, bcast4(xq)));
         p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(hi, bcast4(xq + 4)));
       }
+      for (int r = 0; r < R; ++r) __asm__("" : "+x"(p[r]));  // keep each vector's work together:
+      // left alone, gcc hoists every product of the group first and spills them to the stack
+      if (BITS == 5 && c % 2 == 1)
+        for (int r = 0; r < R; ++r) {
+          a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(p[r], ones));
+          p[r] = _mm256_setzero_si256();
+        }
     }
-    __m256i a[R];
-    for (int r = 0; r < R; ++r) a[r] = _mm256_madd_epi16(p[r], ones);
-    add_group<R, 1>(a, sc + g * 2 * LANES, x, r0, g, acc);
+    if constexpr (BITS == 4)
+      for (int r = 0; r < R; ++r) a[r] = _mm256_madd_epi16(p[r], ones);
+    add_group<R, ZEROS, bias(BITS)>(a, sc + g * (1 + ZEROS) * LANES, x, r0, g, acc);
   }
   for (int r = 0; r < R; ++r) store8(out + r * out_stride, acc[r]);
 }
@@ -221,7 +249,7 @@ void tile8(const uint32_t* tile, const uint16_t* sc, const Acts& x, int64_t r0, 
         a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xs), ones));
       }
     }
-    add_group<R, ZEROS>(a, sc + g * (1 + ZEROS) * LANES, x, r0, g, acc);
+    add_group<R, ZEROS, 8>(a, sc + g * (1 + ZEROS) * LANES, x, r0, g, acc);
   }
   for (int r = 0; r < R; ++r) store8(out + r * out_stride, acc[r]);
 }
@@ -237,11 +265,15 @@ void columns(const uint32_t* tiles, const uint16_t* scales, const Acts& x, int64
     const uint16_t* sc = scales + b * groups * (1 + ZEROS) * LANES;
     for (int64_t r = 0; r < n;) {
       Out* o = out + r * out_stride + b * LANES;
-#define TILE(R)                                                            \
-  if constexpr (BITS == 4) tile4<R>(tile, sc, x, r, o, out_stride);        \
-  else tile8<R, ZEROS>(tile, sc, x, r, o, out_stride);                     \
+#define TILE(R)                                                             \
+  if constexpr (BITS == 8) tile8<R, ZEROS>(tile, sc, x, r, o, out_stride);  \
+  else tile_unsigned<R, BITS>(tile, sc, x, r, o, out_stride);               \
   r += R;
-      switch (std::min<int64_t>(n - r, 4)) {
+      switch (std::min<int64_t>(n - r, 8)) {
+        case 8: { TILE(8) break; }
+        case 7: { TILE(7) break; }
+        case 6: { TILE(6) break; }
+        case 5: { TILE(5) break; }
         case 4: { TILE(4) break; }
         case 3: { TILE(3) break; }
         case 2: { TILE(2) break; }
@@ -285,24 +317,32 @@ void tile(const uint32_t* t, const uint16_t* sc, const Acts& x, int64_t r, Out* 
   for (int64_t g = 0; g < groups; ++g) {
     int32x4_t a[2] = {vdupq_n_s32(0), vdupq_n_s32(0)};
     const int8_t* xq = x.q + r * K + g * GROUP;
-    if constexpr (BITS == 4) {
-      for (int64_t c = 0; c < 4; ++c)
-        for (int h = 0; h < 2; ++h) {
-          const uint8x16_t v = vld1q_u8(reinterpret_cast<const uint8_t*>(t + (g * 4 + c) * LANES + 4 * h));
-          a[h] = vdotq_s32(a[h], vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15))), bcast4(xq + c * 8));
-          a[h] = vdotq_s32(a[h], vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), bcast4(xq + c * 8 + 4));
-        }
-    } else {
+    const uint32_t* group = t + g * BITS * LANES;
+    if constexpr (BITS == 8) {
       for (int64_t c = 0; c < 8; ++c)
         for (int h = 0; h < 2; ++h) {
-          const int8x16_t w = vld1q_s8(reinterpret_cast<const int8_t*>(t + (g * 8 + c) * LANES + 4 * h));
+          const int8x16_t w = vld1q_s8(reinterpret_cast<const int8_t*>(group + c * LANES + 4 * h));
           a[h] = vdotq_s32(a[h], w, bcast4(xq + c * 4));
         }
+    } else {
+      for (int h = 0; h < 2; ++h) {
+        const uint8x16_t plane = BITS == 5 ? vld1q_u8(reinterpret_cast<const uint8_t*>(group + 4 * LANES + 4 * h))
+                                           : vdupq_n_u8(0);
+        for (int c = 0; c < 4; ++c) {  // q ≤ 31: sdot's signed bytes take it as it is
+          const uint8x16_t v = vld1q_u8(reinterpret_cast<const uint8_t*>(group + c * LANES + 4 * h));
+          const uint8x16_t lo = vorrq_u8(vandq_u8(v, vdupq_n_u8(15)),
+                                         vshlq_n_u8(vandq_u8(vshlq_u8(plane, vdupq_n_s8(-2 * c)), vdupq_n_u8(1)), 4));
+          const uint8x16_t hi = vorrq_u8(vshrq_n_u8(v, 4),
+                                         vshlq_n_u8(vandq_u8(vshlq_u8(plane, vdupq_n_s8(-2 * c - 1)), vdupq_n_u8(1)), 4));
+          a[h] = vdotq_s32(a[h], vreinterpretq_s8_u8(lo), bcast4(xq + c * 8));
+          a[h] = vdotq_s32(a[h], vreinterpretq_s8_u8(hi), bcast4(xq + c * 8 + 4));
+        }
+      }
     }
     const int64_t at = r * groups + g;
     const uint16_t* s = sc + g * (1 + ZEROS) * LANES;
     for (int h = 0; h < 2; ++h) {
-      const int32x4_t shifted = vsubq_s32(a[h], vdupq_n_s32(8 * x.sum[at]));
+      const int32x4_t shifted = vsubq_s32(a[h], vdupq_n_s32(bias(BITS) * x.sum[at]));
       const float32x4_t sd = vmulq_f32(bf16x4(s + 4 * h), vdupq_n_f32(x.d[at]));
       acc[h] = vfmaq_f32(acc[h], sd, vcvtq_f32_s32(shifted));
       for (int k = 1; k <= ZEROS; ++k)
@@ -337,13 +377,14 @@ inline const char* isa() {
 #endif
 }
 
-// Rows (n, K) of x through tile columns [b0, b1) of a weight of BITS (4 or 8) with `zeros` zeros
-// (1 or 2): out[r·out_stride + 8b + i], on the fastest variant compiled in (or the reference).
+// Rows (n, K) of x through tile columns [b0, b1) of a weight of `bits` (4 with one zero, 5 or 8 with
+// two): out[r·out_stride + 8b + i], on the fastest variant compiled in (or the reference).
 template <typename Out>
 void columns(int bits, int zeros, const uint32_t* tiles, const uint16_t* scales, const Acts& x,
              int64_t n, int64_t b0, int64_t b1, Out* out, int64_t out_stride, bool reference = false) {
   if (reference) {
     if (bits == 4) return columns_scalar<4>(tiles, scales, zeros, x, n, b0, b1, out, out_stride);
+    if (bits == 5) return columns_scalar<5>(tiles, scales, zeros, x, n, b0, b1, out, out_stride);
     return columns_scalar<8>(tiles, scales, zeros, x, n, b0, b1, out, out_stride);
   }
 #if defined(BLOCKS_AVX2)
@@ -353,7 +394,7 @@ void columns(int bits, int zeros, const uint32_t* tiles, const uint16_t* scales,
 #endif
 #if defined(BLOCKS_AVX2) || defined(BLOCKS_NEON)
   if (bits == 4 && zeros == 1) return v::columns<4, 1>(tiles, scales, x, n, b0, b1, out, out_stride);
-  if (bits == 8 && zeros == 1) return v::columns<8, 1>(tiles, scales, x, n, b0, b1, out, out_stride);
+  if (bits == 5 && zeros == 2) return v::columns<5, 2>(tiles, scales, x, n, b0, b1, out, out_stride);
   if (bits == 8 && zeros == 2) return v::columns<8, 2>(tiles, scales, x, n, b0, b1, out, out_stride);
 #endif
   columns(bits, zeros, tiles, scales, x, n, b0, b1, out, out_stride, true);

@@ -624,7 +624,7 @@ struct Quantized {
   blocks::Acts acts;
 };
 
-Quantized quantize(const Tensor& x) {
+Quantized quantize(const Tensor& x) {  // (blocks.h's scalar quantize_row: the same on every ISA)
   TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.dim() == 2 &&
                   x.is_contiguous() && x.size(1) % blocks::GROUP == 0,
               "x: (n, K) bf16 or float32, K a multiple of 32");
@@ -655,14 +655,14 @@ bool is_blocks(const Tensor& tiles) { return tiles.scalar_type() == at::kInt && 
 // (n, N) bf16, every row from its own inputs alone. `reference`: the scalar reference instead.
 Tensor blocks_matmul(const Quantized& x, int64_t n, const Tensor& tiles, const Tensor& scales, bool reference) {
   const int64_t K = x.acts.K, count = tiles.size(0);
-  TORCH_CHECK(is_blocks(tiles) && tiles.dim() == 3 && tiles.is_contiguous() &&
-                  (tiles.size(1) * 8 == K || tiles.size(1) * 4 == K),
-              "tiles: (N/8, K/8, 8) (4-bit) or (N/8, K/4, 8) (8-bit) int32");
-  const int bits = tiles.size(1) * 8 == K ? 4 : 8;
+  const int64_t bits = tiles.dim() == 3 ? tiles.size(1) * blocks::GROUP / K : 0;
+  TORCH_CHECK(is_blocks(tiles) && tiles.is_contiguous() && tiles.size(1) * blocks::GROUP == bits * K &&
+                  (bits == 4 || bits == 5 || bits == 8),
+              "tiles: (N/8, K·bits/32, 8) int32, bits 4, 5 or 8");
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 4 &&
                   scales.size(0) == count && scales.size(1) * blocks::GROUP == K && scales.size(3) == 8 &&
-                  (scales.size(2) == 2 || (bits == 8 && scales.size(2) == 3)),
-              "scales: (N/8, K/32, 1 + zeros, 8) bf16, one zero (4-bit) or one or two (8-bit)");
+                  scales.size(2) == (bits == 4 ? 2 : 3),
+              "scales: (N/8, K/32, 1 + zeros, 8) bf16, one zero (4-bit) or two (5- and 8-bit)");
   const int zeros = scales.size(2) - 1;
   Tensor out = at::empty({n, count * blocks::LANES}, tiles.options().dtype(at::kBFloat16));
   const auto* T = reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>());

@@ -1,0 +1,62 @@
+"""csrc/blocks.h on its own (no torch): each instruction set's kernels against the scalar
+reference, bit for bit, natively and, for ARM, cross-compiled and run under qemu; every build
+prints the checksum of the same outputs, which must agree across instruction sets."""
+
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SOURCE = Path(__file__).with_name("csrc") / "blocks_test.cpp"
+
+
+def build_and_run(tmp_path: Path, compiler: str, flags: list[str], runner: list[str] = ()):
+    """(isa, cases, checksum) printed by the test program built with ``compiler`` and ``flags``."""
+    binary = tmp_path / f"blocks-{len(list(tmp_path.iterdir()))}"
+    subprocess.run(
+        [compiler, "-O2", "-std=c++17", *flags, str(SOURCE), "-o", str(binary)], check=True
+    )
+    done = subprocess.run([*runner, str(binary)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    isa, cases, checksum = done.stdout.split()
+    return isa, int(cases), checksum
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ here")
+    tmp = tmp_path_factory.mktemp("native")
+    return build_and_run(tmp, "g++", ["-march=native"]), build_and_run(tmp, "g++", [])
+
+
+def test_this_cpus_kernels_match_the_scalar_reference(native):
+    (isa, cases, checksum), (plain_isa, _, plain_checksum) = native
+    assert cases == 162, "not every case ran"
+    if platform.machine() in ("x86_64", "AMD64"):
+        avx2 = (
+            "avx2" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+        )
+        assert isa == ("avx2" if avx2 else "scalar")
+        assert plain_isa == "scalar", "a build for any x86-64 must not need AVX2"
+    assert checksum == plain_checksum, "the vector kernels and the scalar build disagree"
+
+
+ARM = ("aarch64-linux-gnu-g++", "qemu-aarch64")
+
+
+@pytest.mark.skipif(
+    any(shutil.which(tool) is None for tool in ARM),
+    reason="no ARM cross-compiler or qemu here (Debian: g++-aarch64-linux-gnu, qemu-user)",
+)
+def test_arm_kernels_match_the_reference_and_x86_under_qemu(native, tmp_path):
+    """NEON with dot products (ARMv8.2) and a plain ARMv8 build (the scalar reference): the same
+    outputs as each other and as this machine's build, bit for bit."""
+    compiler, qemu = ARM
+    dotprod = build_and_run(tmp_path, compiler, ["-march=armv8.2-a+dotprod", "-static"], [qemu])
+    plain = build_and_run(tmp_path, compiler, ["-march=armv8-a", "-static"], [qemu])
+    assert dotprod[0] == "neon" and plain[0] == "scalar"
+    assert dotprod[1] == plain[1] == 162
+    assert dotprod[2] == plain[2] == native[0][2], "ARM and x86 computed different outputs"
