@@ -405,6 +405,17 @@ def markdown(results: dict, summary: dict, preds: list[dict], plots: list[str]) 
             if machine.get("llama_cpp_python")
             else ""
         )
+        + (
+            f"; instruction sets: CPU {', '.join(machine['cpu_flags'])}, ours and torch's "
+            f"--isa {machine['isa']} (torch {machine.get('torch_capability')})"
+            if machine.get("cpu_flags") is not None and machine.get("isa")
+            else ""
+        )
+        + (
+            f"; llama.cpp built for: {machine['llama_cpp_system']}"
+            if machine.get("llama_cpp_system")
+            else ""
+        )
         + "; load average at start "
         f"{_f((machine.get('loadavg_start') or [None])[0])}, at end "
         f"{_f((machine.get('loadavg_end') or [None])[0])}; git "

@@ -599,12 +599,18 @@ class Bench:
         }
 
     def llama_cpp(self):
-        """The built-in model's own GGUF in llama.cpp, threads as torch's; loaded once."""
+        """The model's GGUF (``--model``'s file, or the built-in model's own) in llama.cpp,
+        threads as torch's; loaded once."""
 
         def load():
             from llama_cpp import Llama
 
-            gguf = verified_gguf(BUILTIN_MODELS[self.args.model], cache_dir() / self.args.model)
+            model = self.args.model  # a GGUF file, or the built-in model's own
+            gguf = (
+                model
+                if model.endswith(".gguf")
+                else verified_gguf(BUILTIN_MODELS[model], cache_dir() / model)
+            )
             return Llama(
                 str(gguf),
                 n_ctx=4096,
@@ -865,8 +871,18 @@ def machine_info(args) -> dict:
             if line.startswith("model name")
         )
         info["avx512_bf16"] = "avx512_bf16" in cpuinfo
+        flags = set(next(ln for ln in cpuinfo.splitlines() if ln.startswith("flags")).split())
+        info["cpu_flags"] = [
+            f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags
+        ]
     except (OSError, StopIteration):
         pass
+    info["isa"] = args.isa  # what our kernels and torch may use (--isa)
+    info["torch_capability"] = torch.backends.cpu.get_cpu_capability()
+    with contextlib.suppress(Exception):  # llama.cpp runs what it was built for
+        import llama_cpp
+
+        info["llama_cpp_system"] = llama_cpp.llama_print_system_info().decode().strip()
     for name in ("transformers", "outlines", "outlines_core", "jsonschema", "llama_cpp_python"):
         try:
             from importlib.metadata import version
@@ -899,8 +915,14 @@ def load(args):
     return load_model(args.model, weights=args.weights)
 
 
+# --isa: the environment it runs under (read by torch at import, by our build at compile time)
+ISAS = {"native": {}, "avx2": {"CONSTRAINED_SPEC_MARCH": "haswell", "ATEN_CPU_CAPABILITY": "avx2"}}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if any(os.environ.get(k) != v for k, v in ISAS[args.isa].items()):  # torch is imported
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ISAS[args.isa]})
     out = Path(args.out)
     if args.report_only:
         report.write(json.loads((out / "results.json").read_text()), out)
@@ -1079,6 +1101,15 @@ def parse_args(argv=None):
         action="store_true",
         help="the target computes 2-32-token inputs as W·xᵀ (models.SkinnyLinear): "
         "cheaper verify passes on CPU; the baseline uses the same model",
+    )
+    p.add_argument(
+        "--isa",
+        choices=list(ISAS),
+        default="native",
+        help="the instruction sets our kernels and torch may use: native (this CPU's), or avx2 "
+        "(as on an AVX2-only laptop, on a CPU with more: the fused layers built for haswell into "
+        "their own cache entry, torch held to AVX2). llama.cpp runs as it was built: the report "
+        "gives its system info",
     )
     p.add_argument("--quick", action="store_true", help="tiny random model, a few requests")
     p.add_argument("--report-only", action="store_true", help="rebuild report from results.json")

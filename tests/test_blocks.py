@@ -60,3 +60,33 @@ def test_arm_kernels_match_the_reference_and_x86_under_qemu(native, tmp_path):
     assert dotprod[0] == "neon" and plain[0] == "scalar"
     assert dotprod[1] == plain[1] == 162
     assert dotprod[2] == plain[2] == native[0][2], "ARM and x86 computed different outputs"
+
+
+CPUS = [  # (compiler, -march): what this machine cannot run, checked to compile at least
+    ("g++", "sapphirerapids"),  # AVX-512 BF16 and AMX tiles (int4_mm, dense_mm)
+    ("aarch64-linux-gnu-g++", "armv8.2-a+dotprod"),  # NEON dot products (blocks.h)
+]
+
+
+@pytest.mark.parametrize("compiler, march", CPUS)
+def test_the_fused_layers_compile_for_other_cpus(compiler, march):
+    """The fused layers with torch's headers (whose C++ does not depend on the CPU) for a CPU
+    this one is not: every instruction set's code must stay valid where no test can run it."""
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no {compiler} here (Debian: g++-aarch64-linux-gnu)")
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    from constrained_spec.target import kernels
+
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    done = subprocess.run(
+        [compiler, "-std=c++17", "-fsyntax-only", f"-march={march}", "-fopenmp"]
+        + [f"-isystem{path}" for path in includes]
+        + ["-DTORCH_EXTENSION_NAME=constrained_spec_fused", str(kernels.FUSED_SOURCE)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
