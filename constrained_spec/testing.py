@@ -24,14 +24,14 @@ import gguf
 import jsonschema
 import numpy as np
 import torch
+from referencing import Registry
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from .constraints import FINISHED, Constraint
-from .constraints.schemas import NO_RETRIEVAL
 from .decoding.drafters import CompositeDrafter, logits_width
 from .decoding.head import DraftHead
-from .errors import ConstraintError
+from .errors import ConstraintError, UnsupportedSchemaError
 from .generator import Generator
 from .target import kv, llama
 
@@ -524,6 +524,15 @@ def random_text(constraint: Constraint, rng, max_len: int = 300) -> str | None:
         b, state = rng.choice(options)
         out.append(b)
     return out.decode() if constraint.accepting(state) else None
+
+
+def _refuse_retrieval(uri: str):
+    raise UnsupportedSchemaError("$ref", "", f"{uri!r} is not in the schema: nothing is fetched.")
+
+
+# jsonschema's default registry fetches unknown URIs over the network (deprecated, still on):
+# every validator here gets this one, which knows the meta-schemas and refuses anything else.
+NO_RETRIEVAL = Registry(retrieve=_refuse_retrieval)
 
 
 def schema_validator(schema: dict):

@@ -191,3 +191,47 @@ def test_our_kernels_tiles_give_back_the_nibbles(kernel):
         linear.nibbles = None
         assert torch.equal(linear.stored_nibbles(), original)
         assert torch.equal(linear.dequantized_nibbles(), q.to(torch.uint8))
+
+
+# a vocabulary of the 256 bytes and EOS: compiling over it needs no tokenizer (nor its imports)
+_BYTES = (
+    "from constrained_spec.constraints import compile_constraint\n"
+    "from constrained_spec.constraints.vocabulary import TokenVocabulary\n"
+    "vocab = TokenVocabulary(tuple(bytes([b]) for b in range(256)) + (None,), 256)\n"
+)
+
+
+def test_a_regex_or_a_grammar_imports_no_jsonschema():
+    """jsonschema (and, with its format extras, rfc3987_syntax building lark parsers for a
+    second) is imported on the first schema, not by a regex, a grammar or the CLI's module."""
+    code = _BYTES + (
+        "import constrained_spec.cli, constrained_spec.generator\n"
+        "c = compile_constraint(vocab, 257, regex='(yes|no)')\n"
+        "g = compile_constraint(vocab, 257, grammar='root ::= [0-9]+')\n"
+        "assert c.accepts('yes') and g.accepts('42') and not c.accepts('maybe')\n"
+    )
+    loaded = _imports(code)
+    assert "constrained_spec.constraints.engine" in loaded  # the subject was compiled
+    assert not {"jsonschema", "referencing", "rfc3987_syntax", "lark"} & loaded
+
+
+def test_a_schema_defers_rfc3987_syntax_until_an_iri_is_checked():
+    """A schema imports jsonschema but not rfc3987_syntax (where it is installed); jsonschema's
+    "iri" format checker still checks, through the real module, imported on that first call."""
+    pytest.importorskip("rfc3987_syntax")
+    schema = {"type": "object", "properties": {"a": {"type": "string", "format": "email"}}}
+    code = _BYTES + (
+        "import sys\n"
+        f"c = compile_constraint(vocab, 257, schema={schema!r})\n"
+        'assert c.accepts(\'{"a":"x@y.z"}\')\n'
+        "print('compiled', 'jsonschema' in sys.modules, 'rfc3987_syntax' in sys.modules)\n"
+        "import jsonschema\n"
+        "check = jsonschema.Draft202012Validator.FORMAT_CHECKER\n"
+        "assert check.conforms('http://example.com/ä', 'iri')\n"
+        "assert not check.conforms('not an iri', 'iri')\n"
+        "import rfc3987_syntax\n"
+        "assert hasattr(rfc3987_syntax, 'parse')  # the real module, not the stand-in\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "compiled True False" in out.stdout

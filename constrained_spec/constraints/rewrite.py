@@ -11,10 +11,9 @@ from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
 from itertools import combinations
 from math import comb
 
-import jsonschema
-
 from ..errors import UnsupportedSchemaError
 from .patterns import FORMATS, KNOWN_FORMATS, rust_pattern
+from .schemas import jsonschema_module
 
 # Where llguidance accepts texts that jsonschema (with its format checker) rejects, found by
 # benchmarks/coverage.py and a fuzz of every format (docs/schemas.md): a leap second
@@ -173,6 +172,7 @@ class _Document:
 
     @classmethod
     def of(cls, schema) -> _Document:
+        jsonschema = jsonschema_module()
         with warnings.catch_warnings():  # an unknown $schema: the latest draft, as the oracle
             warnings.simplefilter("ignore", DeprecationWarning)
             draft = jsonschema.validators.validator_for(

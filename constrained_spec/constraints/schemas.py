@@ -1,16 +1,19 @@
 """A schema from what a user passes (a dict, a JSON string, a file path or a Pydantic model,
 ``load_schema``), and the checks every schema passes before it is compiled (``check_schema``,
 run by the engine): valid under its meta-schema, draft-04 or later, nested at most MAX_DEPTH
-deep, no reference outside the document (nothing is ever fetched)."""
+deep, no reference outside the document (nothing is ever fetched). jsonschema is imported on the
+first schema (``jsonschema_module``): a regex or grammar never pays for it."""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import json
+import sys
+import types
 from pathlib import Path
 from typing import Any
-
-import jsonschema
-from referencing import Registry
 
 from ..errors import ConstraintError, UnsupportedSchemaError
 
@@ -115,6 +118,7 @@ def check_schema(schema: dict, origin: str = "the schema") -> dict:
             f"$schema is {schema['$schema']!r}: it must be a meta-schema URI string such "
             'as "https://json-schema.org/draft/2020-12/schema", or left out.'
         )
+    jsonschema = jsonschema_module()
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator.check_schema(schema)
@@ -131,13 +135,30 @@ def check_schema(schema: dict, origin: str = "the schema") -> dict:
     return schema
 
 
-def _refuse_retrieval(uri: str):
-    raise UnsupportedSchemaError("$ref", "", f"{uri!r} is not in the schema: nothing is fetched.")
+@functools.cache
+def jsonschema_module() -> types.ModuleType:
+    """jsonschema, imported on first use. Its format checkers import every optional checker
+    installed (``jsonschema[format-nongpl]``, as ``.[test]`` installs), and rfc3987_syntax builds
+    its lark parsers on import: 1-3 s on a 2-core CPU, more than the rest of a warm call. Its
+    one function is bound here to a stand-in that imports it on its first call: only an "iri" or
+    "iri-reference" format being checked pays for it (no meta-schema uses either)."""
+    if "jsonschema" not in sys.modules and "rfc3987_syntax" not in sys.modules:
+        if importlib.util.find_spec("rfc3987_syntax") is not None:
+            stand_in = types.ModuleType("rfc3987_syntax")
+            stand_in.is_valid_syntax = _is_valid_iri_syntax
+            sys.modules["rfc3987_syntax"] = stand_in
+            try:
+                importlib.import_module("jsonschema")
+            finally:  # later imports get the real module
+                if sys.modules.get("rfc3987_syntax") is stand_in:
+                    del sys.modules["rfc3987_syntax"]
+    return importlib.import_module("jsonschema")
 
 
-# jsonschema's default registry fetches unknown URIs over the network (deprecated, still on):
-# every validator here gets this one, which knows the meta-schemas and refuses anything else.
-NO_RETRIEVAL = Registry(retrieve=_refuse_retrieval)
+def _is_valid_iri_syntax(term: str, value: str) -> bool:
+    return importlib.import_module("rfc3987_syntax").is_valid_syntax(term, value)
+
+
 VALUE_KEYWORDS = ("const", "enum", "default", "examples")  # their values are instances, not schemas
 
 
