@@ -206,6 +206,51 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
     assert not (folder / "lock").exists() and (folder / kernels.BUILT).exists()
 
 
+def test_a_failed_build_falls_back_without_openmp_then_to_a_portable_cpu(monkeypatch, capsys):
+    """Where the compiler names OpenMP (Apple's clang has none) the build is tried again without
+    it; where this CPU's own -march does not compile, for a portable one; each failure is one
+    line naming the compiler's error, and the last one is what --stats says."""
+    tried = []
+    errors = {
+        ("native", True): "RuntimeError: fatal error: omp.h: No such file or directory",
+        ("native", False): "RuntimeError: error: unknown target CPU 'native'",
+        (kernels._portable_march(), False): None,
+    }
+
+    def build(march, openmp):
+        tried.append((march, openmp))
+        why = errors[(march, openmp)]
+        return (None, why) if why else ("module", None)
+
+    monkeypatch.setattr(kernels, "_build", build)
+    monkeypatch.setattr(kernels, "_built", None)
+    monkeypatch.delenv(kernels.MARCH_ENV, raising=False)
+    kernels.fused_build.cache_clear()
+    try:
+        assert kernels.fused_build() == ("module", None)
+        assert tried == list(errors)
+        said = capsys.readouterr().err.splitlines()
+        assert len(said) == 2 and "omp.h" in said[0] and "unknown target CPU" in said[1]
+        errors[(kernels._portable_march(), False)] = "RuntimeError: error: still nothing"
+        tried.clear()
+        kernels.fused_build.cache_clear()
+        module, why = kernels.fused_build()
+        assert module is None and len(tried) == 3 and "still nothing" in why
+    finally:
+        kernels.fused_build.cache_clear()
+
+
+def test_a_compiler_error_is_named_in_one_line(monkeypatch, tmp_path):
+    """A -march the compiler does not know (its error, not torch's 'Error building extension')."""
+    import shutil
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler here")
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    module, why = kernels._build("no-such-cpu", True)
+    assert module is None and "no-such-cpu" in why and "\n" not in why, why
+
+
 @needs_fused
 def test_fused_layers_compute_what_the_python_layers_do(tiny_tokenizer):
     """The same function up to float rounding, on a tiny model whose attention is peaked (its

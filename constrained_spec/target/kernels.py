@@ -11,6 +11,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import platform
 import re
 import time
 from pathlib import Path
@@ -692,25 +693,57 @@ def fused_march() -> str:
     return march
 
 
-def fused_flags() -> dict:
-    march = f"-march={fused_march()}"
-    return dict(extra_cflags=["-O3", march, "-fopenmp"], extra_ldflags=["-fopenmp"])
+def fused_flags(march: str | None = None, openmp: bool = True) -> dict:
+    flags = ["-O3", f"-march={march or fused_march()}"]
+    omp = ["-fopenmp"] if openmp else []
+    return dict(extra_cflags=flags + omp, extra_ldflags=omp)
+
+
+def _portable_march() -> str:
+    """The -march to fall back on where this CPU's own (native) did not build: every x86-64 CPU
+    with AVX2 and FMA (blocks.h's avx2 kernels), else any x86-64 or ARMv8 CPU (the reference)."""
+    if platform.machine().lower() in ("arm64", "aarch64"):
+        return "armv8-a"
+    return "x86-64-v3" if torch.backends.cpu.get_cpu_capability() != "DEFAULT" else "x86-64"
 
 
 @functools.cache
 def fused_build():
     """(the compiled fused layers, None) or (None, why they cannot be built here). Compiled once
     per CPU model and torch version under the cache (about 20 s: C++ with OpenMP, for this CPU's
-    vector units), loaded from there afterwards."""
+    vector units), loaded from there afterwards. Where that fails: again without OpenMP if the
+    error names it (Apple's clang has none: torch's threads then), or for a portable -march if
+    this CPU's own did not compile; one line each, naming the compiler's error."""
     try:
-        march = fused_march()
+        plans = [(fused_march(), True)]
     except WeightsError as err:
         return None, str(err)
+    failures = []
+    while plans:
+        march, openmp = plans.pop(0)
+        module, why = _build(march, openmp)
+        if module is not None:
+            _remember(module)
+            return module, None
+        failures.append(why)
+        if openmp and "openmp" in why.lower() or "omp.h" in why:
+            plans.append((march, False))
+        elif march == "native" and "error" in why.lower():
+            plans.append((_portable_march(), openmp))
+        if plans:
+            again = f"-march={plans[0][0]}" + ("" if plans[0][1] else " without OpenMP")
+            say(f"the fused layers did not build for -march={march}: {why}; trying {again}")
+    return None, failures[-1] if len(failures) == 1 else "; ".join(failures)
+
+
+def _build(march: str, openmp: bool):
+    """(module, None) built for ``march`` (into its own cache folder), or (None, why not)."""
     target = cpu_name() if march == "native" else f"{cpu_name()}-as-{march}"
+    target += "" if openmp else "-no-openmp"
     key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{target}-torch-{torch.__version__}")
     folder = cache_dir() / "kernels" / key
-    if (module := _built_before(folder)) is not None:
-        _remember(module)
+    stamp = _build_stamp(march, openmp)
+    if (module := _built_before(folder, stamp)) is not None:
         return module, None
     try:
         import fcntl  # Unix: where the extension builds (gcc with OpenMP)
@@ -730,19 +763,24 @@ def fused_build():
                 (folder / "lock").unlink(missing_ok=True)
             except OSError:
                 pass
-            stamp = _build_stamp()
             module = cpp_extension.load(  # (it appends to the flag lists it is given: copies)
                 "constrained_spec_fused",
                 [str(FUSED_SOURCE)],
                 build_directory=str(folder),
-                **fused_flags(),
+                **fused_flags(march, openmp),
             )
         (folder / BUILT).write_text(stamp)
     except Exception as err:  # no compiler, no ninja, an unsupported platform: the Python loop
-        lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-        return None, f"{type(err).__name__}: {lines[-1][:200]}"
-    _remember(module)
+        return None, _first_error(err)
     return module, None
+
+
+def _first_error(err: Exception) -> str:
+    """One line for a failed build: the compiler's first error where its output has one."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() and "Error building" not in line]
+    line = (errors or lines or [type(err).__name__])[0]
+    return f"{type(err).__name__}: {line[:300]}"
 
 
 # Written beside the compiled module once it built: what it was built from. A later process
@@ -752,17 +790,17 @@ def fused_build():
 BUILT = "built-from.txt"
 
 
-def _build_stamp() -> str:
+def _build_stamp(march: str, openmp: bool) -> str:
     source = hashlib.sha256(b"".join(p.read_bytes() for p in [FUSED_SOURCE, *FUSED_HEADERS]))
     source = source.hexdigest()
-    return f"{source} {fused_flags()} torch {torch.__version__}"
+    return f"{source} {fused_flags(march, openmp)} torch {torch.__version__}"
 
 
-def _built_before(folder: Path):
-    """The module built into ``folder`` from this source, flags and torch, or None."""
+def _built_before(folder: Path, stamp: str):
+    """The module built into ``folder`` from this source, flags and torch (``stamp``), or None."""
     library = folder / "constrained_spec_fused.so"
     try:
-        if (folder / BUILT).read_text() != _build_stamp() or not library.is_file():
+        if (folder / BUILT).read_text() != stamp or not library.is_file():
             return None
         spec = importlib.util.spec_from_file_location("constrained_spec_fused", library)
         module = importlib.util.module_from_spec(spec)

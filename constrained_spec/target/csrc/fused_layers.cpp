@@ -33,13 +33,45 @@
 #endif
 
 #include <array>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "blocks.h"  // weight blocks times int8 activations: AVX2, NEON, the scalar reference
 
 namespace {
+
+// at::parallel_for is OpenMP's parallel region compiled into this file, which a compiler without
+// OpenMP (Apple's clang) turns into a plain loop: built that way (kernels.fused_build retries
+// without -fopenmp), the chunks go to torch's inter-op threads instead, the caller taking the first.
+// Every chunk computes what it would on any thread (no result depends on the split).
+template <class F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+#ifdef _OPENMP
+  at::parallel_for(begin, end, grain, f);
+#else
+  if (begin >= end) return;
+  const int64_t most = grain > 0 ? (end - begin + grain - 1) / grain : end - begin;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), most));
+  const int64_t chunk = (end - begin + threads - 1) / threads;
+  std::atomic<int64_t> left(threads - 1);
+  std::mutex m;
+  std::condition_variable done;
+  for (int64_t t = 1; t < threads; ++t)
+    at::launch([&, t] {
+      const int64_t from = begin + t * chunk;
+      if (from < end) f(from, std::min(end, from + chunk));
+      std::lock_guard<std::mutex> lock(m);
+      if (--left == 0) done.notify_one();
+    });
+  f(begin, std::min(end, begin + chunk));
+  std::unique_lock<std::mutex> lock(m);
+  done.wait(lock, [&] { return left == 0; });
+#endif
+}
 
 using at::BFloat16;
 using at::Tensor;
@@ -198,7 +230,7 @@ constexpr int64_t TOKENS_A_THREAD = 8;
 
 // rows (n, d) → x·rsqrt(mean(x²) + eps)·weight, as the bf16 input of a 4-bit matmul.
 void rms_norm(const float* x, const float* weight, BFloat16* out, int64_t n, int64_t d, float eps) {
-  at::parallel_for(0, n, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(d);
     for (int64_t r = begin; r < end; ++r) {
       const float* row = x + r * d;
@@ -324,7 +356,7 @@ void dense_avx512(const BFloat16* x, int64_t n, int64_t K, const BFloat16* w, in
   const int64_t pairs = K / 2;  // a tile column: pairs vectors of 64 bytes
   const auto* pairs_of = reinterpret_cast<const uint32_t*>(x);
   const auto* columns = reinterpret_cast<const __m512i*>(w);
-  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     for (int64_t two = begin; two < end; ++two) {  // tile columns 2·two and 2·two + 1
       const int64_t b = 2 * two;
       if (b + 1 < blocks)
@@ -437,7 +469,7 @@ void int4_amx(const int32_t* tile, const BFloat16* scales, const uint32_t* x, in
 void dense_amx(const BFloat16* x, int64_t rows, int64_t K, const BFloat16* w, int64_t blocks,
                BFloat16* out, int64_t N) {
   const int64_t groups = K / 32, row_tiles = rows / 16;
-  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     alignas(64) uint8_t config[64] = {};
     config[0] = 1;  // palette 1; tiles 0-3 C, 4-5 A, 6-7 B: 16 rows of 64 bytes each
     for (int t = 0; t < 8; ++t) config[16 + 2 * t] = 64, config[48 + t] = 16;
@@ -536,7 +568,7 @@ Tensor int4_mm(const Tensor& x, const Tensor& tiles, const Tensor& scales) {
   const int64_t N = blocks * 16, pairs_per_row = K / 2;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (amx) {
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = 0; r < n; r += 32) {  // 32 rows at a time through every tile column
         const int64_t rows = std::min<int64_t>(n - r, 32);
         // per thread and pass: the tile configuration is a thread's state
@@ -558,7 +590,7 @@ Tensor int4_mm(const Tensor& x, const Tensor& tiles, const Tensor& scales) {
     return out;
   }
 #endif
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int32_t* tile = T + b * (K / 8) * 16;
       const BFloat16* scale = S + b * groups * 32;
@@ -633,7 +665,7 @@ Quantized quantize(const Tensor& x) {  // (blocks.h's scalar quantize_row: the s
                 std::vector<int32_t>(n * groups), {}};
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const auto* raw = static_cast<const char*>(x.data_ptr());
-  at::parallel_for(0, n, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       int8_t* q = &out.q[r * K];
       float *d = &out.d[r * groups], *ds = &out.dsum[r * groups];
@@ -668,7 +700,7 @@ Tensor blocks_matmul(const Quantized& x, int64_t n, const Tensor& tiles, const T
   const auto* T = reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>());
   const auto* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<BFloat16>());
   auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>());
-  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     blocks::columns(bits, zeros, T, S, x.acts, n, begin, end, O, count * blocks::LANES, reference);
   });
   return out;
@@ -686,7 +718,7 @@ Tensor int4_matmul(const Tensor& x, const Tensor& packed, const Tensor& scale_ze
 void add_bf16(float* x, const Tensor& y) {  // x += y (bf16), rows (n, d)
   const BFloat16* v = y.data_ptr<BFloat16>();
   const int64_t d = y.size(1);
-  at::parallel_for(0, y.size(0), TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
+  parallel_for(0, y.size(0), TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * d; i < end * d; ++i) x[i] += static_cast<float>(v[i]);
   });
 }
@@ -781,7 +813,7 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
     Tensor h = linear(normed, 4 * l);
     const BFloat16* H = h.data_ptr<BFloat16>();
     const float* bias = biases.empty() ? nullptr : biases[l].data_ptr<float>();
-    at::parallel_for(0, N, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
+    parallel_for(0, N, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
       std::vector<float> in(hd);
       for (int64_t t = begin; t < end; ++t) {
         const Tensor &K = keys[row[t]], &V = values[row[t]];
@@ -819,7 +851,7 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
     // a task is up to QUERIES queries of one row and one key/value head (its group's heads at
     // each of the row's tokens, in order): they read the same keys and values, once a pass
     // (tasks), and the next task of the same row and head finds them in the core's cache
-    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(QUERIES * longest), queries(QUERIES * hd), out(QUERIES * hd);
       int64_t n[QUERIES], place[QUERIES];  // place: the query's offset in q and in A (token, head)
       for (int64_t task = begin; task < end; ++task) {
@@ -844,7 +876,7 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
     Tensor gate_up = linear(normed, 4 * l + 2);
     const int64_t I = gate_up.size(1) / 2;
     Tensor gated = at::empty({N, I}, bf16);
-    at::parallel_for(0, N, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
+    parallel_for(0, N, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
       std::vector<float> g(I), u(I);
       for (int64_t t = begin; t < end; ++t) {
         const BFloat16* in = gate_up.data_ptr<BFloat16>() + t * 2 * I;
