@@ -5,9 +5,15 @@ prints the checksum of the same outputs, which must agree across instruction set
 import platform
 import shutil
 import subprocess
+from collections import Counter
 from pathlib import Path
 
+import gguf
 import pytest
+import torch
+
+from constrained_spec import testing
+from constrained_spec.target import files, kernels
 
 SOURCE = Path(__file__).with_name("csrc") / "blocks_test.cpp"
 
@@ -92,3 +98,47 @@ def test_the_fused_layers_compile_for_other_cpus(compiler, march, openmp):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# --- every GGUF tensor type on our int8-activation kernels -----------------------------------------
+
+BLOCK_KERNELS = [
+    pytest.param(k, marks=pytest.mark.skipif(bool(why), reason=f"{k}: {why}"))
+    for k in kernels.BLOCK_KERNELS
+    for why in [kernels.int4_kernel_missing(k)]
+]
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5}  # else 8
+
+
+@pytest.mark.parametrize("kind", files.LINEAR_TYPES)
+@pytest.mark.parametrize("kernel", BLOCK_KERNELS)
+def test_every_tensor_type_runs_on_the_int8_kernels_at_about_its_own_bytes(kind, kernel, tmp_path):
+    """A linear of each type laid out for blocks.h: 4-bit types in 4-bit tiles, 5-bit ones in
+    5-bit tiles (not two 4-bit halves), the rest in 8-bit ones; the weights exactly the ones the
+    other kernels multiply (nibbles and scales read back unchanged), about the file's bytes per
+    weight, and x·Wᵀ within the kernel's roundings: x to bf16 then int8 groups (done in the
+    reference too), float32 sums, the output to bf16."""
+    path = testing.write_gguf(tmp_path / "m.gguf", types=kind, layers=1)
+    tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.0.ffn_up.weight")
+    linear = files._linear([(tensor, None)], Counter())
+    nibbles, scale_zero = linear.stored_nibbles().clone(), linear.scale_and_zero()
+    scale, zero = (t.float().repeat_interleave(kernels.GROUP, 1) for t in scale_zero)
+    w = (linear.dequantized_nibbles().float() - 8) * scale + zero  # what every kernel multiplies
+    w = sum(w.chunk(linear.copies, dim=1))  # (N, K): the halves summed
+    linear.use_kernel(kernel)
+    n, k = w.shape
+    assert linear.packed.shape[1] * kernels.GROUP // k == BITS.get(kind, 8)
+    file_bytes = 34 / 32 if kind in files.REQUANTIZED else tensor.n_bytes / (n * k)  # Q8_0's
+    ours = (linear.packed.nbytes + linear.scale_zero.nbytes) / (n * k)
+    assert ours <= max(1.3 * file_bytes, 0.65), (
+        f"{ours:.3f} bytes a weight, the file {file_bytes:.3f}"
+    )
+    linear.nibbles = None  # read back from the tiles
+    assert torch.equal(linear.stored_nibbles(), nibbles)
+    assert all(torch.equal(a, b) for a, b in zip(linear.scale_and_zero(), scale_zero))
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(0)).bfloat16().float()
+    q, d = kernels.quantize_int8(x)
+    reference = (q.float().view(5, -1, kernels.GROUP) * d[..., None]).view(x.shape) @ w.T
+    error = (linear(x) - reference).abs()
+    bound = 2.0**-8 * reference.abs() + 1e-5 * (x.abs() @ w.abs().T)
+    assert (error <= bound).all(), f"{float((error / bound).max()):.2f} of the bound"
