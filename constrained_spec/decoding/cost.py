@@ -10,6 +10,7 @@ back and never times itself, so a seeded row samples the same tokens on every ru
 from __future__ import annotations
 
 import bisect
+import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -100,9 +101,18 @@ def pass_cost(target) -> PassCost | None:
     way = f"{target.weights} {target.layer_kernel}/{target.matmul} {type(target.lm_head).__name__}"
     key = f"{METHOD} | {shape_key(target.config)} | {way}"
     _known[target] = cost = PassCost.from_json(
-        machine.remembered(key, lambda: measure(target).to_json())
+        machine.remembered(key, lambda: measure(target).to_json(), valid=_whole)
     )
     return cost
+
+
+def _whole(table: dict) -> bool:
+    """A stored table this version reads: this method's, every grid point a finite time."""
+    cost = PassCost.from_json(table)
+    values = [v for points in cost.grid.values() for x, ms in points for v in (x, ms)]
+    values += [cost.sampled_ms, cost.greedy_ms]
+    whole = table.get("method") == METHOD and cost.grid and all(cost.grid.values())
+    return whole and all(math.isfinite(v) for v in values)
 
 
 def use(target, cost: PassCost | None) -> None:

@@ -41,24 +41,46 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def remembered(what: str, measure) -> dict:
+def remembered(what: str, measure, valid=None) -> dict:
     """``measure()``'s result for ``what`` on this CPU, torch version and thread count: from
-    the cache's calibration.json, else measured now and written there."""
+    the cache's calibration.json, else measured now and written there. ``valid(result)`` says
+    whether a stored result can be used (its fields there and of their types): one that cannot,
+    or a file that does not parse, is measured again, and said so in one line."""
     key = f"{what} | {cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
     path = cache_dir() / "calibration.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
-    if isinstance(known.get(key), dict):
-        return known[key]
+    known, damage = _measurements(path)
+    stored = known.get(key)
+    if isinstance(stored, dict) and (valid is None or _usable(valid, stored)):
+        return stored
+    if stored is not None:
+        damage = f"its entry for {what.split(' | ')[0]!r} is not one this version reads"
+    if damage:
+        say(f"{path}: {damage}; measuring again.")
     known[key] = result = measure()
     try:
         atomic_write(path, json.dumps(known, indent=1))
     except OSError as err:  # a read-only cache still runs, measuring again next time
         say(f"could not cache the kernel calibration in {path}: {err}")
     return result
+
+
+def _measurements(path: Path) -> tuple[dict, str]:
+    """calibration.json's entries, and what is wrong with the file ("" if nothing: missing is
+    not damaged). A damaged file's entries are all measured again."""
+    try:
+        known = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return {}, ""
+    except (OSError, ValueError, RecursionError) as err:  # unreadable, cut short, not JSON
+        return {}, f"unreadable ({type(err).__name__})"
+    return (known, "") if isinstance(known, dict) else ({}, "not a JSON object")
+
+
+def _usable(valid, stored: dict) -> bool:
+    try:
+        return bool(valid(stored))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False
 
 
 def atomic_write(path: Path, text: str) -> None:

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -58,13 +59,19 @@ def load(source: Path) -> tuple[llama.CompactLlama, Tokenizer] | None:
     try:
         model = _restore(torch.load(path, mmap=True, weights_only=True))
         model.start(llama.Config(**header["config"]))
-        return model.eval(), Tokenizer.from_state(header["tokenizer"])
+        loaded = model.eval(), Tokenizer.from_state(header["tokenizer"])
     except Exception as err:  # noqa: BLE001 - any damage means: rebuild it
         say(
             f"The prepared model {path} does not load ({type(err).__name__}: {err}); rebuilding it."
         )
         _remove(path)
         return None
+    if _read_index(path.parent / "index.json").get(path.name) != str(source.resolve()):
+        try:  # an index lost or damaged: written again, so that stale files are swept
+            _sweep(path, source)
+        except OSError:
+            pass
+    return loaded
 
 
 def config(source: Path) -> llama.Config | None:
@@ -75,28 +82,53 @@ def config(source: Path) -> llama.Config | None:
 
 def tokenizer(source: Path) -> Tokenizer | None:
     """The tokenizer of ``source``'s prepared model, where one is stored."""
-    header = _header(path_for(source))
-    return Tokenizer.from_state(header["tokenizer"]) if header else None
+    path = path_for(source)
+    if (header := _header(path)) is None:
+        return None
+    try:
+        return Tokenizer.from_state(header["tokenizer"])
+    except Exception as err:  # noqa: BLE001 - any damage means: rebuild it
+        _damaged(path, f"its tokenizer does not load ({type(err).__name__})")
+        return None
 
 
 def _header(path: Path) -> dict | None:
     """The config and tokenizer stored beside a prepared model (``<key>.json``), where both
-    files are there and the header is whole."""
+    files are there and the header is whole; a damaged one is removed with its model (to be
+    rebuilt), and said so."""
     try:
         stat = path.with_suffix(".json").stat()
         if not path.is_file():
             return None
-        return _read_header(path.with_suffix(".json"), stat.st_mtime_ns, stat.st_size)
-    except (OSError, ValueError, KeyError):
+    except OSError:
         return None
+    try:
+        return _read_header(path.with_suffix(".json"), stat.st_mtime_ns, stat.st_size)
+    except (OSError, ValueError, RecursionError) as err:
+        _damaged(path, str(err) if isinstance(err, _NotAHeader) else type(err).__name__)
+        return None
+
+
+class _NotAHeader(ValueError):
+    pass
 
 
 @functools.lru_cache(maxsize=4)
 def _read_header(path: Path, mtime_ns: int, size: int) -> dict:
-    header = json.loads(path.read_text())
-    if header.get("format") != FORMAT or not {"config", "tokenizer"} <= set(header):
-        raise ValueError(f"{path}: not a header of this format")
+    header = json.loads(path.read_bytes())
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise _NotAHeader(f"not a header of {FORMAT}")
+    config, state = header.get("config"), header.get("tokenizer")
+    if not (isinstance(config, dict) and all(isinstance(k, str) for k in config)):
+        raise _NotAHeader("its config is not a JSON object")
+    if not (isinstance(state, dict) and isinstance(state.get("backend"), str)):
+        raise _NotAHeader("its tokenizer is not a JSON object with a backend")
     return header
+
+
+def _damaged(path: Path, why: str) -> None:
+    say(f"The prepared model {path.with_suffix('.json')} is damaged ({why}); rebuilding it.")
+    _remove(path)
 
 
 def save_later(source: Path, model: llama.CompactLlama, tokenizer: Tokenizer) -> None:
@@ -161,20 +193,36 @@ def _remove(path: Path) -> None:
 
 def _sweep(path: Path, source: Path) -> None:
     """Record which file ``path`` prepares, and remove the prepared files of sources that are
-    gone or changed since (a replaced model file, a test's temporary one)."""
+    gone or changed since (a replaced model file, a test's temporary one). An entry that is not
+    a prepared file's name and a source path is dropped, never followed (a damaged index)."""
     index_path = path.parent / "index.json"
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, ValueError):
-        index = {}
-    index = index if isinstance(index, dict) else {}
+    index = {
+        name: origin
+        for name, origin in _read_index(index_path).items()
+        if _NAME.fullmatch(name) and isinstance(origin, str) and origin
+    }
     index[path.name] = str(source.resolve())
     for name, origin in list(index.items()):
         origin = Path(origin)
-        if not origin.is_file() or path_for(origin).name != name:
+        try:
+            stale = not origin.is_file() or path_for(origin).name != name
+        except (OSError, ValueError):
+            stale = True
+        if stale:
             _remove(path.parent / name)
             del index[name]
     atomic_write(index_path, json.dumps(index, indent=1))
+
+
+_NAME = re.compile(r"[0-9a-f]{24}\.pt")  # what path_for names a prepared file
+
+
+def _read_index(path: Path) -> dict:
+    try:
+        index = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return index if isinstance(index, dict) else {}
 
 
 def _state(module: nn.Module) -> dict:
