@@ -266,14 +266,17 @@ void tile8(const uint32_t* tile, const uint16_t* sc, const Acts& x, int64_t r0, 
   for (int r = 0; r < R; ++r) store8(out + r * out_stride, acc[r]);
 }
 
-// Every row through tile columns [b0, b1): two tiles at a time (4-bit: a broadcast serves both)
-// and up to 3 rows, or one tile and up to 8 (the columns stay in L1 for the next rows). On a Zen 1
-// core (AVX2 on 128-bit units) one row ran at 22 GMAC/s this way, 17.5 a tile at a time; 3 rows
-// and more at 29 (4 rows of two tiles spill registers: 24.5).
+// Every row through tile columns [b0, b1): 4-bit, two tiles at a time (a broadcast serves both)
+// and up to 3 rows, or one tile and up to 8 (the columns stay in L1 for the next rows); 5- and
+// 8-bit, one tile and up to 4 rows. On a Zen 1 core (AVX2 on 128-bit units) one 4-bit row ran at
+// 22 GMAC/s this way, 17.5 a tile at a time; 3 rows and more at 29 (4 rows of two tiles spill
+// registers: 24.5); two 8-bit tiles ran slower than one (12.8 against 16.7 GMAC/s on 4 rows), and
+// 8 rows of a 5- or 8-bit tile spill (19 and 14.7 against 23 and 16.7 on 4).
 template <int BITS, int ZEROS, typename Out>
 void columns(const uint32_t* tiles, const uint16_t* scales, const Acts& x, int64_t n, int64_t b0,
              int64_t b1, Out* out, int64_t out_stride) {
   const int64_t groups = x.K / GROUP, lanes = x.K * BITS / 32;
+  constexpr int64_t ROWS = BITS == 4 ? 8 : 4;  // one tile: more rows spill 5- and 8-bit sums
   for (int64_t b = b0; b < b1;) {
     const uint32_t* tile = tiles + b * lanes * LANES;
     const uint16_t* sc = scales + b * groups * (1 + ZEROS) * LANES;
@@ -293,7 +296,7 @@ void columns(const uint32_t* tiles, const uint16_t* scales, const Acts& x, int64
         }
         continue;
       }
-      switch (std::min<int64_t>(n - r, 8)) {
+      switch (std::min<int64_t>(n - r, ROWS)) {
         case 8: { TILE(8, 1) break; }
         case 7: { TILE(7, 1) break; }
         case 6: { TILE(6, 1) break; }
