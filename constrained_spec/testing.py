@@ -36,7 +36,7 @@ from .decoding.drafters import CompositeDrafter, logits_width
 from .decoding.head import DraftHead
 from .errors import ConstraintError, UnsupportedSchemaError
 from .generator import Generator
-from .target import kv, llama
+from .target import families, kv, llama
 from .target import models as target_models
 
 # A greedy output may differ from the masked baseline only where the baseline's top-2 masked
@@ -172,18 +172,35 @@ def write_gguf(
     rope_factors: np.ndarray | None = None,
     tied: bool = True,
     chat_template: str | None = GGUF_TEMPLATE,
+    head_dim: int | None = None,
+    window: int = 16,
+    metadata: dict | None = None,
 ) -> Path:
-    """A small GGUF of ``arch`` ("llama", "qwen2": q/k/v biases, "qwen3": q/k norms) over
-    _gguf_header's vocabulary, random weights in the tensor types ``types`` (one for every
-    linear, or {"attn_q": ..., ..., "*": default, "token_embd": ...}); norms, biases and
-    ``rope_factors`` (Llama 3's rope_freqs) in F32. K-quants need inputs in multiples of 256:
-    ``hidden`` and ``ffn`` are."""
+    """A small GGUF of ``arch`` (one of families.FAMILIES: "llama", "qwen2": q/k/v biases,
+    "qwen3": q/k norms, "gemma3": four norms a layer, q/k norms, a sliding ``window`` on all but
+    every 6th layer) over _gguf_header's vocabulary, random weights in the tensor types
+    ``types`` (one for every linear, or {"attn_q": ..., ..., "*": default, "token_embd": ...});
+    norms, biases and ``rope_factors`` (Llama 3's rope_freqs) in F32; heads of ``head_dim``
+    (default hidden/heads; stated as key_length where the family has q/k norms); ``metadata``:
+    more keys, {"gemma3.rope.freq_base_swa": 1e4, ...}, or None to leave one out. K-quants need
+    inputs in multiples of 256: ``hidden``, ``ffn`` and heads·head_dim are."""
     rng = np.random.default_rng(seed)
     kinds = {"*": types} if isinstance(types, str) else types
     kind_of = lambda name: kinds.get(name, kinds["*"])
-    hd = hidden // heads
+    family = next(f for f in families.FAMILIES if f.name == arch)
+    hd = head_dim or hidden // heads
     w = gguf.GGUFWriter(str(path), arch)
-    vocab = _gguf_header(w, arch, layers, hidden, ffn, heads, kv_heads, chat_template)
+    vocab = _gguf_header(w, family, layers, hidden, ffn, heads, kv_heads, hd, chat_template)
+    if family.window_period:
+        w.add_sliding_window(window)
+    for key, value in (metadata or {}).items():  # replacing or leaving out the header's
+        w.kv_data[0].pop(key, None)
+        if isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif value is not None:
+            w.add_uint32(key, value)
 
     def add(name: str, rows: int, k: int, kind: str) -> None:
         if kind in ("F32", "F16"):
@@ -206,17 +223,17 @@ def write_gguf(
     for i in range(layers):
         for part, rows in width.items():
             add(f"blk.{i}.{part}.weight", rows, hidden, kind_of(part))
-            if arch == "qwen2":
+            if family.qkv_bias:
                 add_float(f"blk.{i}.{part}.bias", 0.1 * rng.standard_normal(rows))
-        if arch == "qwen3":
+        if family.qk_norms:
             add_float(f"blk.{i}.attn_q_norm.weight", 1 + 0.2 * rng.standard_normal(hd))
             add_float(f"blk.{i}.attn_k_norm.weight", 1 + 0.2 * rng.standard_normal(hd))
         add(f"blk.{i}.attn_output.weight", hidden, heads * hd, kind_of("attn_output"))
         add(f"blk.{i}.ffn_gate.weight", ffn, hidden, kind_of("ffn_gate"))
         add(f"blk.{i}.ffn_up.weight", ffn, hidden, kind_of("ffn_up"))
         add(f"blk.{i}.ffn_down.weight", hidden, ffn, kind_of("ffn_down"))
-        add_float(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(hidden))
-        add_float(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(hidden))
+        for norm, _ in family.norms:  # as llama.cpp stores them (Gemma's with its 1 + w)
+            add_float(f"blk.{i}.{norm}.weight", 1 + 0.1 * rng.standard_normal(hidden))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -268,14 +285,14 @@ def fake_builtin(monkeypatch, name: str, gguf_file: Path):
     return spec, fetches
 
 
-def _gguf_header(w, arch: str, layers, hidden, ffn, heads, kv_heads, chat_template) -> int:
+def _gguf_header(w, family, layers, hidden, ffn, heads, kv_heads, hd, chat_template) -> int:
     """write_gguf's metadata: the shape as llama.cpp's convert script names it, and a byte-level
     BPE vocabulary with SmolLM2's special tokens and one UNUSED padding token (last). Returns
     the vocabulary's size."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     tokens = [*GGUF_SPECIALS, *bytes_to_unicode().values(), "Ġt", "Ġth", "[PAD0]"]
-    vocab, hd = len(tokens), hidden // heads
+    vocab = len(tokens)
     w.add_block_count(layers)
     w.add_context_length(256)
     w.add_embedding_length(hidden)
@@ -283,10 +300,10 @@ def _gguf_header(w, arch: str, layers, hidden, ffn, heads, kv_heads, chat_templa
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_rope_dimension_count(hd)
-    w.add_rope_freq_base(10000.0 if arch == "llama" else 1e6)
+    w.add_rope_freq_base(10000.0 if family.name == "llama" else 1e6)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(vocab)
-    if arch == "qwen3":
+    if family.qk_norms:
         w.add_key_length(hd)
         w.add_value_length(hd)
     w.add_tokenizer_model("gpt2")

@@ -26,7 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import Q4_K, dequantize
 
 from ..errors import WeightsError
-from . import kernels, llama
+from . import families, kernels, llama
 
 __all__ = [
     "AFFINE_BITS",
@@ -39,7 +39,7 @@ __all__ = [
     "unused_token_ids",
 ]
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = families.ARCHITECTURES
 AFFINE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5}
 EIGHT_BITS = ("Q8_0",)
 # Re-quantized to Q8_0 (d = max|w|/127 per group of 32, fp16): each weight within d/2 of the file's
@@ -111,28 +111,32 @@ def _field(reader: GGUFReader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def check_gguf(reader: GGUFReader, path: str | Path) -> None:
-    """A WeightsError naming what the file holds that the compact forward does not run (its
-    architecture, a linear's tensor type, a missing tensor), before any weight is read."""
+def check_gguf(reader: GGUFReader, path: str | Path) -> families.Family:
+    """The file's family, or a WeightsError naming what the file holds that the compact forward
+    does not run (its architecture, a linear's tensor type) or what contradicts its family (a
+    missing tensor, a metadata key out of range), before any weight is read."""
     name = Path(path).name
     arch = _field(reader, "general.architecture", "?")
-    if arch not in ARCHITECTURES:
+    family = next((f for f in families.FAMILIES if f.name == arch), None)
+    if family is None:
         raise WeightsError(
             f"{name}: the {arch!r} architecture is not supported (GGUF files of "
             f"{', '.join(ARCHITECTURES)} run): use weights='float' (transformers' own forward)."
         )
     tensors = {t.name: t for t in reader.tensors}
     layers = _field(reader, f"{arch}.block_count", 0)
+    parts = (*LINEARS, *(gguf for gguf, _ in family.norms))
+    parts += ("attn_q_norm", "attn_k_norm") if family.qk_norms else ()
     needed = ["token_embd.weight", "output_norm.weight"] + [
-        f"blk.{i}.{part}.weight"
-        for i in range(layers)
-        for part in (*LINEARS, "attn_norm", "ffn_norm")
+        f"blk.{i}.{part}.weight" for i in range(layers) for part in parts
     ]
     if missing := [t for t in needed if t not in tensors]:
         raise WeightsError(
             f"{name}: tensor {missing[0]} is missing ({len(missing)} of {len(needed)} expected "
             f"ones): the file is incomplete or not a {arch} model."
         )
+    if family.window_period:
+        _check_window(reader, name, arch)
     odd = sorted(
         {
             tensors[f"blk.{i}.{part}.weight"].tensor_type.name
@@ -146,11 +150,27 @@ def check_gguf(reader: GGUFReader, path: str | Path) -> None:
             f"{name}: tensor type(s) {', '.join(odd)} are not supported (the 4-bit path runs "
             f"{', '.join(LINEAR_TYPES)}): use weights='float' (dequantized by transformers)."
         )
+    return family
+
+
+def _check_window(reader: GGUFReader, name: str, arch: str) -> None:
+    """A windowed family's window: stated, at least 1, no larger than the context."""
+    key, context = f"{arch}.attention.sliding_window", _field(reader, f"{arch}.context_length")
+    window = _field(reader, key)
+    if window is None:
+        raise WeightsError(f"{name}: {key} is missing: a {arch} model's layers need their window.")
+    if not 1 <= window <= (context or window):
+        raise WeightsError(
+            f"{name}: {key} = {window} contradicts the file's {arch}.context_length = {context} "
+            "(a window is at least 1 position and at most the context)."
+        )
 
 
 def gguf_config(path: str | Path):
     """The transformers config of a GGUF file (transformers reads its metadata), with the head
-    size the file states (transformers' reading of qwen3 files keeps Qwen3's default of 128).
+    size the file states (transformers' reading of qwen3 files keeps Qwen3's default of 128)
+    and, for a windowed family, each layer's kind, window, rotary base and scaling and the
+    attention scale as llama.cpp reads them (_windows).
     Read once per file version (a 150k vocabulary's metadata: ~8 s a reading; a load asks for
     it to choose the weights, to describe them and to build the model): a copy each call."""
     path = Path(path).expanduser().resolve()
@@ -168,15 +188,44 @@ def _config(path: Path, size: int, mtime_ns: int):
     arch = _field(reader, "general.architecture")
     if (head_dim := _field(reader, f"{arch}.attention.key_length")) is not None:
         config.head_dim = int(head_dim)
+    family = next((f for f in families.FAMILIES if f.name == arch), None)
+    if family is not None and family.window_period:
+        _windows(config, reader, arch, family)
     return config
+
+
+def _windows(config, reader: GGUFReader, arch: str, family: families.Family) -> None:
+    """A windowed family's layers as llama.cpp reads them (src/llama-model.cpp), where
+    transformers' GGUF reader keeps its config's defaults: every window_period-th layer full,
+    the others windowed; the full layers' rotary base ``rope.freq_base`` with the file's linear
+    scaling, the windowed ones' ``rope.freq_base_swa`` (else the family's) unscaled; scores
+    scaled by 1/√key_length (transformers' query_pre_attn_scalar stays 256 whatever the head)."""
+    period, layers = family.window_period, config.num_hidden_layers
+    config.layer_types = [
+        families.FULL if i % period == period - 1 else families.SLIDING for i in range(layers)
+    ]
+    full = {"rope_type": "default", "rope_theta": float(_field(reader, f"{arch}.rope.freq_base"))}
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor", 1.0)
+    if scaling not in (None, "none") and not (scaling == "linear" and factor == 1.0):
+        full |= {"rope_type": scaling, "factor": float(factor)}  # families.check names others
+    local = _field(reader, f"{arch}.rope.freq_base_swa", family.local_rope_base)
+    config.rope_parameters = {
+        families.FULL: full,
+        families.SLIDING: {"rope_type": "default", "rope_theta": float(local)},
+    }
+    if layers in family.query_scalar_hidden_at:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
 
 
 def from_gguf(path: str | Path, config) -> llama.CompactLlama:
     """The compact model of a GGUF file of ARCHITECTURES (``config``: its transformers config,
     gguf_config)."""
     reader = read_gguf(path)
-    check_gguf(reader, path)
-    arch = _field(reader, "general.architecture")
+    family = check_gguf(reader, path)
+    families.check(config, "int4")
     tensors = {t.name: t for t in reader.tensors}
     s, types = llama._shape(config), Counter()
     _check_shapes(tensors, s, config, path)
@@ -185,8 +234,8 @@ def from_gguf(path: str | Path, config) -> llama.CompactLlama:
     for i in range(s.layers):
         t = {part: tensors[f"blk.{i}.{part}.weight"] for part in LINEARS}
         # llama's convert script interleaves each head's rotary halves in q and k: rows back to
-        # transformers' order (qwen2/qwen3 use the split halves already)
-        heads = {"attn_q": s.heads, "attn_k": s.kv_heads} if arch == "llama" else {}
+        # transformers' order (qwen2/qwen3/gemma3 use the split halves already)
+        heads = {"attn_q": s.heads, "attn_k": s.kv_heads} if family.permuted_qk else {}
         parts = [(t[p], heads.get(p)) for p in LINEARS]
         linears += [
             _linear(parts[0:3], types),
@@ -194,13 +243,11 @@ def from_gguf(path: str | Path, config) -> llama.CompactLlama:
             _linear(parts[4:6], types),
             _linear(parts[6:7], types),
         ]
-        norms += [
-            _float(tensors[f"blk.{i}.attn_norm.weight"]),
-            _float(tensors[f"blk.{i}.ffn_norm.weight"]),
-        ]
+        # as stored: llama.cpp's converter has added Gemma's 1 to its norms (x·w, as here)
+        norms += [_float(tensors[f"blk.{i}.{part}.weight"]) for part, _ in family.norms]
         if f"blk.{i}.attn_q.bias" in tensors:
             biases.append(torch.cat([_float(tensors[f"blk.{i}.{p}.bias"]) for p in LINEARS[:3]]))
-        if f"blk.{i}.attn_q_norm.weight" in tensors:
+        if family.qk_norms:
             qk_norms += [_float(tensors[f"blk.{i}.attn_{x}_norm.weight"]) for x in "qk"]
     norms.append(_float(tensors["output_norm.weight"]))
     output = tensors.get("output.weight")
@@ -209,7 +256,7 @@ def from_gguf(path: str | Path, config) -> llama.CompactLlama:
     blocks = None  # the head's 8-bit screen: the file's own Q8_0 blocks, else quantized (Q8Head)
     if source.tensor_type.name == "Q8_0":
         blocks = kernels.split_q8_0(torch.from_numpy(np.array(source.data)))
-    rope = llama.rope_inverse_frequencies(config, s)
+    rope = families.rotary_frequencies(config)  # (2, hd/2): full and windowed layers
     if "rope_freqs.weight" in tensors:  # Llama 3's long-context factors: θ_i / factor_i
         rope = rope / _float(tensors["rope_freqs.weight"])
     model = llama.CompactLlama(

@@ -10,8 +10,11 @@ attention and the KV cache stay float32. The forward is its own rather than tran
 that it can fuse q/k/v and gate/up into one 4-bit matmul each, keep the KV cache in one tensor cropped by a length, and make
 every token of a verify pass compute exactly what a one-token step would (``_attend``).
 
-Any other Llama-family transformers model can be converted too (``from_transformers``): its
-linear layers quantized the same way as Q4_1 (group 32, affine) or kept as they are.
+Any other transformers model of a family it computes can be converted too
+(``from_transformers``): its linear layers quantized the same way as Q4_1 (group 32, affine) or
+kept as they are. What a family's layers compute beyond Llama's (Qwen's biases and q/k norms,
+Gemma 3's four norms a layer, GeGLU, scales and sliding windows) is declared once in
+``families.py``; this forward and the fused C++ layers both read that declaration (``block``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import WeightsError
-from . import kernels
+from . import families, kernels
 from .machine import setting
 
 # Positions a tile of keys holds (csrc/fused_layers.cpp's KEY_TILE): a cache's keys are (L, KV,
@@ -282,14 +285,14 @@ class Shape:
     heads: int
     kv_heads: int
     head_dim: int
-    rope_theta: float
     eps: float
     context: int
 
 
 class CompactLlama(nn.Module):
-    """A Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3): ``model(ids, cache)`` →
-    (logits (n, V), LM-head inputs (n, d)).
+    """A causal LM of one of families.FAMILIES (Llama, Mistral, Qwen2, Qwen3, Gemma 3):
+    ``model(ids, cache)`` → (logits (n, V), LM-head inputs (n, d)). What each layer computes
+    (its norms, activation, scales, rotary and window) is ``block``, its family's declaration.
 
     Offers what the rest of the package reads off a transformers model: ``config``,
     ``get_input_embeddings()``, ``get_output_embeddings().weight`` (the draft head uses them).
@@ -307,9 +310,11 @@ class CompactLlama(nn.Module):
         qk_norms: list | None = None,
         rope: torch.Tensor | None = None,
     ):
-        """``biases``: per layer the q/k/v matmul's bias (width,) (Qwen2); ``qk_norms``: per
-        layer the query and the key heads' RMSNorm weights (hd,) (Qwen3); ``rope``: the rotary
-        inverse frequencies (hd/2,) where the config's do not say them (a GGUF's factors)."""
+        """``norms``: per layer its block's RMSNorm weights (families.Block.norms of them, in
+        the order they apply), then the final one; ``biases``: per layer the q/k/v matmul's
+        bias (width,) (Qwen2); ``qk_norms``: per layer the query and the key heads' RMSNorm
+        weights (hd,) (Qwen3, Gemma 3); ``rope``: the rotary inverse frequencies (2, hd/2) of
+        full and windowed layers where the config's do not say them (a GGUF's factors)."""
         super().__init__()
         self.weights = weights
         self.embed = nn.Embedding.from_pretrained(embed, freeze=True)  # (V, d)
@@ -318,7 +323,7 @@ class CompactLlama(nn.Module):
         self.linears = nn.ModuleList(linears)  # per layer: qkv, o, gate_up, down
         self.biases = [b.float().contiguous() for b in biases or []]
         self.qk_norms = [w.float().contiguous() for w in qk_norms or []]
-        self.rope = rope if rope is not None else rope_inverse_frequencies(config, _shape(config))
+        self.rope = rope if rope is not None else families.rotary_frequencies(config)
         self.tensor_types: dict[str, int] = {}
         self.prefill = "int4"  # the 4-bit linears' kernel for long inputs (use_prefill)
         self.layer_kernel = "python"  # how steps, verify passes and batches run (use_layers)
@@ -328,6 +333,10 @@ class CompactLlama(nn.Module):
         """What a model holds beside its weights and kernel choices (a prepared model's load
         restores those, then calls this)."""
         self.config, self.shape = config, _shape(config)
+        self.block = families.block_of(config)
+        if self.rope.dim() == 1:  # prepared before rotary per layer kind: one row for all
+            self.rope = torch.stack((self.rope, self.rope))
+        assert len(self.norms) == self.shape.layers * self.block.norms + 1, "norms per block"
         self._cos = self._sin = None  # rotary factors by position (_rotary)
         self._fused = None  # the fused layers' arguments, where they run
         self.prompt_cache: PromptCache | None = None  # kept prompts, while the layers are fused
@@ -483,43 +492,48 @@ class CompactLlama(nn.Module):
             packed, scale_zero, copies, norms, biases, qk_norms = self._fused
             on_copy = prompt and self.prefill in kernels.DENSE_KERNELS
             dense = [m.dense for m in self.linears] if on_copy else []
+            b = self.block
             features = kernels.fused_build()[0].fused_layers(
                 ids, self.embed.weight, cos, sin, packed, scale_zero, copies, dense,
                 self.prefill == "amx-bf16", norms, biases, qk_norms,
                 self.norms[-1], keys, values,
                 starts, sizes, s.heads, s.kv_heads, s.eps,
+                b.activation_code, b.embed_scale, b.attention_scale, b.windows, b.rotary,
             )  # fmt: skip
         else:
             at = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, sizes)])
-            # a new token sees every cached position and the new ones up to itself
-            mask = (
-                torch.ones(sizes[0], starts[0] + sizes[0], dtype=torch.bool).tril(starts[0])
-                if long
-                else None
-            )
-            x = self._python_layers(
-                self.embed(ids), caches, starts, sizes, cos[at], sin[at], long, mask
-            )
+            seen = _prompt_masks(sizes[0], starts[0], self.block.windows) if long else None
+            x = self.embed(ids)
+            if self.block.embed_scale != 1.0:
+                x = x * self.block.embed_scale
+            x = self._python_layers(x, caches, starts, sizes, cos[:, at], sin[:, at], long, seen)
             features = F.rms_norm(x, (s.hidden,), self.norms[-1], s.eps)  # (N, d)
         for cache, start, n in zip(caches, starts, sizes):
             cache.length = start + n
         return (self.head(features, masks) if logits else None), features
 
     def _rotary(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary factors cos, sin (P, hd) of positions 0..P-1, P ≥ ``positions``: computed
-        once (doubling as inputs reach further), not per call."""
-        have = 0 if self._cos is None else self._cos.shape[0]
+        """The rotary factors cos, sin (2, P, hd) of positions 0..P-1, P ≥ ``positions``, of full
+        and of windowed layers (Block.rotary): computed once (doubling as inputs reach
+        further), not per call."""
+        have = 0 if self._cos is None else self._cos.shape[1]
         if have < positions:
             count = min(max(positions, 2 * have, 256), max(self.shape.context, positions))
-            angles = torch.arange(count, dtype=torch.float32)[:, None] * self.rope[None, :]
-            self._cos, self._sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+            angles = torch.arange(count, dtype=torch.float32)[None, :, None] * self.rope[:, None]
+            self._cos = angles.cos().repeat(1, 1, 2).contiguous()
+            self._sin = angles.sin().repeat(1, 1, 2).contiguous()
         return self._cos, self._sin
 
-    def _python_layers(self, x, caches, starts, sizes, cos, sin, long, mask) -> torch.Tensor:
-        s, total = self.shape, sum(sizes)
+    def _python_layers(self, x, caches, starts, sizes, cos, sin, long, seen) -> torch.Tensor:
+        """The layers as torch ops (what the fused ones compute, up to float rounding); cos,
+        sin (2, N, hd): each token's rotary factors; seen: a prompt's attention masks by
+        window (long: _prompt_masks)."""
+        s, b, total = self.shape, self.block, sum(sizes)
+        k, act = b.norms, _ACTIVATIONS[b.activation]
         for layer in range(s.layers):
             qkv, o, gate_up, down = self.linears[4 * layer : 4 * layer + 4]
-            h = qkv(F.rms_norm(x, (s.hidden,), self.norms[2 * layer], s.eps), long)
+            norms = self.norms[k * layer : k * layer + k]  # (k, d): in the order they apply
+            h = qkv(F.rms_norm(x, (s.hidden,), norms[0], s.eps), long)
             if self.biases:
                 h = h + self.biases[layer]
             h = h.view(total, s.heads + 2 * s.kv_heads, s.head_dim).transpose(0, 1)
@@ -532,20 +546,29 @@ class CompactLlama(nn.Module):
                         F.rms_norm(qk[s.heads :], (s.head_dim,), k_norm, s.eps),
                     )
                 )
-            qk = _rotate(qk, cos, sin)  # q and k heads at once
-            parts, offset = [], 0
+            table = b.rotary[layer]
+            qk = _rotate(qk, cos[table], sin[table])  # q and k heads at once
+            window, parts, offset = b.windows[layer], [], 0
             for cache, start, n in zip(caches, starts, sizes):
                 new = slice(offset, offset + n)
                 cache.write_keys(layer, start, qk[s.heads :, new])
                 cache.values[layer, :, start : start + n] = h[s.heads + s.kv_heads :, new]
                 keys, values = cache.positions_keys(start + n, layer), cache.values[layer]
-                parts.append(_attend(qk[: s.heads, new], keys, values, start, mask))
+                mask = seen[window] if seen else None
+                q = qk[: s.heads, new]
+                parts.append(_attend(q, keys, values, start, mask, window, b.attention_scale))
                 offset += n
             a = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # (H, N, hd)
-            x = x + o(a.transpose(0, 1).reshape(total, -1), long)
-            h = gate_up(F.rms_norm(x, (s.hidden,), self.norms[2 * layer + 1], s.eps), long)
+            a = o(a.transpose(0, 1).reshape(total, -1), long)  # (N, d)
+            if k == 4:  # the branch's output normed before the residual add (SANDWICH_NORMS)
+                a = F.rms_norm(a, (s.hidden,), norms[1], s.eps)
+            x = x + a
+            h = gate_up(F.rms_norm(x, (s.hidden,), norms[k // 2], s.eps), long)
             g, u = h.chunk(2, dim=-1)  # (N, I) each
-            x = x + down(F.silu(g) * u, long)
+            m = down(act(g) * u, long)
+            if k == 4:
+                m = F.rms_norm(m, (s.hidden,), norms[3], s.eps)
+            x = x + m
         return x
 
     def head(self, features: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
@@ -633,81 +656,61 @@ ROW_EXACT = 32
 
 
 def _attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: torch.Tensor | None,
+    window: int,
+    scale: float,
 ) -> torch.Tensor:
-    """Attention of q (H, n, hd) at positions start.. over the cached keys/values (KV, T, hd)."""
+    """Attention of q (H, n, hd) at positions start.. over the cached keys/values (KV, T, hd),
+    scores q·k × ``scale``; with a ``window``, a key at distance ≥ window is masked."""
     n = q.shape[1]
     keys = keys[:, : start + n].contiguous()
     values = values[:, : start + n].float()  # stored in bf16, exactly
     if mask is not None:  # a prompt's prefill: one masked call
         return F.scaled_dot_product_attention(
-            q[None],
-            keys[None, :, : start + n],
-            values[None, :, : start + n],
-            attn_mask=mask,
-            enable_gqa=True,
+            q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True, scale=scale
         )[0]
+    seen = [(max(0, start + i + 1 - window) if window else 0, start + i + 1) for i in range(n)]
     return torch.cat(
         [
             F.scaled_dot_product_attention(
                 q[None, :, i : i + 1],
-                keys[None, :, : start + i + 1],
-                values[None, :, : start + i + 1],
+                keys[None, :, lo:end],
+                values[None, :, lo:end],
                 enable_gqa=True,
+                scale=scale,
             )[0]
-            for i in range(n)
+            for i, (lo, end) in enumerate(seen)
         ],
         dim=1,
     )  # (H, n, hd)
 
 
+def _prompt_masks(n: int, start: int, windows) -> dict[int, torch.Tensor]:
+    """A prompt's attention masks (n, start + n) by window (0: none): token i (at start + i)
+    sees every cached position and the new ones up to itself, within its window."""
+    causal = torch.ones(n, start + n, dtype=torch.bool).tril(start)
+    return {w: causal.triu(start - w + 1) if w else causal for w in set(windows)}
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+
+
 def _shape(config) -> Shape:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    rope = _rope_parameters(config)
-    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    if (kind := _rope_type(rope)) not in ROPE_TYPES:
-        raise WeightsError(
-            f"rope type {kind!r} is not supported by the compact forward (it runs "
-            f"{', '.join(ROPE_TYPES)}): use weights='float' (transformers' own forward)."
-        )
     return Shape(
         config.num_hidden_layers,
         config.hidden_size,
         heads,
         config.num_key_value_heads,
         head_dim,
-        float(theta),
         float(config.rms_norm_eps),
         config.max_position_embeddings,
     )
-
-
-# Rotary scalings the compact forward computes: those that only rescale the frequencies, the
-# same at every length (dynamic, yarn and longrope change with the length or scale attention).
-ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def _rope_parameters(config) -> dict:
-    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-
-
-def _rope_type(rope: dict) -> str:
-    return rope.get("rope_type", rope.get("type", "default"))
-
-
-def rope_inverse_frequencies(config, s: Shape) -> torch.Tensor:
-    """The rotary inverse frequencies (hd/2,) of the config's rope type (ROPE_TYPES), as
-    transformers computes them."""
-    base = 1.0 / s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim)
-    kind = _rope_type(_rope_parameters(config))
-    if kind == "default":
-        return base
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # here: ≈ 0.5 s to import
-
-    inverse, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
-    assert attention_factor == 1.0, (kind, attention_factor)
-    return inverse.float()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -718,49 +721,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 # --- loading ----------------------------------------------------------------------------------
 
-# What the compact forward computes: Llama's layers (RMSNorm, rotary attention, a SiLU-gated
-# MLP), with Qwen2's q/k/v biases and Qwen3's per-head q/k norms. Anything else a checkpoint's
-# config asks for is refused by name, before its weights are read: computing it without would be
-# silently wrong (a Qwen2 checkpoint's q/k/v biases dropped gave logits 0.71 off transformers'
-# and another top token at 6 of 6 positions).
-COMPACT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
 
 def check_compact(config, weights: str) -> None:
-    """A WeightsError naming what ``config`` asks for that the compact forward does not compute."""
-    arch = getattr(config, "model_type", "?")
-    problems = []
-    if arch not in COMPACT_ARCHITECTURES:
-        problems.append(f"the {arch!r} architecture (it runs {', '.join(COMPACT_ARCHITECTURES)})")
-    if getattr(config, "attention_bias", False) and arch != "qwen2":
-        problems.append("a bias on the attention output (attention_bias)")
-    if getattr(config, "mlp_bias", False):
-        problems.append("biases on the MLP (mlp_bias)")
-    sliding = set(getattr(config, "layer_types", None) or []) - {"full_attention"}
-    if sliding or (
-        getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-    ):
-        problems.append(f"a sliding window of {config.sliding_window}")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        problems.append(f"the {config.hidden_act!r} activation")
-    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
-        problems.append("mixture-of-experts layers")
-    if (kind := _rope_type(_rope_parameters(config))) not in ROPE_TYPES:
-        problems.append(f"the {kind!r} rotary scaling (it runs {', '.join(ROPE_TYPES)})")
-    if problems:
-        raise WeightsError(
-            f"weights={weights!r} runs the compact forward, which does not compute "
-            f"{'; '.join(problems)}: use weights='float' (transformers' own forward)."
-        )
+    """A WeightsError naming what ``config`` asks for that the compact forward does not compute
+    (families.check): computing it without would be silently wrong (a Qwen2 checkpoint's q/k/v
+    biases dropped gave logits 0.71 off transformers' and another top token at 6 of 6
+    positions)."""
+    families.check(config, weights)
 
 
 def from_transformers(model, weights: str = "int4") -> CompactLlama:
-    """A Llama-family transformers model's weights in the compact forward: ``"int4"`` quantizes
-    its linears as Q4_1, ``"int8"`` as Q8_0, both with the LM head as Q8_0 (as llama.cpp
-    quantizes them); ``"float"`` keeps every weight as it is, in float32. Biases (q/k/v only)
-    and q/k norms stay float32."""
+    """A transformers model of one of families.FAMILIES in the compact forward: ``"int4"``
+    quantizes its linears as Q4_1, ``"int8"`` as Q8_0, both with the LM head as Q8_0 (as
+    llama.cpp quantizes them); ``"float"`` keeps every weight as it is, in float32. Biases
+    (q/k/v only) and norms stay float32 (norms as llama.cpp's converter stores them: Gemma's
+    1 + w)."""
     config = model.config
-    check_compact(config, weights)
+    family = families.check(config, weights)
     qkv_names = ("q_proj", "k_proj", "v_proj")
     odd = [
         n
@@ -784,6 +761,10 @@ def from_transformers(model, weights: str = "int4") -> CompactLlama:
         tied = lm_head.data_ptr() == embed.data_ptr()
         lm_head = kernels.dequantize_q8_0(*kernels.quantize_q8_0(lm_head))
         embed = lm_head if tied else embed
+
+    def norm(module) -> torch.Tensor:
+        return module.weight.detach().float() + family.norm_offset
+
     norms, linears, biases, qk_norms = [], [], [], []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -793,10 +774,7 @@ def from_transformers(model, weights: str = "int4") -> CompactLlama:
             for m in (*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         ]
         linears += [linear(torch.cat(w[:3])), linear(w[3]), linear(torch.cat(w[4:6])), linear(w[6])]
-        norms += [
-            layer.input_layernorm.weight.detach().float(),
-            layer.post_attention_layernorm.weight.detach().float(),
-        ]
+        norms += [norm(getattr(layer, name)) for _, name in family.norms]
         if any(m.bias is not None for m in qkv):
             biases.append(
                 torch.cat(
@@ -806,9 +784,9 @@ def from_transformers(model, weights: str = "int4") -> CompactLlama:
                     ]
                 ).float()
             )
-        if getattr(attn, "q_norm", None) is not None:
-            qk_norms += [attn.q_norm.weight.detach().float(), attn.k_norm.weight.detach().float()]
-    norms.append(model.model.norm.weight.detach().float())
+        if family.qk_norms:
+            qk_norms += [norm(attn.q_norm), norm(attn.k_norm)]
+    norms.append(norm(model.model.norm))
     head = kernels.DenseLinear(lm_head) if weights == "float" else kernels.Q8Head(lm_head)
     return CompactLlama(
         config, embed, head, norms, linears, weights, biases or None, qk_norms or None

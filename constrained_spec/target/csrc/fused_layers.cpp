@@ -91,15 +91,23 @@ float dot(const float* a, const float* b, int64_t n) {
   return partial[0];
 }
 
-// p[0..n) ← exp(p − max p); returns their sum.
-float exp_shifted(float* p, int64_t n) {
+// p[from..n) ← exp(p − max p), p[0..from) ← 0 (positions a sliding window masks); returns
+// their sum. Lane l sums the entries j ≡ l (mod the vector width) in order, so leading zeros
+// change no sum: a query's values do not depend on where below its window a pass starts.
+float exp_shifted(float* p, int64_t from, int64_t n) {
   float top = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) top = std::max(top, p[j]);
+  for (int64_t j = from; j < n; ++j) top = std::max(top, p[j]);
   Vec sum(0.f);
   for (int64_t j = 0; j < n; j += Vec::size()) {
     int64_t count = std::min<int64_t>(Vec::size(), n - j);
     Vec e = (Vec::loadu(p + j, count) - Vec(top)).exp_u20();
     e = Vec::set(Vec(0.f), e, count);
+    if (j < from) {  // masked lanes: exactly 0
+      float lanes[Vec::size()];
+      e.store(lanes);
+      for (int64_t l = 0; l < std::min<int64_t>(Vec::size(), from - j); ++l) lanes[l] = 0.f;
+      e = Vec::loadu(lanes);
+    }
     e.store(p + j, count);
     sum = sum + e;
   }
@@ -129,7 +137,7 @@ inline int64_t key_at(int64_t position, int64_t hd) {  // element 0 of a positio
 
 template <int64_t Q, int64_t B>
 void scores_block(const float* q, const float* k, int64_t hd, int64_t j, int64_t count,
-                  float* scores, int64_t stride) {  // scores[i·stride + j..]
+                  float* scores, int64_t stride, int64_t base) {  // scores[i·stride + j − base..]
   constexpr int64_t W = Vec::size();
   Vec acc[Q][B];
   for (auto& row : acc)
@@ -146,7 +154,8 @@ void scores_block(const float* q, const float* k, int64_t hd, int64_t j, int64_t
     }
   }
   for (int64_t i = 0; i < Q; ++i)
-    for (int64_t b = 0; b < B; ++b) acc[i][b].store(scores + i * stride + j + b * W, b + 1 < B ? W : count);
+    for (int64_t b = 0; b < B; ++b)
+      acc[i][b].store(scores + i * stride + j - base + b * W, b + 1 < B ? W : count);
 }
 
 Vec load_bf16(const BFloat16* p, int64_t count) {  // count ≤ Vec::size() values, as floats
@@ -160,20 +169,21 @@ Vec load_bf16(const BFloat16* p, int64_t count) {  // count ≤ Vec::size() valu
   return Vec::loadu(part);
 }
 
-// sums[i·hd + c..] = Σ_{j < n} p[i·stride + j]·V[j, c..], the first n positions (every query's).
+// sums[i·hd + c..] = Σ_{base ≤ j < n} p[i·stride + j − base]·V[j, c..], positions every query
+// sees (or has masked: p = 0 there).
 template <int64_t Q, int64_t B>
-void values_block(const float* p, int64_t stride, const BFloat16* v, int64_t n, int64_t hd, int64_t c,
-                  int64_t count, float* sums) {
+void values_block(const float* p, int64_t stride, const BFloat16* v, int64_t base, int64_t n,
+                  int64_t hd, int64_t c, int64_t count, float* sums) {
   constexpr int64_t W = Vec::size();
   Vec acc[Q][B];
   for (auto& row : acc)
     for (auto& a : row) a = Vec(0.f);
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = base; j < n; ++j) {
     const BFloat16* vj = v + j * hd + c;
     Vec values[B];
     for (int64_t b = 0; b < B; ++b) values[b] = load_bf16(vj + b * W, b + 1 < B ? W : count);
     for (int64_t i = 0; i < Q; ++i) {
-      const Vec pj(p[i * stride + j]);
+      const Vec pj(p[i * stride + j - base]);
       for (int64_t b = 0; b < B; ++b) acc[i][b] = at::vec::fmadd(pj, values[b], acc[i][b]);
     }
   }
@@ -181,29 +191,34 @@ void values_block(const float* p, int64_t stride, const BFloat16* v, int64_t n, 
     for (int64_t b = 0; b < B; ++b) acc[i][b].store(sums + i * hd + c + b * W, b + 1 < B ? W : count);
 }
 
-// Q queries (q: Q × hd, scaled by 1/√hd, in order of n) of one key/value head, K in tiles, V
-// (capacity, hd) bf16: out (Q × hd) = softmax(q·K)·V over each query's n[i] positions. The
-// positions every query sees go through the shared passes, each query's own last ones after
-// (continuing its sums in the same order).
+// Q queries (q: Q × hd, scaled, in order of n) of one key/value head, K in tiles, V (capacity,
+// hd) bf16: out (Q × hd) = softmax(q·K)·V over each query's positions [lo[i], n[i]) (lo: its
+// sliding window's first, else 0; lo and n ascending). The pass starts at the tile holding
+// lo[0], the positions below a query's lo weighing exactly 0, so that each query's sums run
+// over the same positions in the same order (from a tile boundary, whatever the other queries)
+// as it would alone. The positions every query sees go through the shared passes, each
+// query's own last ones after (continuing its sums in the same order).
 template <int64_t Q>
-void attend(const float* q, const float* k, const BFloat16* v, const int64_t* n, int64_t hd,
-            float* scores, int64_t stride, float* out) {
+void attend(const float* q, const float* k, const BFloat16* v, const int64_t* lo, const int64_t* n,
+            int64_t hd, float* scores, int64_t stride, float* out) {
   constexpr int64_t W = Vec::size(), B = 4;
-  const int64_t longest = n[Q - 1], shared = n[0];
-  int64_t j = 0;
-  for (; j + B * W <= longest; j += B * W) scores_block<Q, B>(q, k, hd, j, W, scores, stride);
-  for (; j < longest; j += W) scores_block<Q, 1>(q, k, hd, j, std::min(W, longest - j), scores, stride);
+  const int64_t longest = n[Q - 1], shared = n[0], base = lo[0] / KEY_TILE * KEY_TILE;
+  int64_t j = base;
+  for (; j + B * W <= longest; j += B * W) scores_block<Q, B>(q, k, hd, j, W, scores, stride, base);
+  for (; j < longest; j += W)
+    scores_block<Q, 1>(q, k, hd, j, std::min(W, longest - j), scores, stride, base);
   float total[Q];
-  for (int64_t i = 0; i < Q; ++i) total[i] = exp_shifted(scores + i * stride, n[i]);
+  for (int64_t i = 0; i < Q; ++i) total[i] = exp_shifted(scores + i * stride, lo[i] - base, n[i] - base);
   int64_t c = 0;
-  for (; c + B * W <= hd; c += B * W) values_block<Q, B>(scores, stride, v, shared, hd, c, W, out);
-  for (; c < hd; c += W) values_block<Q, 1>(scores, stride, v, shared, hd, c, std::min(W, hd - c), out);
+  for (; c + B * W <= hd; c += B * W) values_block<Q, B>(scores, stride, v, base, shared, hd, c, W, out);
+  for (; c < hd; c += W)
+    values_block<Q, 1>(scores, stride, v, base, shared, hd, c, std::min(W, hd - c), out);
   for (int64_t i = 0; i < Q; ++i)
     for (c = 0; c < hd; c += W) {
       const int64_t count = std::min(W, hd - c);
       Vec acc = Vec::loadu(out + i * hd + c, count);
       for (int64_t jj = shared; jj < n[i]; ++jj)
-        acc = at::vec::fmadd(Vec(scores[i * stride + jj]), load_bf16(v + jj * hd + c, count), acc);
+        acc = at::vec::fmadd(Vec(scores[i * stride + jj - base]), load_bf16(v + jj * hd + c, count), acc);
       (acc / Vec(total[i])).store(out + i * hd + c, count);
     }
 }
@@ -212,11 +227,11 @@ void attend(const float* q, const float* k, const BFloat16* v, const int64_t* n,
 // 32 AVX-512 registers (AVX2 has 16).
 constexpr int64_t QUERIES = Vec::size() >= 16 ? 6 : 3;
 
-void attend_some(int64_t queries, const float* q, const float* k, const BFloat16* v, const int64_t* n,
-                 int64_t hd, float* scores, int64_t stride, float* out) {
+void attend_some(int64_t queries, const float* q, const float* k, const BFloat16* v, const int64_t* lo,
+                 const int64_t* n, int64_t hd, float* scores, int64_t stride, float* out) {
   switch (queries) {
 #define ATTEND(Q) \
-  case Q: return attend<Q>(q, k, v, n, hd, scores, stride, out);
+  case Q: return attend<Q>(q, k, v, lo, n, hd, scores, stride, out);
     ATTEND(1) ATTEND(2) ATTEND(3) ATTEND(4) ATTEND(5) ATTEND(6)
 #undef ATTEND
   }
@@ -723,19 +738,63 @@ void add_bf16(float* x, const Tensor& y) {  // x += y (bf16), rows (n, d)
   });
 }
 
+// x += rms_norm(y)·weight, y (n, d) bf16: a branch's output normed before its residual add
+// (families.SANDWICH_NORMS' post_attention_norm and post_ffw_norm), in float32.
+void add_normed(float* x, const Tensor& y, const float* weight, float eps) {
+  const BFloat16* v = y.data_ptr<BFloat16>();
+  const int64_t d = y.size(1);
+  parallel_for(0, y.size(0), TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(d);
+    for (int64_t r = begin; r < end; ++r) {
+      at::vec::convert(v + r * d, row.data(), d);
+      const float inverse = 1.f / std::sqrt(dot(row.data(), row.data(), d) / d + eps);
+      for (int64_t j = 0; j < d; ++j) x[r * d + j] += row[j] * inverse * weight[j];
+    }
+  });
+}
+
+// The MLP's gate on rows (n, 2I) bf16 [gate | up] → act(gate)·up (n, I) bf16; act: SiLU (0) or
+// gelu with the tanh approximation (1: GeGLU), families.ACTIVATIONS.
+Tensor gated_mlp(const Tensor& gate_up, int64_t activation) {
+  const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
+  Tensor gated = at::empty({N, I}, gate_up.options());
+  parallel_for(0, N, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(I), u(I);
+    const Vec one(1.f), half(0.5f), root(0.7978845608028654f), cubic(0.044715f);  // √(2/π)
+    for (int64_t t = begin; t < end; ++t) {
+      const BFloat16* in = gate_up.data_ptr<BFloat16>() + t * 2 * I;
+      at::vec::convert(in, g.data(), I);
+      at::vec::convert(in + I, u.data(), I);
+      for (int64_t j = 0; j < I; j += Vec::size()) {
+        int64_t count = std::min<int64_t>(Vec::size(), I - j);
+        Vec a = Vec::loadu(g.data() + j, count), b = Vec::loadu(u.data() + j, count);
+        Vec act = activation == 0 ? a / (one + a.neg().exp_u20())
+                                  : half * a * (one + (root * (a + cubic * a * a * a)).tanh());
+        (act * b).store(g.data() + j, count);
+      }
+      at::vec::convert(g.data(), gated.data_ptr<BFloat16>() + t * I, I);
+    }
+  });
+  return gated;
+}
+
 }  // namespace
 
-// ids (N,) int64: the new tokens, embedded from embed (V, d) float32; rows r = 0.. take sizes[r]
+// ids (N,) int64: the new tokens, embedded from embed (V, d) float32 (× embed_scale); rows r = 0.. take sizes[r]
 // of them, at positions starts[r].., into keys[r] ((L, KV, capacity / 16, hd, 16) float32: tiles) and
 // values[r] ((L, KV, capacity, hd) bf16: the q/k/v matmul's outputs are bf16, so nothing is
-// rounded), room reserved. cos and sin (P, hd): the rotary factors of positions 0..P-1. Per layer
-// l, linears 4l..4l+3 are q/k/v, o, gate/up, down (torch int4 packs: packed, scale_zero, copies of
-// the input), or where ``dense`` is not empty (a prompt's prefill) their bf16 copies in AMX tiles
-// (dense_mm: on AMX where ``dense_amx``, else with AVX-512 BF16); norms 2l, 2l+1 its two RMSNorm
-// weights; final_norm the last. biases: none, or per layer the q/k/v matmul's bias (width,)
-// float32 (Qwen2); qk_norms: none, or per layer the RMSNorm weights (hd,) float32 of each query
-// head and each key head, applied before rotary (Qwen3). Returns the features (N, d): the last
-// layer's output after the final norm; the caches hold the new keys and values.
+// rounded), room reserved. cos and sin (R, P, hd): R tables of the rotary factors of positions
+// 0..P-1, layer l rotating by table rotary[l]. Per layer l, linears 4l..4l+3 are q/k/v, o,
+// gate/up, down (torch int4 packs: packed, scale_zero, copies of the input), or where ``dense``
+// is not empty (a prompt's prefill) their bf16 copies in AMX tiles (dense_mm: on AMX where
+// ``dense_amx``, else with AVX-512 BF16); norms k·l.. its k RMSNorm weights (families.Block: k = 2,
+// before attention and before the MLP, or 4: after each as well); final_norm the last. biases:
+// none, or per layer the q/k/v matmul's bias (width,) float32 (Qwen2); qk_norms: none, or per
+// layer the RMSNorm weights (hd,) float32 of each query head and each key head, applied before
+// rotary (Qwen3, Gemma 3). activation: the MLP's (gated_mlp); scores are q·k × attention_scale;
+// windows[l] > 0: layer l's queries see the last windows[l] positions only (a key at distance
+// ≥ windows[l] is masked). Returns the features (N, d): the last layer's output after the final
+// norm; the caches hold the new keys and values.
 Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, const Tensor& sin,
                     const std::vector<Tensor>& packed, const std::vector<Tensor>& scale_zero,
                     const std::vector<int64_t>& copies, const std::vector<Tensor>& dense,
@@ -743,20 +802,37 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
                     const std::vector<Tensor>& biases, const std::vector<Tensor>& qk_norms,
                     const Tensor& final_norm, const std::vector<Tensor>& keys,
                     const std::vector<Tensor>& values, const std::vector<int64_t>& starts,
-                    const std::vector<int64_t>& sizes, int64_t heads, int64_t kv_heads, double eps) {
+                    const std::vector<int64_t>& sizes, int64_t heads, int64_t kv_heads, double eps,
+                    int64_t activation, double embed_scale, double attention_scale,
+                    const std::vector<int64_t>& windows, const std::vector<int64_t>& rotary) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids: (N,) int64");
   TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.dim() == 2 && embed.is_contiguous(),
               "embed: (V, d) float32");
-  const int64_t N = ids.size(0), d = embed.size(1), layers = static_cast<int64_t>(norms.size()) / 2;
+  const int64_t N = ids.size(0), d = embed.size(1), layers = static_cast<int64_t>(packed.size()) / 4;
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(packed.size()) == 4 * layers, "packed: four linears a layer");
+  const int64_t k_norms = static_cast<int64_t>(norms.size()) / layers;
+  TORCH_CHECK((k_norms == 2 || k_norms == 4) && k_norms * layers == static_cast<int64_t>(norms.size()),
+              "norms: two or four a layer");
+  TORCH_CHECK(activation == 0 || activation == 1, "activation: 0 (SiLU) or 1 (gelu-tanh)");
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == layers && static_cast<int64_t>(rotary.size()) == layers,
+              "windows, rotary: one per layer");
   Tensor x = at::empty({N, d}, embed.options());
+  const float embed_factor = static_cast<float>(embed_scale);
   for (int64_t t = 0; t < N; ++t) {
     const int64_t id = ids.data_ptr<int64_t>()[t];
     TORCH_CHECK(0 <= id && id < embed.size(0), "a token id beyond the embedding");
-    std::copy_n(embed.data_ptr<float>() + id * d, d, x.data_ptr<float>() + t * d);
+    const float* e = embed.data_ptr<float>() + id * d;
+    float* row = x.data_ptr<float>() + t * d;
+    if (embed_factor == 1.f) std::copy_n(e, d, row);
+    else
+      for (int64_t j = 0; j < d; ++j) row[j] = e[j] * embed_factor;
   }
-  const int64_t hd = cos.size(1), half = hd / 2, group = heads / kv_heads;
+  TORCH_CHECK(cos.dim() == 3 && cos.is_contiguous() && sin.is_contiguous() && sin.sizes() == cos.sizes(),
+              "cos, sin: (R, P, hd)");
+  for (int64_t l = 0; l < layers; ++l)
+    TORCH_CHECK(0 <= rotary[l] && rotary[l] < cos.size(0) && windows[l] >= 0, "rotary[l]: a table; windows[l] ≥ 0");
+  const int64_t hd = cos.size(2), half = hd / 2, group = heads / kv_heads, table = cos.size(1) * hd;
   const int64_t width = (heads + 2 * kv_heads) * hd;
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && sin.sizes() == cos.sizes(), "cos, sin: (P, hd)");
   const int64_t rows = static_cast<int64_t>(sizes.size());
   std::vector<int64_t> row(N), position(N), first(rows);
   for (int64_t r = 0, t = 0; r < rows; ++r) {
@@ -773,7 +849,7 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
                 "each row's cache: contiguous, with room for its new positions");
   int64_t longest = 0;
   for (int64_t p : position) longest = std::max(longest, p + 1);
-  TORCH_CHECK(longest <= cos.size(0), "positions beyond the rotary tables");
+  TORCH_CHECK(longest <= cos.size(1), "positions beyond the rotary tables");
 
   // attention tasks (row, key/value head, its first query, how many): a row's queries of one
   // key/value head are its tokens × the group's heads, token-major (n ascending), split so that
@@ -791,7 +867,7 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
   float* X = x.data_ptr<float>();
   const float* C = cos.data_ptr<float>();
   const float* S = sin.data_ptr<float>();
-  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  const float scale = static_cast<float>(attention_scale);
   auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   Tensor normed = at::empty({N, d}, bf16), attended = at::empty({N, heads * hd}, bf16);
   std::vector<float> q(N * heads * hd);
@@ -809,7 +885,7 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
 
   for (int64_t l = 0; l < layers; ++l) {
     // attention: q, k, v of every token; rotary on q and k; k and v into the token's cache
-    rms_norm(X, norms[2 * l].data_ptr<float>(), normed.data_ptr<BFloat16>(), N, d, eps);
+    rms_norm(X, norms[k_norms * l].data_ptr<float>(), normed.data_ptr<BFloat16>(), N, d, eps);
     Tensor h = linear(normed, 4 * l);
     const BFloat16* H = h.data_ptr<BFloat16>();
     const float* bias = biases.empty() ? nullptr : biases[l].data_ptr<float>();
@@ -818,7 +894,7 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
       for (int64_t t = begin; t < end; ++t) {
         const Tensor &K = keys[row[t]], &V = values[row[t]];
         const int64_t capacity = V.size(2);
-        const float *c = C + position[t] * hd, *s = S + position[t] * hd;
+        const float *c = C + rotary[l] * table + position[t] * hd, *s = S + rotary[l] * table + position[t] * hd;
         for (int64_t head = 0; head < heads + 2 * kv_heads; ++head) {
           for (int64_t j = 0; j < hd; ++j) in[j] = static_cast<float>(H[t * width + head * hd + j]);
           if (bias)
@@ -853,7 +929,8 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
     // (tasks), and the next task of the same row and head finds them in the core's cache
     parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(QUERIES * longest), queries(QUERIES * hd), out(QUERIES * hd);
-      int64_t n[QUERIES], place[QUERIES];  // place: the query's offset in q and in A (token, head)
+      // place: the query's offset in q and in A (token, head); lo, n: the positions it sees
+      int64_t lo[QUERIES], n[QUERIES], place[QUERIES];
       for (int64_t task = begin; task < end; ++task) {
         const auto [r, kv, from, count] = tasks[task];
         const Tensor &K = keys[r], &V = values[r];
@@ -862,35 +939,22 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
           const int64_t t = first[r] + (from + i) / group, head = kv * group + (from + i) % group;
           place[i] = (t * heads + head) * hd;
           n[i] = position[t] + 1;
+          lo[i] = windows[l] > 0 ? std::max<int64_t>(0, n[i] - windows[l]) : 0;
           for (int64_t e = 0; e < hd; ++e) queries[i * hd + e] = q[place[i] + e] * scale;
         }
         attend_some(count, queries.data(), K.data_ptr<float>() + offset, V.data_ptr<BFloat16>() + offset,
-                    n, hd, scores.data(), longest, out.data());
+                    lo, n, hd, scores.data(), longest, out.data());
         for (int64_t i = 0; i < count; ++i) at::vec::convert(&out[i * hd], A + place[i], hd);
       }
     });
-    add_bf16(X, linear(attended, 4 * l + 1));
+    if (k_norms == 4) add_normed(X, linear(attended, 4 * l + 1), norms[4 * l + 1].data_ptr<float>(), eps);
+    else add_bf16(X, linear(attended, 4 * l + 1));
 
-    // MLP: down(silu(gate) · up)
-    rms_norm(X, norms[2 * l + 1].data_ptr<float>(), normed.data_ptr<BFloat16>(), N, d, eps);
-    Tensor gate_up = linear(normed, 4 * l + 2);
-    const int64_t I = gate_up.size(1) / 2;
-    Tensor gated = at::empty({N, I}, bf16);
-    parallel_for(0, N, TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
-      std::vector<float> g(I), u(I);
-      for (int64_t t = begin; t < end; ++t) {
-        const BFloat16* in = gate_up.data_ptr<BFloat16>() + t * 2 * I;
-        at::vec::convert(in, g.data(), I);
-        at::vec::convert(in + I, u.data(), I);
-        for (int64_t j = 0; j < I; j += Vec::size()) {
-          int64_t count = std::min<int64_t>(Vec::size(), I - j);
-          Vec a = Vec::loadu(g.data() + j, count), b = Vec::loadu(u.data() + j, count);
-          (a / (Vec(1.f) + a.neg().exp_u20()) * b).store(g.data() + j, count);
-        }
-        at::vec::convert(g.data(), gated.data_ptr<BFloat16>() + t * I, I);
-      }
-    });
-    add_bf16(X, linear(gated, 4 * l + 3));
+    // MLP: down(act(gate) · up)
+    rms_norm(X, norms[k_norms * l + k_norms / 2].data_ptr<float>(), normed.data_ptr<BFloat16>(), N, d, eps);
+    Tensor gated = gated_mlp(linear(normed, 4 * l + 2), activation);
+    if (k_norms == 4) add_normed(X, linear(gated, 4 * l + 3), norms[4 * l + 3].data_ptr<float>(), eps);
+    else add_bf16(X, linear(gated, 4 * l + 3));
   }
   const float* weight = final_norm.data_ptr<float>();  // the final RMSNorm, in float32
   for (int64_t t = 0; t < N; ++t) {

@@ -1,0 +1,233 @@
+"""The model families the compact forward computes, each declared once (as llama.cpp keeps one
+small file per architecture over one graph builder: ``src/models/<arch>.cpp``): a block's norms
+and where they sit, per-head q/k norms, q/k/v biases, the MLP's activation, the embedding's
+scale, the rotary layout of its GGUF files and which layers attend through a sliding window.
+
+``block_of(config)`` is a family's declaration with one model's numbers (``Block``): the Python
+layers (llama.py) and the fused C++ layers (csrc/fused_layers.cpp) both run from it, so adding
+a family is a declaration here and a test, not a branch in either forward. A config that asks
+for something its family does not declare is refused by name (``check``), before any weight is
+read: computing a model without it would be silently wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import WeightsError
+
+__all__ = ["FAMILIES", "Block", "Family", "block_of", "check", "family_of", "rotary_frequencies"]
+
+# A block's RMSNorms in the order the forward applies them, each as (the GGUF tensor of layer i:
+# blk.i.<name>.weight, transformers' module on the layer). Two: before attention and before the
+# MLP (Llama); four: each branch's output normed too, before its residual add (Gemma 2/3).
+PRE_NORMS = (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"))
+SANDWICH_NORMS = (
+    ("attn_norm", "input_layernorm"),
+    ("post_attention_norm", "post_attention_layernorm"),
+    ("ffn_norm", "pre_feedforward_layernorm"),
+    ("post_ffw_norm", "post_feedforward_layernorm"),
+)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the MLP's gate: act(gate)·up; the C++ layers' codes
+# transformers' names of each activation (config.hidden_act / hidden_activation)
+_TRANSFORMERS_ACTIVATIONS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh",)}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family's block computes beyond Llama's (RMSNorm, rotary attention, a gated MLP)."""
+
+    name: str  # general.architecture of its GGUF files
+    model_types: tuple[str, ...]  # transformers' config.model_type of its checkpoints
+    norms: tuple[tuple[str, str], ...] = PRE_NORMS
+    permuted_qk: bool = False  # GGUF q/k rows in llama.cpp's interleaved rotary order
+    qkv_bias: bool = False  # q/k/v matmul biases, where the file has them
+    qk_norms: bool = False  # each head's RMSNorm on q and k, before rotary
+    activation: str = "silu"
+    embed_scale: bool = False  # embeddings × sqrt(hidden)
+    # transformers keeps its norms as w − offset and multiplies by (offset + w) (Gemma: 1 + w);
+    # llama.cpp's converter stores offset + w in the GGUF, multiplied as it is
+    norm_offset: float = 0.0
+    # sliding windows: every layer but each window_period-th (il % period == period − 1) attends
+    # to the last ``{arch}.attention.sliding_window`` positions only, with its own rotary base
+    # (``{arch}.rope.freq_base_swa``, else local_rope_base); 0: no windows
+    window_period: int = 0
+    local_rope_base: float = 10000.0
+    # layer counts whose scores are scaled by 1/√(hidden/heads), not 1/√head_dim (llama.cpp:
+    # Gemma 3 27B, whose query_pre_attn_scalar is 168 with heads of 128)
+    query_scalar_hidden_at: tuple[int, ...] = ()
+
+
+FAMILIES = (
+    Family("llama", ("llama", "mistral"), permuted_qk=True),  # Llama 2/3.x, Mistral, SmolLM
+    Family("qwen2", ("qwen2",), qkv_bias=True),
+    Family("qwen3", ("qwen3",), qk_norms=True),
+    # Gemma 3 (270M, 1B text; FunctionGemma): llama.cpp's src/models/gemma3.cpp
+    Family(
+        "gemma3",
+        ("gemma3_text",),
+        norms=SANDWICH_NORMS,
+        qk_norms=True,
+        activation="gelu_tanh",
+        embed_scale=True,
+        norm_offset=1.0,
+        window_period=6,
+        query_scalar_hidden_at=(62,),
+    ),
+)
+ARCHITECTURES = tuple(f.name for f in FAMILIES)
+MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
+
+
+def family_of(config) -> Family:
+    """The family of a transformers config (its model_type), or a WeightsError naming it."""
+    kind = getattr(config, "model_type", "?")
+    for family in FAMILIES:
+        if kind in family.model_types:
+            return family
+    raise WeightsError(
+        f"the {kind!r} architecture is not one the compact forward computes (it runs "
+        f"{', '.join(MODEL_TYPES)}): use weights='float' (transformers' own forward)."
+    )
+
+
+@dataclass(frozen=True)
+class Block:
+    """What every layer of one model computes: its family's declaration with its numbers."""
+
+    family: str
+    norms: int  # RMSNorms a layer: 2 (PRE_NORMS) or 4 (SANDWICH_NORMS), in that order
+    activation: str  # of ACTIVATIONS
+    embed_scale: float  # embeddings × this (1.0: none)
+    attention_scale: float  # scores = q·k × this
+    windows: tuple[int, ...]  # per layer: a key at distance ≥ window is masked; 0: no window
+    rotary: tuple[int, ...]  # per layer: its row of rotary_frequencies (0: FULL, 1: SLIDING)
+
+    @property
+    def activation_code(self) -> int:
+        return ACTIVATIONS[self.activation]
+
+
+# Rotary scalings computed here: those that only rescale the frequencies, the same at every length
+# (dynamic, yarn and longrope change with the length or scale attention).
+ROPE_TYPES = ("default", "linear", "llama3")
+# transformers' names of a layer's kind (config.layer_types): its window and its rotary parameters
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def block_of(config) -> Block:
+    """The Block of a transformers config (as its JSON has it: a prepared model's too)."""
+    family = family_of(config)
+    hidden = config.hidden_size
+    kinds = layer_kinds(config)
+    window = getattr(config, "sliding_window", None) or 0
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    # Gemma's query_pre_attn_scalar (the head size on 270M/1B; llama.cpp: key_length, or
+    # hidden/heads on 27B), else the head size
+    scalar = getattr(config, "query_pre_attn_scalar", None) or head_dim
+    return Block(
+        family=family.name,
+        norms=len(family.norms),
+        activation=family.activation,
+        # transformers multiplies by torch.tensor(sqrt(hidden)) in the weights' dtype: float32 here
+        # (llama.cpp: sqrtf(n_embd), the same number)
+        embed_scale=float(torch.tensor(math.sqrt(hidden))) if family.embed_scale else 1.0,
+        attention_scale=float(scalar) ** -0.5,
+        windows=tuple(window if kind == SLIDING else 0 for kind in kinds),
+        rotary=tuple(int(kind == SLIDING) for kind in kinds),
+    )
+
+
+def layer_kinds(config) -> list[str]:
+    """Each layer's kind, FULL or SLIDING: config.layer_types where the config has them, else
+    a window on every layer where it has one (Mistral's sliding_window)."""
+    layers = config.num_hidden_layers
+    if kinds := getattr(config, "layer_types", None):
+        assert len(kinds) == layers, (len(kinds), layers)
+        return list(kinds)
+    windowed = getattr(config, "sliding_window", None) and getattr(
+        config, "use_sliding_window", True
+    )
+    return [SLIDING if windowed else FULL] * layers
+
+
+def _rope_parameters(config) -> dict:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+
+
+def _per_kind(rope: dict) -> bool:
+    """Whether the config's rotary parameters are per layer kind (Gemma 3: {FULL: ..., SLIDING:
+    ...}) rather than one set for all layers."""
+    return FULL in rope or SLIDING in rope
+
+
+def rope_of(config, kind: str) -> dict:
+    """The rotary parameters of layers of ``kind``: rope_type, rope_theta and the type's own."""
+    rope = _rope_parameters(config)
+    rope = dict(rope.get(kind) or {}) if _per_kind(rope) else dict(rope)
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return rope
+
+
+def rotary_frequencies(config) -> torch.Tensor:
+    """The rotary inverse frequencies (2, hd/2) of FULL and SLIDING layers (Block.rotary picks a
+    layer's row), as transformers computes them."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rows = []
+    for kind in (FULL, SLIDING):
+        rope = rope_of(config, kind)
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        base = 1.0 / float(rope["rope_theta"]) ** exponent
+        if rope["rope_type"] == "linear":
+            base = base / float(rope["factor"])
+        elif rope["rope_type"] == "llama3":
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # ≈ 0.5 s to import
+
+            base, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+            assert attention_factor == 1.0, attention_factor
+        rows.append(base.float())
+    return torch.stack(rows)
+
+
+def check(config, weights: str) -> Family:
+    """The config's family, or a WeightsError naming all it asks for that the compact forward
+    does not compute (its architecture, a bias, an activation, a rotary scaling, a soft-cap)."""
+    problems = []
+    try:
+        family = family_of(config)
+    except WeightsError:
+        family = None
+        problems.append(
+            f"the {getattr(config, 'model_type', '?')!r} architecture (it runs "
+            f"{', '.join(MODEL_TYPES)})"
+        )
+    if getattr(config, "attention_bias", False) and not (family and family.qkv_bias):
+        problems.append("a bias on the attention output (attention_bias)")
+    if getattr(config, "mlp_bias", False):
+        problems.append("biases on the MLP (mlp_bias)")
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if family and act not in _TRANSFORMERS_ACTIVATIONS[family.activation]:
+        problems.append(f"the {act!r} activation")
+    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+        problems.append("mixture-of-experts layers")
+    for kind in (FULL, SLIDING):
+        if (rope := rope_of(config, kind)["rope_type"]) not in ROPE_TYPES:
+            problems.append(f"the {rope!r} rotary scaling (it runs {', '.join(ROPE_TYPES)})")
+            break
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, cap, None):
+            problems.append(f"soft-capping ({cap})")
+    if getattr(config, "use_bidirectional_attention", False):
+        problems.append("bidirectional attention (use_bidirectional_attention)")
+    if SLIDING in layer_kinds(config) and not (getattr(config, "sliding_window", 0) or 0) > 0:
+        problems.append("sliding-window layers without a window (sliding_window)")
+    if problems:
+        raise WeightsError(
+            f"weights={weights!r} runs the compact forward, which does not compute "
+            f"{'; '.join(problems)}: use weights='float' (transformers' own forward)."
+        )
+    return family
