@@ -228,9 +228,10 @@ class Int4Linear(nn.Module):
         if self.kernel in BLOCK_KERNELS:  # (N/8, K/32, 1 + zeros, 8)
             tiles, groups, planes = self.scale_zero.shape[:3]
             rows = self.scale_zero.permute(2, 0, 3, 1).reshape(planes, 8 * tiles, groups)
-            if planes == 2:
+            if self.copies == 1:
                 return rows[0], rows[1]
-            return torch.cat((16 * rows[0], rows[0]), 1), torch.cat((rows[1], rows[2]), 1)
+            high = rows[1] if planes == 3 else torch.zeros_like(rows[0])
+            return torch.cat((16 * rows[0], rows[0]), 1), torch.cat((high, rows[-1]), 1)
         blocks, groups = self.scale_zero.shape[:2]  # (N/16, K/32, 2, 16)
         both = self.scale_zero.permute(2, 0, 3, 1).reshape(2, 16 * blocks, groups)
         return both[0], both[1]
@@ -293,7 +294,8 @@ def _blocks_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, copie
     (N/8, K·bits/32, 8) int32 and scales (N/8, K/32, 1 + zeros, 8) bf16. One copy: 4-bit tiles,
     the scale and the zero. Two (the halves hi, lo of a wider q, scales 16s and s): 5-bit tiles
     of 16·hi + lo where every hi is 0 or 1 (Q5 blocks), else 8-bit ones of the signed byte
-    16·hi + lo − 128; s and both zeros, so that the weights are the halves' exactly."""
+    16·hi + lo − 128; s and both zeros (the low half's alone where the high halves have none,
+    as Q8_0's), so that the weights are the halves' exactly."""
     n, k = q.shape[0], q.shape[1] // copies
     groups = k // GROUP
     if copies == 1:
@@ -306,6 +308,8 @@ def _blocks_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, copie
         bits = 5 if hi.max() <= 1 else 8
         q = 16 * hi.to(torch.int16) + q[:, k:]
         planes = (scale[:, groups:], zero[:, :groups], zero[:, groups:])
+        if bits == 8 and not zero[:, :groups].any():  # Q8_0's: its high halves have no zero
+            planes = (planes[0], planes[2])
     if bits == 8:  # vector c of a group: inputs 4c..4c+3, a byte each
         vectors = (q - 128).to(torch.int8).view(n // 8, 8, groups, 8, 4)
     else:  # vector c: inputs 8c..8c+3 in the low nibbles, 8c+4.. in the high ones; then the bits

@@ -60,8 +60,8 @@ bool run(int bits, int zeros, int64_t n, int64_t tiles, int64_t K) {
 
 int main() {
   int cases = 0;
-  for (int layout = 0; layout < 3; ++layout) {
-    const int bits = layout == 0 ? 4 : layout == 1 ? 5 : 8, zeros = layout == 0 ? 1 : 2;
+  for (int layout = 0; layout < 4; ++layout) {  // 4-bit, 5-bit, 8-bit with one zero and two
+    const int bits = layout == 0 ? 4 : layout == 1 ? 5 : 8, zeros = layout == 0 || layout == 2 ? 1 : 2;
     for (int64_t n = 1; n <= 9; ++n)
       for (int64_t K : {32, 96, 576}) {
         if (!run<float>(bits, zeros, n, 3, K) || !run<uint16_t>(bits, zeros, n, 2, K)) return 1;

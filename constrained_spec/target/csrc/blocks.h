@@ -9,7 +9,7 @@
 // the group's Σq. Weights: w = (q − bias)·s + Σ zeros per row and group of 32 inputs, s and the
 // zeros bf16 (kernels.Int4Linear's scales), q a 4-bit nibble (Q4 blocks: bias 8, one zero), a
 // 5-bit value (Q5 blocks: two 4-bit halves hi·16 + lo, bias 136, their two zeros kept apart) or a
-// signed byte (Q8_0 and other types as two halves, hi·16 + lo − 128: bias 8, two zeros). Per row,
+// signed byte (Q8_0 and other types as two halves, hi·16 + lo − 128: bias 8, one zero or two). Per row,
 // output and group: the integer a = Σ q·qx − bias·Σqx (exact), then in float32
 //     acc = fma(s·d, a, acc), then acc = fma(z, d·Σqx, acc) for each zero,
 // the groups in order. So a token's outputs depend on its own inputs only, whatever the rows
@@ -405,8 +405,9 @@ inline const char* isa() {
 #endif
 }
 
-// Rows (n, K) of x through tile columns [b0, b1) of a weight of `bits` (4 with one zero, 5 or 8 with
-// two): out[r·out_stride + 8b + i], on the fastest variant compiled in (or the reference).
+// Rows (n, K) of x through tile columns [b0, b1) of a weight of `bits` (4 with one zero, 5 with two,
+// 8 with one or two): out[r·out_stride + 8b + i], on the fastest variant compiled in (or the
+// reference).
 template <typename Out>
 void columns(int bits, int zeros, const uint32_t* tiles, const uint16_t* scales, const Acts& x,
              int64_t n, int64_t b0, int64_t b1, Out* out, int64_t out_stride, bool reference = false) {
@@ -423,6 +424,7 @@ void columns(int bits, int zeros, const uint32_t* tiles, const uint16_t* scales,
 #if defined(BLOCKS_AVX2) || defined(BLOCKS_NEON)
   if (bits == 4 && zeros == 1) return v::columns<4, 1>(tiles, scales, x, n, b0, b1, out, out_stride);
   if (bits == 5 && zeros == 2) return v::columns<5, 2>(tiles, scales, x, n, b0, b1, out, out_stride);
+  if (bits == 8 && zeros == 1) return v::columns<8, 1>(tiles, scales, x, n, b0, b1, out, out_stride);
   if (bits == 8 && zeros == 2) return v::columns<8, 2>(tiles, scales, x, n, b0, b1, out, out_stride);
 #endif
   columns(bits, zeros, tiles, scales, x, n, b0, b1, out, out_stride, true);
