@@ -708,8 +708,8 @@ Tensor blocks_matmul(const Quantized& x, int64_t n, const Tensor& tiles, const T
               "tiles: (N/8, K·bits/32, 8) int32, bits 4, 5 or 8");
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 4 &&
                   scales.size(0) == count && scales.size(1) * blocks::GROUP == K && scales.size(3) == 8 &&
-                  scales.size(2) == (bits == 4 ? 2 : 3),
-              "scales: (N/8, K/32, 1 + zeros, 8) bf16, one zero (4-bit) or two (5- and 8-bit)");
+                  (scales.size(2) == (bits == 5 ? 3 : 2) || (bits == 8 && scales.size(2) == 3)),
+              "scales: (N/8, K/32, 1 + zeros, 8) bf16, one zero (4-bit), two (5-bit), one or two (8-bit)");
   const int zeros = scales.size(2) - 1;
   Tensor out = at::empty({n, count * blocks::LANES}, tiles.options().dtype(at::kBFloat16));
   const auto* T = reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>());
