@@ -37,7 +37,15 @@ from .errors import (
 )
 from .generator import DRAFTS, SETTINGS, Generator, Request, setting_problems
 from .jobs import done_ids, read_rows, run_job, run_job_on_ray
-from .target import BUILTIN_MODELS, DEFAULT_MODEL, WEIGHTS, ModelFetchError, prepared
+from .target import (
+    BUILTIN_MODELS,
+    DEFAULT_MODEL,
+    WEIGHTS,
+    ModelFetchError,
+    cache_dir,
+    disk,
+    prepared,
+)
 
 __all__ = ["main", "build_parser"]
 
@@ -119,6 +127,24 @@ def build_parser() -> argparse.ArgumentParser:
         description="List the shipped grammars with a description.",
     )
     lst.set_defaults(run=_list_grammars)
+
+    cached = commands.add_parser(
+        "cache",
+        help="list what is cached (models, prepared models, kernels, measurements), or clear it",
+        description="List the cache dir's entries with their size and last use; --clear "
+        "removes all of them, or those named (each is rebuilt when next needed). Prepared "
+        f"models take at most ${prepared.CAP_ENV} GB together (default "
+        f"{prepared.DEFAULT_CAP_GB:g}); the least recently used go first.",
+    )
+    cached.add_argument(
+        "--clear",
+        nargs="?",
+        const=ALL,
+        metavar="NAME",
+        help="remove every entry, or the one named (or a kind: models, prepared, kernels, "
+        "measurements)",
+    )
+    cached.set_defaults(run=_cache)
 
     srv = commands.add_parser(
         "serve",
@@ -551,6 +577,48 @@ def _list_grammars(args, out: Console, err: Console) -> int:
     return 0
 
 
+ALL = object()  # `cache --clear` without a name
+
+
+def _cache(args, out: Console, err: Console) -> int:
+    cap = prepared.cap_bytes()  # a bad setting: exit 2, naming it
+    if args.clear is not None:
+        try:
+            chosen = disk.matching(None if args.clear is ALL else args.clear)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        disk.remove(chosen)
+        for entry in chosen:
+            out.print(f"removed {entry.name} ({_size(entry.size)})", soft_wrap=True)
+        freed = sum(e.size for e in chosen)
+        out.print(f"{len(chosen)} entries, {_size(freed)} freed from {cache_dir()}", soft_wrap=True)
+        return 0
+    found = disk.entries()
+    total = sum(e.size for e in found)
+    in_prepared = sum(e.size for e in found if e.kind == "prepared")
+    out.print(
+        f"{cache_dir()}: {_size(total)}; prepared models {_size(in_prepared)} of "
+        f"{cap / 1e9:g} GB (${prepared.CAP_ENV})",
+        soft_wrap=True,
+    )
+    rows = [("name", "kind", "size", "last use", "what")]
+    for e in found:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_use)) if e.last_use else "-"
+        rows.append((e.name, e.kind, _size(e.size), when, e.about))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows if found else [("(empty)",)]:  # whole names, whatever the width: --clear
+        line = "  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1]
+        out.print(line if found else row[0], soft_wrap=True, markup=False, highlight=False)
+    return 0
+
+
+def _size(size: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
 def _generate(args, out: Console, err: Console) -> int:
     request = _validate(args)  # before the model: loading it takes seconds
     t0 = time.perf_counter()
@@ -571,12 +639,27 @@ def _generate(args, out: Console, err: Console) -> int:
             message if args.model in message else f"cannot load model {args.model!r}: {message}"
         ) from None
     load_s = time.perf_counter() - t0
+    prompt = request.prompt
+    if not isinstance(prompt, str) and not gen.tokenizer.chat_template:  # a base model
+        if args.system is not None:
+            raise UsageError(
+                f"--system needs a chat template, and {args.model} has none (a base model): "
+                "drop --system and put the instructions in PROMPT."
+            )
+        err.print(
+            f"note: {args.model} has no chat template (a base model): PROMPT goes in as plain "
+            "text, as with --raw-prompt.",
+            style="yellow",
+            markup=False,
+            soft_wrap=True,
+        )
+        prompt = args.prompt
 
     meter, t1 = _Meter(), time.perf_counter()
     view = RoundView(gen, gen.compile(**request.constraint), err) if args.show else None
     try:
         result = gen.generate(
-            request.prompt,
+            prompt,
             **request.constraint,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
@@ -842,7 +925,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # Commands that hold nothing to clean up when they end (no server, no worker processes).
-ONE_SHOT = ("generate", "grammars")
+ONE_SHOT = ("generate", "grammars", "cache")
 
 
 def run() -> None:

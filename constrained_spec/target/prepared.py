@@ -10,11 +10,14 @@ tokenizer, read without touching the tensors), the key a hash of the source file
 modification time, this module's FORMAT, torch's version and the CPU (the kernels' layouts
 follow the CPU's calibration). A file that does not load (truncated, another format) is
 rebuilt; a cache without room for one is skipped, and said so. ``index.json`` names each file's
-source: storing one removes those whose source is gone or changed.
+source: storing one removes those whose source is gone or changed. Prepared models take at most
+`$CONSTRAINED_SPEC_CACHE_GB` together (DEFAULT_CAP_GB): storing one removes those used least
+recently until it fits, one larger than the cap is not stored; each store says what it wrote.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -23,13 +26,14 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from . import kernels, llama
-from .machine import atomic_write, cache_dir, cpu_name, say
+from .machine import atomic_write, cache_dir, cpu_name, say, setting
 from .tokenizer import Tokenizer
 
 FORMAT = "prepared v1"
@@ -66,6 +70,8 @@ def load(source: Path) -> tuple[llama.CompactLlama, Tokenizer] | None:
         )
         _remove(path)
         return None
+    with contextlib.suppress(OSError):  # its last use, for the cap (read-only caches: none)
+        os.utime(path)
     if _read_index(path.parent / "index.json").get(path.name) != str(source.resolve()):
         try:  # an index lost or damaged: written again, so that stale files are swept
             _sweep(path, source)
@@ -137,8 +143,9 @@ def save_later(source: Path, model: llama.CompactLlama, tokenizer: Tokenizer) ->
     In a thread, so that a model's first requests do not wait for the write (a
     1.5B model's 5.7 GB: 13 s on this machine's disk); the interpreter waits for it at exit,
     ``wait()`` before (a process that ends by os._exit must call it)."""
+    cap = cap_bytes()  # a bad setting is said here, not in the thread
     thread = threading.Thread(
-        target=_write, args=(source, *_snapshot(model, tokenizer)), name="prepare-model"
+        target=_write, args=(source, *_snapshot(model, tokenizer), cap), name="prepare-model"
     )
     thread.start()
     _writing.append(thread)
@@ -160,15 +167,34 @@ def _snapshot(model: llama.CompactLlama, tokenizer: Tokenizer) -> tuple[dict, di
     return _state(model), header
 
 
-def _write(source: Path, state: dict, header: dict) -> None:
+CAP_ENV = "CONSTRAINED_SPEC_CACHE_GB"
+DEFAULT_CAP_GB = 4.0  # prepared models on disk, all together (the default model's: 0.23 GB)
+STALE_TMP_S = 3600.0  # a part-written file this old belongs to a write that died
+
+
+def cap_bytes() -> int:
+    """How much disk the prepared models may take, all together: `$CONSTRAINED_SPEC_CACHE_GB`
+    (SettingError for a bad value), else DEFAULT_CAP_GB."""
+    return int(setting(CAP_ENV, DEFAULT_CAP_GB, zero="store no prepared model") * 1e9)
+
+
+def _write(source: Path, state: dict, header: dict, cap: int) -> None:
     path = path_for(source)
     size = sum(t.nbytes for t in _tensors(state))
     try:
+        if size > cap:
+            say(
+                f"Not storing the prepared model ({_mb(size)}): more than the cap of "
+                f"{cap / 1e9:g} GB for prepared models; set {CAP_ENV} higher to keep it "
+                "(later loads then map it instead of converting the model again)."
+            )
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         if shutil.disk_usage(path.parent).free < size + (1 << 30):  # keep 1 GB free
-            say(f"Not storing the prepared model ({size >> 20} MB): {path.parent} is nearly full.")
+            say(f"Not storing the prepared model ({_mb(size)}): {path.parent} is nearly full.")
             return
         _remove(path)  # the header last: a file without one is never read
+        _make_room(path.parent, size, cap)
         crc32 = torch.serialization.get_crc32_options()
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as f:
             try:  # without the zip's checksums: 2 GB/s instead of 0.4 (a 1.5B model's 5.7 GB)
@@ -182,8 +208,54 @@ def _write(source: Path, state: dict, header: dict) -> None:
         os.replace(f.name, path)
         atomic_write(path.with_suffix(".json"), json.dumps(header))
         _sweep(path, source)
+        written = path.stat().st_size + path.with_suffix(".json").stat().st_size
+        say(
+            f"Stored the prepared model of {source.name} ({_mb(written)}) in {path.parent}: "
+            f"prepared models take {_mb(_usage(path.parent))} of {cap / 1e9:g} GB ({CAP_ENV})."
+        )
     except OSError as err:  # a read-only or full cache: the model still runs, converted again
         say(f"Could not store the prepared model in {path}: {err}")
+
+
+def _make_room(folder: Path, size: int, cap: int) -> None:
+    """Remove the least recently used prepared models until ``size`` more bytes fit the cap
+    (and part-written files of writes that died)."""
+    now = time.time()
+    for part in folder.glob(".tmp-*"):
+        with contextlib.suppress(OSError):
+            if now - part.stat().st_mtime > STALE_TMP_S:
+                part.unlink()
+    used = _usage(folder)
+    for old in sorted(folder.glob("*.pt"), key=_last_use):
+        if used + size <= cap:
+            break
+        freed = _usage(folder, [old, old.with_suffix(".json")])
+        _remove(old)
+        used -= freed
+        say(
+            f"Removed the prepared model {old.name} ({_mb(freed)}, used least recently) to "
+            f"keep prepared models within {cap / 1e9:g} GB ({CAP_ENV})."
+        )
+
+
+def _usage(folder: Path, files=None) -> int:
+    total = 0
+    for file in folder.iterdir() if files is None else files:
+        with contextlib.suppress(OSError):
+            total += file.stat().st_size
+    return total
+
+
+def _last_use(path: Path) -> float:
+    """When a prepared model was last stored or mapped (``load`` touches it)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.0f} MB" if size >= 1e7 else f"{size / 1e6:.1f} MB"
 
 
 def _remove(path: Path) -> None:
@@ -193,7 +265,8 @@ def _remove(path: Path) -> None:
 
 def _sweep(path: Path, source: Path) -> None:
     """Record which file ``path`` prepares, and remove the prepared files of sources that are
-    gone or changed since (a replaced model file, a test's temporary one). An entry that is not
+    gone or changed since (a replaced model file, a test's temporary one), and forget those
+    removed. An entry that is not
     a prepared file's name and a source path is dropped, never followed (a damaged index)."""
     index_path = path.parent / "index.json"
     index = {
@@ -206,6 +279,7 @@ def _sweep(path: Path, source: Path) -> None:
         origin = Path(origin)
         try:
             stale = not origin.is_file() or path_for(origin).name != name
+            stale = stale or not (path.parent / name).is_file()  # removed (the cap, --clear)
         except (OSError, ValueError):
             stale = True
         if stale:
@@ -215,6 +289,24 @@ def _sweep(path: Path, source: Path) -> None:
 
 
 _NAME = re.compile(r"[0-9a-f]{24}\.pt")  # what path_for names a prepared file
+
+
+def sources() -> dict[str, str]:
+    """{prepared file's name: the model file it prepares}, as the index has them."""
+    return _read_index(cache_dir() / "prepared" / "index.json")
+
+
+def forget_removed() -> None:
+    """The index without the prepared files removed (``constrained-spec cache --clear``), the
+    folder gone with the last of them."""
+    folder = cache_dir() / "prepared"
+    index = {n: o for n, o in sources().items() if (folder / n).is_file()}
+    with contextlib.suppress(OSError):
+        if index:
+            atomic_write(folder / "index.json", json.dumps(index, indent=1))
+        else:
+            (folder / "index.json").unlink(missing_ok=True)
+            folder.rmdir()  # where nothing else is left in it
 
 
 def _read_index(path: Path) -> dict:
