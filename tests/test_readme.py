@@ -71,3 +71,37 @@ def test_the_python_example_extracts_every_value(monkeypatch):
     _check_person(res.value, python)
     assert res.finish_reason == "stop"
     assert res.text == json.dumps(PERSON, separators=(",", ":"))
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def test_every_link_of_the_readme_and_docs_resolves():
+    """Relative links (and their #anchors) in README.md and docs/*.md name files and headings
+    that exist."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    checked, broken = 0, []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            checked += 1
+            if not file.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+                if anchor not in {_slug(h) for h in headings}:
+                    broken.append(f"{page.name}: {target} (no such heading)")
+    assert checked > 20 and broken == []
+
+
+def test_the_readme_stays_short():
+    """What, install, first run, API, limits, current numbers: reference material lives in
+    docs/ (docs/usage.md, docs/models.md, ...)."""
+    lines = README.count("\n")
+    assert 100 < lines <= 250, f"README.md has {lines} lines: move reference material to docs/"
