@@ -258,8 +258,10 @@ class Int4Linear(nn.Module):
         return sum(self.dequantized().chunk(self.copies, dim=1)).to(torch.bfloat16)
 
     def dequantized(self, dtype: torch.dtype = torch.float32, rows=slice(None)) -> torch.Tensor:
-        """The weight's ``rows`` (n, copies·K) in ``dtype``; in float32, exactly the values the
-        4-bit kernel multiplies (a 4-bit q times a bf16 scale plus a bf16 offset is exact)."""
+        """The weight's ``rows`` (n, copies·K) in ``dtype``: q·scale + offset, the offset
+        zero − 8·scale rounded to bf16 (the kernels multiply (q − 8)·scale + zero: the same
+        where that offset is exact in bf16, as for Q8_0's halves; a 4-bit q times a bf16 scale
+        plus a bf16 offset is exact in float32)."""
         nibbles = self.stored_nibbles()[rows]
         scale, offset = self.scale_rows[rows], self.offset_rows[rows]
         n = nibbles.shape[0]
