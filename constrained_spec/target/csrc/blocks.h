@@ -337,23 +337,26 @@ inline void store4(uint16_t* out, float32x4_t v) {
   for (int i = 0; i < 4; ++i) out[i] = to_bf16(f[i]);
 }
 
-// One tile (8 rows as two halves of 4 lanes) for one activation row.
-template <int BITS, int ZEROS, typename Out>
-void tile(const uint32_t* t, const uint16_t* sc, const Acts& x, int64_t r, Out* out) {
+// One tile (8 output rows as two halves of 4 lanes) for R activation rows: each weight vector is
+// loaded and unpacked once for all R (32 vector registers: R = 4 keeps the sums and accumulators
+// in them).
+template <int R, int BITS, int ZEROS, typename Out>
+void tile(const uint32_t* t, const uint16_t* sc, const Acts& x, int64_t r0, Out* out, int64_t out_stride) {
   const int64_t K = x.K, groups = K / GROUP;
-  float32x4_t acc[2] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
+  float32x4_t acc[R][2];
+  for (auto& row : acc) row[0] = row[1] = vdupq_n_f32(0.f);
   for (int64_t g = 0; g < groups; ++g) {
-    int32x4_t a[2] = {vdupq_n_s32(0), vdupq_n_s32(0)};
-    const int8_t* xq = x.q + r * K + g * GROUP;
+    int32x4_t a[R][2];
+    for (auto& row : a) row[0] = row[1] = vdupq_n_s32(0);
+    const int8_t* xq = x.q + r0 * K + g * GROUP;
     const uint32_t* group = t + g * BITS * LANES;
-    if constexpr (BITS == 8) {
-      for (int64_t c = 0; c < 8; ++c)
-        for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (BITS == 8) {
+        for (int64_t c = 0; c < 8; ++c) {
           const int8x16_t w = vld1q_s8(reinterpret_cast<const int8_t*>(group + c * LANES + 4 * h));
-          a[h] = vdotq_s32(a[h], w, bcast4(xq + c * 4));
+          for (int r = 0; r < R; ++r) a[r][h] = vdotq_s32(a[r][h], w, bcast4(xq + r * K + c * 4));
         }
-    } else {
-      for (int h = 0; h < 2; ++h) {
+      } else {
         const uint8x16_t plane = BITS == 5 ? vld1q_u8(reinterpret_cast<const uint8_t*>(group + 4 * LANES + 4 * h))
                                            : vdupq_n_u8(0);
         for (int c = 0; c < 4; ++c) {  // q ≤ 31: sdot's signed bytes take it as it is
@@ -362,33 +365,48 @@ void tile(const uint32_t* t, const uint16_t* sc, const Acts& x, int64_t r, Out* 
                                          vshlq_n_u8(vandq_u8(vshlq_u8(plane, vdupq_n_s8(-2 * c)), vdupq_n_u8(1)), 4));
           const uint8x16_t hi = vorrq_u8(vshrq_n_u8(v, 4),
                                          vshlq_n_u8(vandq_u8(vshlq_u8(plane, vdupq_n_s8(-2 * c - 1)), vdupq_n_u8(1)), 4));
-          a[h] = vdotq_s32(a[h], vreinterpretq_s8_u8(lo), bcast4(xq + c * 8));
-          a[h] = vdotq_s32(a[h], vreinterpretq_s8_u8(hi), bcast4(xq + c * 8 + 4));
+          for (int r = 0; r < R; ++r) {
+            a[r][h] = vdotq_s32(a[r][h], vreinterpretq_s8_u8(lo), bcast4(xq + r * K + c * 8));
+            a[r][h] = vdotq_s32(a[r][h], vreinterpretq_s8_u8(hi), bcast4(xq + r * K + c * 8 + 4));
+          }
         }
       }
     }
-    const int64_t at = r * groups + g;
     const uint16_t* s = sc + g * (1 + ZEROS) * LANES;
-    for (int h = 0; h < 2; ++h) {
-      const int32x4_t shifted = vsubq_s32(a[h], vdupq_n_s32(bias(BITS) * x.sum[at]));
-      const float32x4_t sd = vmulq_f32(bf16x4(s + 4 * h), vdupq_n_f32(x.d[at]));
-      acc[h] = vfmaq_f32(acc[h], sd, vcvtq_f32_s32(shifted));
-      for (int k = 1; k <= ZEROS; ++k)
-        acc[h] = vfmaq_f32(acc[h], bf16x4(s + k * LANES + 4 * h), vdupq_n_f32(x.dsum[at]));
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * groups + g;
+      for (int h = 0; h < 2; ++h) {
+        const int32x4_t shifted = vsubq_s32(a[r][h], vdupq_n_s32(bias(BITS) * x.sum[at]));
+        const float32x4_t sd = vmulq_f32(bf16x4(s + 4 * h), vdupq_n_f32(x.d[at]));
+        acc[r][h] = vfmaq_f32(acc[r][h], sd, vcvtq_f32_s32(shifted));
+        for (int k = 1; k <= ZEROS; ++k)
+          acc[r][h] = vfmaq_f32(acc[r][h], bf16x4(s + k * LANES + 4 * h), vdupq_n_f32(x.dsum[at]));
+      }
     }
   }
-  store4(out, acc[0]);
-  store4(out + 4, acc[1]);
+  for (int r = 0; r < R; ++r) {
+    store4(out + r * out_stride, acc[r][0]);
+    store4(out + r * out_stride + 4, acc[r][1]);
+  }
 }
 
 template <int BITS, int ZEROS, typename Out>
 void columns(const uint32_t* tiles, const uint16_t* scales, const Acts& x, int64_t n, int64_t b0,
              int64_t b1, Out* out, int64_t out_stride) {
   const int64_t groups = x.K / GROUP, lanes = x.K * BITS / 32;
-  for (int64_t b = b0; b < b1; ++b)
-    for (int64_t r = 0; r < n; ++r)
-      tile<BITS, ZEROS>(tiles + b * lanes * LANES, scales + b * groups * (1 + ZEROS) * LANES, x, r,
-                        out + r * out_stride + b * LANES);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint32_t* t = tiles + b * lanes * LANES;
+    const uint16_t* sc = scales + b * groups * (1 + ZEROS) * LANES;
+    for (int64_t r = 0; r < n;) {
+      Out* o = out + r * out_stride + b * LANES;
+      switch (std::min<int64_t>(n - r, 4)) {
+        case 4: tile<4, BITS, ZEROS>(t, sc, x, r, o, out_stride), r += 4; break;
+        case 3: tile<3, BITS, ZEROS>(t, sc, x, r, o, out_stride), r += 3; break;
+        case 2: tile<2, BITS, ZEROS>(t, sc, x, r, o, out_stride), r += 2; break;
+        default: tile<1, BITS, ZEROS>(t, sc, x, r, o, out_stride), r += 1;
+      }
+    }
+  }
 }
 
 }  // namespace neon
