@@ -102,18 +102,7 @@ def test_a_damaged_pass_cost_table_is_measured_again(
 
 @pytest.mark.parametrize(
     "how",
-    [
-        *DAMAGES[:-1],
-        pytest.param(
-            DAMAGES[-1],
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=KeyError,
-                reason="target/models.py reads its calibration entries unchecked (no valid= "
-                "to machine.remembered): an entry of other fields under its key is a KeyError",
-            ),
-        ),
-    ],
+    DAMAGES,
 )
 def test_a_damaged_calibration_does_not_stop_a_load(cache, capfd, gguf, how):
     """Every measurement a load reads (kernel timings, the layers' way, pass costs) damaged."""

@@ -1202,7 +1202,7 @@ def test_auto_runs_a_local_checkpoint_in_8_bits_where_faster(
 ):
     """weights="auto" on a local checkpoint the compact forward runs: Q8_0 linears where the
     measurement at its shapes says they beat float32 (the reason said), else float; one it does
-    not run (a sliding window) stays float, and says why."""
+    not run (another activation) stays float, and says why."""
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
     folder = tmp_path / "tiny"
     tiny_target.save_pretrained(folder)
@@ -1220,6 +1220,6 @@ def test_auto_runs_a_local_checkpoint_in_8_bits_where_faster(
     config.intermediate_size = 96
     monkeypatch.setattr(models, "load_config", lambda path: config)
     assert models.auto_weights(str(folder))[0] == "float"
-    config.sliding_window, config.use_sliding_window = 16, True
+    config.hidden_act = "relu"
     choice, why = models.auto_weights(str(folder))
-    assert choice == "float" and "sliding window of 16" in why
+    assert choice == "float" and "the 'relu' activation" in why

@@ -54,7 +54,8 @@ def remembered(what: str, measure, valid=None) -> dict:
         return stored
     if stored is not None:
         damage = f"its entry for {what.split(' | ')[0]!r} is not one this version reads"
-    if damage:
+    if damage and path not in _said:  # once a process: the entries after it are the same story
+        _said.add(path)
         say(f"{path}: {damage}; measuring again.")
     known[key] = result = measure()
     try:
@@ -62,6 +63,9 @@ def remembered(what: str, measure, valid=None) -> dict:
     except OSError as err:  # a read-only cache still runs, measuring again next time
         say(f"could not cache the kernel calibration in {path}: {err}")
     return result
+
+
+_said: set[Path] = set()  # calibration files whose damage was said
 
 
 def _measurements(path: Path) -> tuple[dict, str]:

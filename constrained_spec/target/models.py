@@ -301,7 +301,22 @@ CALIBRATION = "v10: per shape; each 4-bit matmul kernel measured (AMX, AVX2, NEO
 def calibration(config) -> dict:
     """The linear-kernel timings behind ``auto_weights`` and the kernel choices for a model of
     ``config``'s shapes, cached."""
-    return remembered(f"{shape_key(config)} | {CALIBRATION}", lambda: _measure_kernels(config))
+    return remembered(
+        f"{shape_key(config)} | {CALIBRATION}", lambda: _measure_kernels(config), valid=_measured
+    )
+
+
+def _measured(stored: dict) -> bool:
+    """Whether a stored calibration has every field a load reads, of its type."""
+    times = ["int4_ms", "int8_ms", "float_ms", "prefill_bf16_ms", "head_q8_ms", "head_float_ms"]
+    times += [f"matmul_{k}_ms" for k in kernels.INT4_KERNELS]
+    times += [f"prefill_{k}_ms" for k in kernels.INT4_KERNELS]
+    return (
+        all(isinstance(stored[k], (int, float)) for k in times)
+        and stored["choice"] in WEIGHTS
+        and stored["head"] in kernels.HEAD_KERNELS
+        and isinstance(stored["measured"], str)
+    )
 
 
 def _measure_kernels(config) -> dict:
@@ -353,7 +368,12 @@ def choose_layers(name: str, model) -> str:
             "layers": min(timings, key=timings.get),
         }
 
-    choice = remembered(f"{name} | {model.weights} | {LAYERS_CALIBRATION}", measure)["layers"]
+    def known(stored: dict) -> bool:  # a way this version runs
+        layers, _, matmul = stored["layers"].partition("/")
+        return layers in kernels.LAYER_KERNELS and matmul in ("", *kernels.INT4_KERNELS)
+
+    key = f"{name} | {model.weights} | {LAYERS_CALIBRATION}"
+    choice = remembered(key, measure, valid=known)["layers"]
     layers, _, matmul = choice.partition("/")
     if matmul and kernels.int4_kernel_missing(matmul):  # measured where it could run
         matmul = "torch"
