@@ -175,6 +175,7 @@ def write_gguf(
     head_dim: int | None = None,
     window: int = 16,
     metadata: dict | None = None,
+    vocabulary: str = "bpe",
 ) -> Path:
     """A small GGUF of ``arch`` (one of families.FAMILIES: "llama", "qwen2": q/k/v biases,
     "qwen3": q/k norms, "gemma3": four norms a layer, q/k norms, a sliding ``window`` on all but
@@ -182,8 +183,9 @@ def write_gguf(
     ``types`` (one for every linear, or {"attn_q": ..., ..., "*": default, "token_embd": ...});
     norms, biases and ``rope_factors`` (Llama 3's rope_freqs) in F32; heads of ``head_dim``
     (default hidden/heads; stated as key_length where the family has q/k norms); ``metadata``:
-    more keys, {"gemma3.rope.freq_base_swa": 1e4, ...}, or None to leave one out. K-quants need
-    inputs in multiples of 256: ``hidden``, ``ffn`` and heads·head_dim are."""
+    more keys, {"gemma3.rope.freq_base_swa": 1e4, ...}, or None to leave one out;
+    ``vocabulary``: "bpe" (byte-level, _gguf_header's) or "spm" (SentencePiece, _spm_vocabulary's).
+    K-quants need inputs in multiples of 256: ``hidden``, ``ffn`` and heads·head_dim are."""
     rng = np.random.default_rng(seed)
     kinds = {"*": types} if isinstance(types, str) else types
     kind_of = lambda name: kinds.get(name, kinds["*"])
@@ -191,6 +193,8 @@ def write_gguf(
     hd = head_dim or hidden // heads
     w = gguf.GGUFWriter(str(path), arch)
     vocab = _gguf_header(w, family, layers, hidden, ffn, heads, kv_heads, hd, chat_template)
+    if vocabulary == "spm":
+        vocab = _spm_vocabulary(w)
     if family.window_period:
         w.add_sliding_window(window)
     for key, value in (metadata or {}).items():  # replacing or leaving out the header's
@@ -316,6 +320,36 @@ def _gguf_header(w, family, layers, hidden, ffn, heads, kv_heads, hd, chat_templ
     if chat_template:
         w.add_chat_template(chat_template)
     return vocab
+
+
+# A SentencePiece vocabulary as Gemma's GGUF files hold one: control tokens, the 256 byte-fallback
+# tokens, pieces with "▁" for a space, a run of spaces stored as real spaces, a newline piece.
+SPM_PIECES = ("▁", "t", "h", "e", "a", "b", "▁t", "th", "he", "▁th", "▁the", "ab", "ba", "  ")
+SPM_PIECES += ("\n", "{", "}", '"', ":", "▁a", "ye", "s", "▁ye", "no", "▁no", "yes")
+
+
+def _spm_vocabulary(w) -> int:
+    """Replaces the header's vocabulary by a SentencePiece one (tokenizer.ggml.model "llama"):
+    <pad>, <eos> (1, the EOS), <bos> (2, added before a prompt), <unk>, <mask> (Gemma's ids),
+    <0x00>..<0xFF> (byte fallback: any text), SPM_PIECES; no chat template (a base model).
+    Returns its size."""
+    for key in [k for k in w.kv_data[0] if k.startswith("tokenizer.") or k.endswith(".vocab_size")]:
+        w.kv_data[0].pop(key, None)
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", *(f"<0x{b:02X}>" for b in range(256))]
+    tokens += SPM_PIECES
+    types = [3, 3, 3, 2, 3] + [6] * 256 + [1] * len(SPM_PIECES)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 261 + [-float(i) for i in range(len(SPM_PIECES))])
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    w.add_vocab_size(len(tokens))
+    return len(tokens)
 
 
 def random_head(target, seed: int = 0) -> DraftHead:
