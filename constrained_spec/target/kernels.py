@@ -716,7 +716,7 @@ def _portable_march() -> str:
 @functools.cache
 def fused_build():
     """(the compiled fused layers, None) or (None, why they cannot be built here). Compiled once
-    per CPU model and torch version under the cache (about 20 s: C++ with OpenMP, for this CPU's
+    per CPU model and torch version under the cache (45 s of one core on a 2-core Zen 1 EPYC: C++ with OpenMP, for this CPU's
     vector units), loaded from there afterwards. Where that fails: again without OpenMP if the
     error names it (Apple's clang has none: torch's threads then), or for a portable -march if
     this CPU's own did not compile; one line each, naming the compiler's error."""
@@ -758,7 +758,7 @@ def _build(march: str, openmp: bool):
 
         folder.mkdir(parents=True, exist_ok=True)
         if not any(folder.glob("*.so")):
-            say(f"compiling the fused layers for this CPU, once (about 20 s) into {folder}")
+            say(f"compiling the fused layers for this CPU, once (about a minute) into {folder}")
         # torch marks a build with a `lock` file and waits, forever, while one exists: a process
         # killed mid-build (a timeout, Ctrl-C) would leave every later load hanging. An flock is
         # let go by the kernel when its process dies, so whoever holds ours knows that a `lock`
