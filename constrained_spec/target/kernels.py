@@ -716,10 +716,11 @@ def _portable_march() -> str:
 @functools.cache
 def fused_build():
     """(the compiled fused layers, None) or (None, why they cannot be built here). Compiled once
-    per CPU model and torch version under the cache (45 s of one core on a 2-core Zen 1 EPYC: C++ with OpenMP, for this CPU's
-    vector units), loaded from there afterwards. Where that fails: again without OpenMP if the
-    error names it (Apple's clang has none: torch's threads then), or for a portable -march if
-    this CPU's own did not compile; one line each, naming the compiler's error."""
+    per CPU model and torch version under the cache (C++ with OpenMP, for this CPU's vector
+    units: 45 s of one core on a Zen 1 EPYC), loaded from there afterwards. Where that fails:
+    again without OpenMP if the error names it (Apple's clang has none: torch's threads then),
+    or for a portable -march if this CPU's own did not compile; one line each, naming the
+    compiler's error."""
     try:
         plans = [(fused_march(), True)]
     except WeightsError as err:
