@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import functools
+import math
 import os
 import re
 import sys
@@ -27,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .constraints import grammar_for, grammar_kind, grammar_names, load_grammar, load_schema
+from .decoding import cost
 from .decoding.head import shipped_head
 from .errors import (
     ConstraintError,
@@ -44,6 +46,11 @@ from .target import (
     ModelFetchError,
     cache_dir,
     disk,
+    kernels,
+    llama,
+    load_model,
+    machine,
+    models,
     prepared,
 )
 
@@ -145,6 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
         "measurements)",
     )
     cached.set_defaults(run=_cache)
+
+    cal = commands.add_parser(
+        "calibrate",
+        help="measure this machine's kernels and pass costs again for a model, and say why",
+        description="Measure again what a load chooses by measurement (the linears' kernel, "
+        "how the layers run, the LM head, the prompts' kernel, the pass-cost table), store it "
+        "in the cache and print each choice with its timings. Run it on a quiet machine: a "
+        "measurement taken while other processes kept the CPUs busy is used once and not kept.",
+    )
+    cal.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="NAME",
+        help=f"a built-in name or a .gguf file (default: {DEFAULT_MODEL})",
+    )
+    cal.set_defaults(run=_calibrate)
 
     srv = commands.add_parser(
         "serve",
@@ -612,6 +635,82 @@ def _cache(args, out: Console, err: Console) -> int:
     return 0
 
 
+def _calibrate(args, out: Console, err: Console) -> int:
+    model_path = Path(args.model).expanduser()
+    if args.model not in BUILTIN_MODELS and not (
+        model_path.suffix == ".gguf" and model_path.is_file()
+    ):
+        raise UsageError(
+            f"--model {args.model!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+            "nor a .gguf file that exists: give one of those."
+        )
+    machine.measure_again()
+    t0 = time.perf_counter()
+    try:
+        model, _ = load_model(args.model, weights="auto")
+    except ModelFetchError as e:
+        err.print(Text.assemble(("error: ", "bold red"), str(e)))
+        return 1
+    except (OSError, ValueError) as e:  # a file the loader cannot read: its error
+        raise UsageError(f"cannot load model {args.model!r}: {_first_line(e)}") from None
+    for line in _calibration_lines(args.model, model, t0):
+        out.print(line, soft_wrap=True, markup=False, highlight=False)
+    return 0
+
+
+def _calibration_lines(name: str, model, t0: float) -> list[str]:
+    """What ``constrained-spec calibrate`` prints: each choice a load makes by measurement,
+    with the timings behind it, one line each."""
+    c = models.calibration(model.config)
+    int4 = {k: c[f"matmul_{k}_ms"] for k in kernels.INT4_KERNELS}
+    lines = [
+        f"model: {name} ({models.shape_key(model.config)}), weights "
+        f"{getattr(model, 'weights', 'float')} ({models.auto_weights(name)[1]})",
+        f"{c['measured']}: {_ms({**int4, 'int8': c['int8_ms'], 'float': c['float_ms']})}"
+        f" -> {c['choice']}" + (f" on {min(int4, key=int4.get)}" if c["choice"] == "int4" else ""),
+    ]
+    if not isinstance(model, llama.CompactLlama):
+        return [*lines, "transformers' forward runs it: no layer, head or pass-cost choices"]
+    layers = models.layer_calibration(models.model_key(name, model), model)
+    timings = {k[len("layers_") : -3]: v for k, v in layers.items() if k.startswith("layers_")}
+    lines.append(f"layers (a step and a 5-token verify pass): {_ms(timings)} -> {layers['layers']}")
+    head = {"q8": c["head_q8_ms"], "float": c["head_float_ms"]}
+    lines.append(f"LM head (1 + 4 rows): {_ms(head)} -> {c['head']}")
+    fastest = models.prefill_kernel(c, model.matmul, model.layer_kernel == "fused")
+    why = "the fastest" if model.prefill == fastest else "no room for the bf16 copy"
+    prefill = {
+        f"int4 ({model.matmul})": c[f"prefill_{model.matmul}_ms"],
+        "bf16": c["prefill_bf16_ms"],
+    }
+    prefill |= {k: c.get(f"prefill_dense-{k}_ms", math.inf) for k in kernels.DENSE_KERNELS}
+    lines.append(f"prompts (128 rows, 2 layers): {_ms(prefill)} -> {model.prefill} ({why})")
+    table = cost.pass_cost(model)
+    for rows, points in table.grid.items():
+        fed = ", ".join(f"{n} fed {t:.1f}" for n, t in points)
+        lines.append(f"pass cost, {rows} row{'s' * (rows > 1)} (ms): {fed}")
+    lines.append(
+        f"acceptance rule per position: sampled {table.sampled_ms:.3f} ms, "
+        f"greedy {table.greedy_ms:.3f} ms"
+    )
+    done = machine.measured_now()
+    loaded = [k for k, v in done.items() if machine.PROVISIONAL in v]
+    lines.append(
+        f"{len(done)} measurements in {time.perf_counter() - t0:.0f} s, "
+        + (
+            f"{len(loaded)} under load: used once, not kept (run calibrate on a quiet machine)"
+            if loaded
+            else f"all on a quiet machine: kept in {cache_dir() / 'calibration.json'}"
+        )
+    )
+    return lines
+
+
+def _ms(timings: dict[str, float]) -> str:
+    """Timings, fastest first; kernels that cannot run here (inf) left out."""
+    ran = sorted((v, k) for k, v in timings.items() if math.isfinite(v))
+    return ", ".join(f"{k} {v:.2f} ms" for v, k in ran)
+
+
 def _size(size: int) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if size >= scale:
@@ -925,7 +1024,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # Commands that hold nothing to clean up when they end (no server, no worker processes).
-ONE_SHOT = ("generate", "grammars", "cache")
+ONE_SHOT = ("generate", "grammars", "cache", "calibrate")
 
 
 def run() -> None:

@@ -146,7 +146,7 @@ def load_model(
     model, tokenizer = _load_float(name_or_path, dtype)
     if weights != "float":
         model = llama.from_transformers(model, weights)
-        choose_layers(_model_key(name_or_path, model), model)
+        choose_layers(model_key(name_or_path, model), model)
     return model.eval(), tokenizer
 
 
@@ -156,7 +156,7 @@ def load_model(
 DENSE_COPY_SHARE = 0.25
 
 
-def _dense_copy_fits(model) -> bool:
+def dense_copy_fits(model) -> bool:
     weights = sum(m.packed.nbytes * 2 // m.copies for m in model.linears)  # copies·N·K/2 bytes
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return 2 * weights <= DENSE_COPY_SHARE * memory
@@ -170,7 +170,7 @@ def _user_gguf(name_or_path: str) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
-def _model_key(name_or_path: str, model) -> str:
+def model_key(name_or_path: str, model) -> str:
     """A loaded model's name in the measurement cache: built-in names as they are, other
     models by their shape and tensor types (what their layers' cost depends on), so that a
     file's copy, or a test's fresh file, reuses the measurement."""
@@ -360,6 +360,19 @@ def choose_layers(name: str, model) -> str:
     fastest way measured on the model itself (a step and a verify pass each, about a second),
     once per model, CPU, torch version and thread count, then cached. The model is left on the
     choice, which is returned ("fused/avx512-bf16", ...)."""
+    choice = layer_calibration(name, model)["layers"]
+    layers, _, matmul = choice.partition("/")
+    if matmul and kernels.int4_kernel_missing(matmul):  # measured where it could run
+        matmul = "torch"
+    if matmul:
+        model.use_matmul(matmul)
+    model.use_layers("python" if kernels.fused_missing() else layers)
+    return "/".join(filter(None, (model.layer_kernel, model.matmul)))
+
+
+def layer_calibration(name: str, model) -> dict:
+    """choose_layers' measurement: milliseconds per way ("layers_fused/avx2_ms", ...) and the
+    fastest ("layers"), cached under the model's name (``model_key``)."""
 
     def measure() -> dict:
         timings = llama.measure_layers(model)
@@ -373,14 +386,7 @@ def choose_layers(name: str, model) -> str:
         return layers in kernels.LAYER_KERNELS and matmul in ("", *kernels.INT4_KERNELS)
 
     key = f"{name} | {model.weights} | {LAYERS_CALIBRATION}"
-    choice = remembered(key, measure, valid=known)["layers"]
-    layers, _, matmul = choice.partition("/")
-    if matmul and kernels.int4_kernel_missing(matmul):  # measured where it could run
-        matmul = "torch"
-    if matmul:
-        model.use_matmul(matmul)
-    model.use_layers("python" if kernels.fused_missing() else layers)
-    return "/".join(filter(None, (model.layer_kernel, model.matmul)))
+    return remembered(key, measure, valid=known)
 
 
 LAYERS_CALIBRATION = "layers v4: with the 4-bit matmul kernel (AMX, AVX2, NEON too)"
@@ -394,9 +400,9 @@ def _load_prepared(name_or_path: str):
     model, tokenizer = loaded or _load_gguf_int4(name_or_path)
     before = _kernel_choices(model)
     measured = calibration(model.config)
-    choose_layers(_model_key(name_or_path, model), model)
+    choose_layers(model_key(name_or_path, model), model)
     kernel = prefill_kernel(measured, model.matmul, model.layer_kernel == "fused")
-    model.use_prefill(kernel if _dense_copy_fits(model) else "int4")
+    model.use_prefill(kernel if dense_copy_fits(model) else "int4")
     model.use_head(measured["head"])
     if loaded is None or _kernel_choices(model) != before:  # new, or re-laid for this machine
         prepared.save_later(model_file(name_or_path), model, tokenizer)  # now on disk
