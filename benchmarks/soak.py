@@ -236,9 +236,9 @@ def report(v: dict, result: dict, args, meta: dict) -> str:
         "| requests | minutes | RSS MB |",
         "|---|---|---|",
     ]
-    lines += [f"| {n} | {t / 60:.1f} | {mb:.0f} |" for n, t, mb in result["samples"][::4]]
-    n, t, mb = result["samples"][-1]
-    lines.append(f"| {n} | {t / 60:.1f} | {mb:.0f} |")
+    shown = result["samples"][::4]
+    shown += result["samples"][-1:] if result["samples"][-1] not in shown else []
+    lines += [f"| {n} | {t / 60:.1f} | {mb:.0f} |" for n, t, mb in shown]
     return "\n".join(lines) + "\n"
 
 

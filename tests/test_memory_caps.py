@@ -1,0 +1,54 @@
+"""Every cache a server's engine keeps stays within its stated cap (docs/server.md, "Memory"):
+a constraint's masks, bitmasks and matcher copies, the compiled constraints, and the trie of
+states past which a fresh constraint is compiled."""
+
+import random
+
+from constrained_spec.constraints import engine
+from constrained_spec.constraints.vocabulary import token_vocabulary
+
+
+def walk(constraint, steps: int, seed: int) -> int:
+    """A random path of ``steps`` legal tokens, each state's mask asked for; the states made."""
+    rng, state, made = random.Random(seed), constraint.initial_state, 0
+    for _ in range(steps):
+        constraint.mask(state)
+        legal = [t for t in constraint._legal(state).tolist() if t != constraint.eos_id]
+        if not legal:
+            break
+        state = constraint.step(state, rng.choice(legal))
+        made += 1
+    return made
+
+
+def test_a_constraints_caches_stay_within_their_caps(tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr(engine, "MASK_CACHE", 8)
+    monkeypatch.setattr(engine, "SNAPSHOTS", 4)
+    vocab = token_vocabulary(tiny_tokenizer)
+    c = engine.GuidanceConstraint(
+        engine.regex_grammar("[a-z ]{0,500}"), vocab, len(vocab.token_bytes), "regex"
+    )
+    assert walk(c, 60, seed=0) == 60  # the subject: many more states than the caps
+    assert len(c._masks) <= 8 and len(c._bits) <= 8 and len(c._snapshots) <= 4
+    assert len(c._parent) == 61  # the trie holds each state once: the root and the path
+
+
+def test_compiled_constraints_are_kept_up_to_the_cap_and_renewed_past_max_states(
+    tiny_tokenizer, monkeypatch
+):
+    monkeypatch.setattr(engine, "COMPILED_CACHE", 3)
+    monkeypatch.setattr(engine, "_compiled", type(engine._compiled)())
+    vocab = token_vocabulary(tiny_tokenizer)
+    width = len(vocab.token_bytes)
+    compiled = [
+        engine.compile_grammar(engine.regex_grammar(f"x{i}[a-z]*"), vocab, width, "regex")
+        for i in range(10)
+    ]
+    assert len(engine._compiled) == 3 and list(engine._compiled.values()) == compiled[-3:]
+    grammar = engine.regex_grammar("[a-z ]{0,500}")
+    first = engine.compile_grammar(grammar, vocab, width, "regex")
+    assert engine.compile_grammar(grammar, vocab, width, "regex") is first  # cached
+    monkeypatch.setattr(engine, "MAX_STATES", 20)
+    walk(first, 30, seed=1)
+    again = engine.compile_grammar(grammar, vocab, width, "regex")
+    assert again is not first and len(again._parent) == 1, "the full trie was handed out again"
