@@ -123,7 +123,8 @@ def test_each_part_of_gemma3s_block_matters(layers, tmp_path):
         moved = kv.forward(model, model.new_cache(), IDS, "cpu")
         assert float(relative_error(moved, theirs).max()) > 0.1, what
     model.block = block
-    model.rope = torch.stack((rotary[0], families.rotary_frequencies(models.load_config(path))[0]))
+    full = families.rotary_frequencies(models.load_config(path))[0]
+    model.rope = torch.stack((rotary[0], full, rotary[2]))
     model._cos = None
     moved = kv.forward(model, model.new_cache(), IDS, "cpu")
     assert float(relative_error(moved, theirs).max()) > 0.1, "the local base ignored"
@@ -167,6 +168,61 @@ def test_the_window_boundary_is_transformers_exactly():
         first = min(window, other)  # the first position whose window differs
         assert float((moved[:first] - theirs[:first]).abs().max()) < 1e-4
         assert float((moved[first:] - theirs[first:]).abs().amax(-1).min()) > 1e-3, other
+
+
+def test_a_mistral_checkpoints_window_is_transformers_too():
+    """The window is not Gemma's alone: a Mistral checkpoint's sliding_window (every layer) in the
+    compact forward, float32, against transformers' MistralForCausalLM."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    model = MistralForCausalLM(config).eval()
+    ids = list(range(3, 120, 3))
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0]
+    ours_model = llama.from_transformers(model, "float")
+    assert ours_model.block.windows == (6, 6)
+    ours = kv.forward(ours_model, ours_model.new_cache(), ids, "cpu")
+    assert float((ours - theirs).abs().max()) < 1e-4
+    ours_model.block = dataclasses.replace(ours_model.block, windows=(0, 0))
+    moved = kv.forward(ours_model, ours_model.new_cache(), ids, "cpu")
+    assert float((moved[6:] - theirs[6:]).abs().amax(-1).min()) > 1e-3
+
+
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_smollm3s_layers_without_rotary(weights):
+    """SmolLM3 (a declaration: Llama with no rotary on every 4th layer): a SmolLM3ForCausalLM in
+    the compact forward against transformers' (float32: to 1e-4; 8-bit weights, either layers:
+    within their reach); rotating those layers too moves the logits far past the float bound."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    torch.manual_seed(0)
+    config = SmolLM3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.1,
+    )  # fmt: skip
+    model = SmolLM3ForCausalLM(config).eval()
+    ids = list(range(3, 120, 3))
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0]
+    compact = llama.from_transformers(model, weights)
+    assert compact.block.rotary == (0, 0, 0, 2) and config.no_rope_layers == [1, 1, 1, 0]
+    bound = 1e-4 if weights == "float" else 0.05
+    kinds = ["python"] + ([] if weights == "float" or kernels.fused_missing() else ["fused"])
+    for layers in kinds:
+        compact.use_layers(layers)
+        ours = kv.forward(compact, compact.new_cache(), ids, "cpu")
+        assert float(relative_error(ours, theirs).max()) < bound, layers
+    if weights == "float":  # in float32 (ours to 1e-4), rotating layer 4 too moves 300x that
+        compact.block = dataclasses.replace(compact.block, rotary=(0,) * 4)
+        moved = kv.forward(compact, compact.new_cache(), ids, "cpu")
+        assert float(relative_error(moved, theirs).max()) > 0.03
 
 
 def test_a_transformers_gemma3_runs_in_8_bits_on_the_fused_layers_too():
@@ -369,6 +425,14 @@ def test_an_unsupported_family_names_the_supported_ones():
         families.check(transformers.Gemma2Config(), "int4")
     with pytest.raises(WeightsError, match="soft-capping.*final_logit_softcapping"):
         families.check(Gemma3TextConfig(final_logit_softcapping=30.0), "int4")
+
+
+def test_a_smollm3_gguf_is_refused_by_name_before_its_weights(tmp_path, monkeypatch):
+    """SmolLM3 runs from checkpoints only (transformers reads no config from its GGUF files)."""
+    path = testing.write_gguf(tmp_path / "smollm3.gguf", "smollm3", "Q8_0", hidden=64, ffn=128)
+    monkeypatch.setattr(files, "dequantize", explode)
+    with pytest.raises(WeightsError, match="'smollm3' architecture is not supported.*gemma3"):
+        files.check_gguf(files.read_gguf(path), path)
 
 
 # --- the real file, where it is on disk (never downloaded by the tests) ---------------------------

@@ -56,6 +56,11 @@ class Family:
     # (``{arch}.rope.freq_base_swa``, else local_rope_base); 0: no windows
     window_period: int = 0
     local_rope_base: float = 10000.0
+    # no rotary on layers where (il + 1) % nope_period == 0 (SmolLM3: 4; the GGUF does not say it,
+    # llama.cpp hard-codes it; a checkpoint's config.no_rope_layers says it per layer); 0: none
+    nope_period: int = 0
+    # its GGUF files run (False: transformers' GGUF reader has no config for them; checkpoints do)
+    gguf: bool = True
     # layer counts whose scores are scaled by 1/√(hidden/heads), not 1/√head_dim (llama.cpp:
     # Gemma 3 27B, whose query_pre_attn_scalar is 168 with heads of 128)
     query_scalar_hidden_at: tuple[int, ...] = ()
@@ -65,6 +70,7 @@ FAMILIES = (
     Family("llama", ("llama", "mistral"), permuted_qk=True),  # Llama 2/3.x, Mistral, SmolLM
     Family("qwen2", ("qwen2",), qkv_bias=True),
     Family("qwen3", ("qwen3",), qk_norms=True),
+    Family("smollm3", ("smollm3",), nope_period=4, gguf=False),  # SmolLM3-3B checkpoints
     # Gemma 3 (270M, 1B text; FunctionGemma): llama.cpp's src/models/gemma3.cpp
     Family(
         "gemma3",
@@ -78,7 +84,7 @@ FAMILIES = (
         query_scalar_hidden_at=(62,),
     ),
 )
-ARCHITECTURES = tuple(f.name for f in FAMILIES)
+ARCHITECTURES = tuple(f.name for f in FAMILIES if f.gguf)  # of GGUF files
 MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
 
 
@@ -104,7 +110,7 @@ class Block:
     embed_scale: float  # embeddings × this (1.0: none)
     attention_scale: float  # scores = q·k × this
     windows: tuple[int, ...]  # per layer: a key at distance ≥ window is masked; 0: no window
-    rotary: tuple[int, ...]  # per layer: its row of rotary_frequencies (0: FULL, 1: SLIDING)
+    rotary: tuple[int, ...]  # per layer: its row of rotary_frequencies (ROTARY_ROWS)
 
     @property
     def activation_code(self) -> int:
@@ -116,6 +122,9 @@ class Block:
 ROPE_TYPES = ("default", "linear", "llama3")
 # transformers' names of a layer's kind (config.layer_types): its window and its rotary parameters
 FULL, SLIDING = "full_attention", "sliding_attention"
+# rotary_frequencies' rows: full layers', windowed layers', and none (frequencies 0: cos 1, sin 0,
+# a rotation that leaves q and k exactly as they are)
+ROTARY_ROWS = (FULL, SLIDING, "none")
 
 
 def block_of(config) -> Block:
@@ -137,8 +146,20 @@ def block_of(config) -> Block:
         embed_scale=float(torch.tensor(math.sqrt(hidden))) if family.embed_scale else 1.0,
         attention_scale=float(scalar) ** -0.5,
         windows=tuple(window if kind == SLIDING else 0 for kind in kinds),
-        rotary=tuple(int(kind == SLIDING) for kind in kinds),
+        rotary=tuple(
+            ROTARY_ROWS.index(kind) if rotates else ROTARY_ROWS.index("none")
+            for kind, rotates in zip(kinds, _rotates(config, family))
+        ),
     )
+
+
+def _rotates(config, family: Family) -> list[bool]:
+    """Whether each layer rotates q and k: config.no_rope_layers (1: rotary) where the config
+    has them, else all but the family's NoPE layers."""
+    if (flags := getattr(config, "no_rope_layers", None)) is not None:
+        return [bool(f) for f in flags]
+    period = family.nope_period
+    return [not period or (il + 1) % period != 0 for il in range(config.num_hidden_layers)]
 
 
 def layer_kinds(config) -> list[str]:
@@ -174,8 +195,8 @@ def rope_of(config, kind: str) -> dict:
 
 
 def rotary_frequencies(config) -> torch.Tensor:
-    """The rotary inverse frequencies (2, hd/2) of FULL and SLIDING layers (Block.rotary picks a
-    layer's row), as transformers computes them."""
+    """The rotary inverse frequencies (3, hd/2) of ROTARY_ROWS (Block.rotary picks a layer's
+    row), as transformers computes them."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rows = []
     for kind in (FULL, SLIDING):
@@ -190,7 +211,7 @@ def rotary_frequencies(config) -> torch.Tensor:
             base, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
             assert attention_factor == 1.0, attention_factor
         rows.append(base.float())
-    return torch.stack(rows)
+    return torch.stack((*rows, torch.zeros_like(rows[0])))
 
 
 def check(config, weights: str) -> Family:

@@ -117,7 +117,7 @@ def check_gguf(reader: GGUFReader, path: str | Path) -> families.Family:
     missing tensor, a metadata key out of range), before any weight is read."""
     name = Path(path).name
     arch = _field(reader, "general.architecture", "?")
-    family = next((f for f in families.FAMILIES if f.name == arch), None)
+    family = next((f for f in families.FAMILIES if f.name == arch and f.gguf), None)
     if family is None:
         raise WeightsError(
             f"{name}: the {arch!r} architecture is not supported (GGUF files of "
@@ -256,9 +256,9 @@ def from_gguf(path: str | Path, config) -> llama.CompactLlama:
     blocks = None  # the head's 8-bit screen: the file's own Q8_0 blocks, else quantized (Q8Head)
     if source.tensor_type.name == "Q8_0":
         blocks = kernels.split_q8_0(torch.from_numpy(np.array(source.data)))
-    rope = families.rotary_frequencies(config)  # (2, hd/2): full and windowed layers
+    rope = families.rotary_frequencies(config)  # (3, hd/2): families.ROTARY_ROWS
     if "rope_freqs.weight" in tensors:  # Llama 3's long-context factors: θ_i / factor_i
-        rope = rope / _float(tensors["rope_freqs.weight"])
+        rope = rope / _float(tensors["rope_freqs.weight"])  # (0 / factor: none stays none)
     model = llama.CompactLlama(
         config, embed, kernels.Q8Head(weight, blocks), norms, linears, "int4",
         biases=biases or None, qk_norms=qk_norms or None, rope=rope,

@@ -313,8 +313,8 @@ class CompactLlama(nn.Module):
         """``norms``: per layer its block's RMSNorm weights (families.Block.norms of them, in
         the order they apply), then the final one; ``biases``: per layer the q/k/v matmul's
         bias (width,) (Qwen2); ``qk_norms``: per layer the query and the key heads' RMSNorm
-        weights (hd,) (Qwen3, Gemma 3); ``rope``: the rotary inverse frequencies (2, hd/2) of
-        full and windowed layers where the config's do not say them (a GGUF's factors)."""
+        weights (hd,) (Qwen3, Gemma 3); ``rope``: the rotary inverse frequencies (3, hd/2) of
+        families.ROTARY_ROWS where the config's do not say them (a GGUF's factors)."""
         super().__init__()
         self.weights = weights
         self.embed = nn.Embedding.from_pretrained(embed, freeze=True)  # (V, d)
@@ -336,6 +336,8 @@ class CompactLlama(nn.Module):
         self.block = families.block_of(config)
         if self.rope.dim() == 1:  # prepared before rotary per layer kind: one row for all
             self.rope = torch.stack((self.rope, self.rope))
+        if self.rope.shape[0] == 2:  # prepared before layers without rotary: their row
+            self.rope = torch.cat((self.rope, torch.zeros_like(self.rope[:1])))
         assert len(self.norms) == self.shape.layers * self.block.norms + 1, "norms per block"
         self._cos = self._sin = None  # rotary factors by position (_rotary)
         self._fused = None  # the fused layers' arguments, where they run
@@ -513,9 +515,9 @@ class CompactLlama(nn.Module):
         return (self.head(features, masks) if logits else None), features
 
     def _rotary(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary factors cos, sin (2, P, hd) of positions 0..P-1, P ≥ ``positions``, of full
-        and of windowed layers (Block.rotary): computed once (doubling as inputs reach
-        further), not per call."""
+        """The rotary factors cos, sin (3, P, hd) of positions 0..P-1, P ≥ ``positions``, of
+        families.ROTARY_ROWS (Block.rotary): computed once (doubling as inputs reach further),
+        not per call."""
         have = 0 if self._cos is None else self._cos.shape[1]
         if have < positions:
             count = min(max(positions, 2 * have, 256), max(self.shape.context, positions))
@@ -526,7 +528,7 @@ class CompactLlama(nn.Module):
 
     def _python_layers(self, x, caches, starts, sizes, cos, sin, long, seen) -> torch.Tensor:
         """The layers as torch ops (what the fused ones compute, up to float rounding); cos,
-        sin (2, N, hd): each token's rotary factors; seen: a prompt's attention masks by
+        sin (3, N, hd): each token's rotary factors; seen: a prompt's attention masks by
         window (long: _prompt_masks)."""
         s, b, total = self.shape, self.block, sum(sizes)
         k, act = b.norms, _ACTIVATIONS[b.activation]
