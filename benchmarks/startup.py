@@ -13,7 +13,10 @@ token, each measured in fresh processes from the moment the process is started.
 
 Warm: the model prepared and the kernels built and calibrated before (every run after the first);
 cold: the prepared model file removed first (the conversion a new model's first load pays; the
-one-time download and kernel build are not counted). ``--baseline-python PY`` runs the same with
+one-time download and kernel build are not counted). ``--first-run``: first of all, the CLI call
+once on an empty cache (``CONSTRAINED_SPEC_CACHE``: a new folder, kept for the runs after it):
+what a new machine's first call pays (download, kernel build, calibration, preparing), with the
+progress lines it printed. ``--baseline-python PY`` runs the same with
 another Python whose constrained_spec is another version (e.g. a virtualenv with
 ``pip install -e`` of ``git worktree add /tmp/before <commit>``), for comparison.
 Medians over ``--repeats`` processes; the machine should be otherwise idle.
@@ -29,12 +32,13 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "examples" / "person.json"
-PROMPT = "Extract: Alice, 30, alice@example.com"
+PROMPT = "Extract: Alice is 30 years old and her email is alice@example.com."  # the README's
 
 # One request through the API, timed from the process's start (the parent's clock at spawn).
 CHILD = """
@@ -111,6 +115,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--baseline-python", help="a Python with another version of the package")
     p.add_argument("--model", default=None, help="a built-in name or a GGUF file (default model)")
+    p.add_argument("--first-run", action="store_true", help="first, one call on an empty cache")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,13 +125,24 @@ def main(argv=None) -> int:
     model = args.model or DEFAULT_MODEL
     versions = {"this checkout": sys.executable}
     if args.baseline_python:
-        versions[f"baseline ({args.baseline_python})"] = args.baseline_python
+        versions[args.baseline_python] = args.baseline_python  # another install
+    env, first = dict(os.environ), None
+    if args.first_run:  # a new machine: nothing cached (the package's own install aside)
+        env["CONSTRAINED_SPEC_CACHE"] = tempfile.mkdtemp(prefix="constrained-spec-cache-")
+        cli = [sys.executable, "-m", "constrained_spec", "generate", "--model", model]
+        start = time.time()
+        out = subprocess.run(
+            [*cli, "--schema", str(SCHEMA), PROMPT], env=env, capture_output=True, text=True
+        )
+        first = {"seconds": time.time() - start, "returncode": out.returncode}
+        first |= {"stdout": out.stdout.strip(), "stderr": out.stderr.strip().splitlines()}
+        say(f"first run: {first['seconds']:.1f} s", *first["stderr"], sep="\n  ")
     results = {}
     for label, python in versions.items():
         for cold in (False, True):
             say(f"{label}, {'cold' if cold else 'warm'}:")
             results[f"{label}, {'cold' if cold else 'warm'}"] = measure(
-                python, dict(os.environ), model, args.repeats, cold, say
+                python, env, model, args.repeats, cold, say
             )
     meta = {
         "command": shlex.join(["python", *sys.argv]),
@@ -136,19 +152,31 @@ def main(argv=None) -> int:
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "repeats": args.repeats,
     }
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    everything = {"meta": meta, "first_run": first, "results": results}
+    (out / "results.json").write_text(json.dumps(everything, indent=1))
     names = list(next(iter(results.values())))
     lines = [
         "# Start-up time (seconds from the process's start; medians of "
         f"{args.repeats} fresh processes)",
         "",
-        f"Command: `{meta['command']}` (python: `{meta['python']}`); model {model}",
+        f"Command: `{meta['command']}` (python: `{meta['python']}`); model {model}; "
+        f"{meta['machine']}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         "| | " + " | ".join(results) + " |",
         "|---|" + "---|" * len(results),
     ]
     for name in names:
         lines.append(f"| {name} | " + " | ".join(f"{r[name]:.2f}" for r in results.values()) + " |")
+    if first:
+        lines += [
+            "",
+            f"First run on an empty cache: **{first['seconds']:.1f} s** (exit {first['returncode']},"
+            f" printed `{first['stdout']}`); its progress lines on stderr:",
+            "",
+            "```",
+            *first["stderr"],
+            "```",
+        ]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     say(f"report: {out / 'report.md'}")
     return 0
