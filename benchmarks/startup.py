@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    say = lambda *a: print(*a, flush=True)
+    say = lambda *a, **k: print(*a, flush=True, **k)
     from constrained_spec.target.models import DEFAULT_MODEL
 
     model = args.model or DEFAULT_MODEL

@@ -7,8 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=benchmarks/results/first-hour
 exec 9>/tmp/quiet.lock && flock 9
-rm -rf /tmp/readmeenv /tmp/plainenv
-python3.11 -m venv /tmp/readmeenv && /tmp/readmeenv/bin/pip install -q torch==2.13.0 -e ".[test]"
-python3.11 -m venv /tmp/plainenv && /tmp/plainenv/bin/pip install -q torch==2.13.0 .
+if [ "${REINSTALL:-1}" = 1 ]; then  # REINSTALL=0: the virtualenvs of a previous run
+  rm -rf /tmp/readmeenv /tmp/plainenv
+  python3.11 -m venv /tmp/readmeenv && /tmp/readmeenv/bin/pip install -q torch==2.13.0 -e ".[test]"
+  python3.11 -m venv /tmp/plainenv && /tmp/plainenv/bin/pip install -q torch==2.13.0 .
+fi
 /tmp/readmeenv/bin/python benchmarks/startup.py --first-run --repeats 5 --out "$OUT/readme-install" \
   --baseline-python /tmp/plainenv/bin/python
