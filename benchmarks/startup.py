@@ -129,6 +129,7 @@ def main(argv=None) -> int:
     env, first = dict(os.environ), None
     if args.first_run:  # a new machine: nothing cached (the package's own install aside)
         env["CONSTRAINED_SPEC_CACHE"] = tempfile.mkdtemp(prefix="constrained-spec-cache-")
+        os.environ["CONSTRAINED_SPEC_CACHE"] = env["CONSTRAINED_SPEC_CACHE"]  # cold: its files
         cli = [sys.executable, "-m", "constrained_spec", "generate", "--model", model]
         start = time.time()
         out = subprocess.run(
