@@ -132,11 +132,18 @@ def main(argv=None) -> int:
         os.environ["CONSTRAINED_SPEC_CACHE"] = env["CONSTRAINED_SPEC_CACHE"]  # cold: its files
         cli = [sys.executable, "-m", "constrained_spec", "generate", "--model", model]
         start = time.time()
-        out = subprocess.run(
+        call = subprocess.run(
             [*cli, "--schema", str(SCHEMA), PROMPT], env=env, capture_output=True, text=True
         )
-        first = {"seconds": time.time() - start, "returncode": out.returncode}
-        first |= {"stdout": out.stdout.strip(), "stderr": out.stderr.strip().splitlines()}
+        first = {"seconds": time.time() - start, "returncode": call.returncode}
+        first |= {
+            "stdout": call.stdout.strip(),
+            "stderr": [
+                line
+                for line in call.stderr.strip().splitlines()
+                if "it/s]" not in line and line.strip()
+            ],
+        }
         say(f"first run: {first['seconds']:.1f} s", *first["stderr"], sep="\n  ")
     results = {}
     for label, python in versions.items():
