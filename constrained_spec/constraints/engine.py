@@ -33,7 +33,12 @@ from .vocabulary import TokenVocabulary
 
 FINISHED = -1  # the state after EOS: nothing is legal any more
 
-MASK_CACHE = 256  # bitmasks and bool masks kept per constraint (a 49k vocabulary's: 6 / 49 kB)
+MASK_CACHE = 256  # bitmasks kept per constraint (FIFO; a 49k vocabulary's: 6 kB each)
+# Bool masks kept per constraint (LRU): V bytes each (49 kB at 49k, 262 kB at Gemma's 262k), 8x a
+# bitmask, and rebuilt from it in one unpack (no llguidance call). A round asks for its newest
+# states' masks; at 256 the 20 busy schemas of benchmarks/soak.py filled theirs for 10,000 requests
+# (RSS +46% after the first 1,000, docs/server.md "Memory").
+BOOL_MASKS = 32
 SNAPSHOTS = 256  # matcher copies kept per constraint (LRU)
 # A copy is kept of every SNAPSHOT_EVERY-th state along a path whose mask was computed: going back
 # to a state then consumes at most SNAPSHOT_EVERY - 1 tokens more after the copy; a copy costs
@@ -210,7 +215,7 @@ class GuidanceConstraint:
             self._masks.move_to_end(key)
             return self._masks[key]
         self._masks[key] = self._tensor([state], key[1])[0]
-        if len(self._masks) > MASK_CACHE:
+        if len(self._masks) > BOOL_MASKS:
             self._masks.popitem(last=False)
         return self._masks[key]
 
