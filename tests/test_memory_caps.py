@@ -2,7 +2,10 @@
 a constraint's masks, bitmasks and matcher copies, the compiled constraints, and the trie of
 states past which a fresh constraint is compiled."""
 
+import platform
 import random
+
+import pytest
 
 from constrained_spec.constraints import engine
 from constrained_spec.constraints.vocabulary import token_vocabulary
@@ -60,3 +63,17 @@ def test_compiled_constraints_are_kept_up_to_the_cap_and_renewed_past_max_states
     walk(first, 30, seed=1)
     again = engine.compile_grammar(grammar, vocab, width, "regex")
     assert again is not first and len(again._parent) == 1, "the full trie was handed out again"
+
+
+def test_the_server_gives_free_heap_back_on_glibc(monkeypatch):
+    server = pytest.importorskip("constrained_spec.server")
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+    assert server._libc_trim is not None  # else the trim below would do nothing, unseen
+    calls = []
+    monkeypatch.setattr(server, "_libc_trim", calls.append)
+    worker = server.Worker.__new__(server.Worker)  # no model thread: take() alone
+    worker.jobs, worker.trimmed = server.queue.Queue(), 0.0
+    worker.take(1, wait=False)
+    worker.take(1, wait=False)  # within TRIM_EVERY_S of the first: not again
+    assert calls == [0]
