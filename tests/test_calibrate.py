@@ -87,6 +87,8 @@ def test_a_busy_neighbour_is_seen_and_a_quiet_machine_is_not():
         return machine.others_share(before, machine.cpu_times())
 
     quiet = spin_for(0.6)
+    if quiet is not None and quiet >= machine.LOADED_SHARE:  # other jobs beside the suite
+        pytest.skip(f"the machine is not quiet ({quiet:.0%} used by others): nothing to tell")
     neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
@@ -104,6 +106,7 @@ def gguf(tmp_path_factory):
 
 
 def test_calibrate_measures_again_and_names_each_choice(cache, capsys, gguf, monkeypatch):
+    monkeypatch.setattr(machine, "others_share", lambda before, after: 0.0)  # quiet, then busy
     timed = []
     real = llama.measure_layers
     monkeypatch.setattr(llama, "measure_layers", lambda m: timed.append(1) or real(m, repeats=1))
