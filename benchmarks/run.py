@@ -769,14 +769,16 @@ def bandwidth_limit(target, step_ms=None, rounds: int = 7) -> dict:
     With ``step_ms`` (the median ms of a one-token step), ``rounds`` rounds of one sum and one
     step measurement each, so that both see the same machine (a shared one's bandwidth moves
     by a fifth from minute to minute): the medians of the bandwidth, the step and their ratio."""
-    embed = target.get_input_embeddings().weight
     named = [*target.named_parameters(), *target.named_buffers()]
     tensors = {t.data_ptr(): t for name, t in named if not name.endswith(PREFILL_ONLY)}
     head = target.get_output_embeddings()
-    if embed.data_ptr() != head.weight.data_ptr():
-        tensors.pop(embed.data_ptr(), None)  # untied: its rows are gathered, not streamed
+    streamed = getattr(head, "weight", None)  # a float head's rows (a Q8Head reads its blocks)
+    gathered = [*target.get_input_embeddings().state_dict().values()]  # the fed tokens' rows
     if isinstance(head, kernels.Q8Head):
-        tensors.pop(head.weight.data_ptr(), None)  # read through its blocks; a few rows gathered
+        gathered += head.table.state_dict().values()  # the few rows recomputed in float32
+    for t in gathered:
+        if streamed is None or t.data_ptr() != streamed.data_ptr():  # tied to a float head: read
+            tensors.pop(t.data_ptr(), None)
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     big = torch.ones(2**28)  # 1 GiB of float32
     big.sum()  # the first sum also faults the pages in

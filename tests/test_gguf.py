@@ -129,6 +129,59 @@ def test_a_gguf_file_computes_what_transformers_does_on_its_dequantized_weights(
         assert len(model.qk_norms) == 4
 
 
+@pytest.mark.parametrize("layers", LAYERS)
+@pytest.mark.parametrize(
+    "arch, tied, types",
+    [
+        ("llama", True, "Q4_K"),  # the built-in model's layout: one Q8_0 table, tied
+        ("gemma3", False, {"*": "Q4_K", "output": "Q8_0"}),  # two Q8_0 tables (× √d: Gemma's)
+        ("qwen2", False, "Q4_K"),  # a Q8_0 embedding, a Q6_K head: its rows stay float32
+    ],
+    ids=["tied", "untied-Q8_0", "untied-Q6_K"],
+)
+def test_q8_0_tables_as_blocks_compute_what_their_float32_rows_do(
+    arch, tied, types, layers, tmp_path
+):
+    """The token embedding and the LM head's rows, where the file holds them in Q8_0, stay its
+    blocks (kernels.Q8Rows, once where tied), their rows gguf's dequantization exactly; a prompt,
+    a verify pass (narrow and wide masks) and a step give bit for bit the logits and features of
+    the same model over float32 copies of those rows."""
+    path = testing.write_gguf(tmp_path / "m.gguf", arch, types, tied=tied, hidden=256, ffn=256)
+    model = compact(path, layers)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    assert isinstance(model.embed, kernels.Q8Rows)
+    assert torch.equal(model.embed(slice(None)), files._float(tensors["token_embd.weight"]))
+    head = tensors["token_embd.weight" if tied else "output.weight"]
+    assert torch.equal(model.lm_head.dequantized(), files._float(head))
+    assert (model.lm_head.table is model.embed) == tied
+    assert isinstance(model.lm_head.table, kernels.Q8Rows) == (head.tensor_type.name == "Q8_0")
+
+    reference = compact(path, "python")  # the same, its Q8_0 tables as float32 rows
+    floats = {}
+    for owner, name in [(reference, "embed"), (reference.lm_head, "table")]:
+        table = getattr(owner, name)
+        if isinstance(table, kernels.Q8Rows):
+            rows = floats.setdefault(
+                id(table), torch.nn.Embedding.from_pretrained(table(slice(None)))
+            )
+            setattr(owner, name, rows)
+    assert floats, "no Q8_0 table to compare"
+    reference.use_layers(layers)  # the fused layers' arguments: the float32 embedding
+    vocab, ids = model.vocab_size, torch.tensor(IDS)
+    masks = torch.ones(5, vocab, dtype=torch.bool)
+    masks[1] = masks[3] = False
+    masks[1, [3, 5, 7]] = masks[3, :9] = True  # narrow: their rows only (CompactLlama.head)
+    masks[2, ::2] = False
+    caches = [model.new_cache(), reference.new_cache()]
+    for fed, mask in [(ids[:40], None), (ids[40:45], masks), (ids[45:46], None)]:
+        (ours, our_features), (theirs, their_features) = (
+            m(fed, cache, masks=mask) for m, cache in zip((model, reference), caches)
+        )
+        assert torch.equal(our_features, their_features)
+        assert torch.equal(ours, theirs), f"{len(fed)} tokens"
+        assert torch.isfinite(ours[mask if mask is not None else slice(None)]).all()
+
+
 def test_dropping_qwen2s_biases_or_qwen3s_norms_would_be_caught(tmp_path):
     """The comparison above has the power to see what a silently dropped bias or norm costs."""
     for arch, part, shape in [

@@ -905,7 +905,7 @@ def test_real_default_model_int4_is_its_gguf_blocks():
         agree += (ours.argmax(-1) == theirs.argmax(-1)).tolist()
         # the Q8_0 head on real features: within its bound, float32's top token
         _, features = kv.forward(model, model.new_cache(), ids, "cpu", features=True)
-        exact = features @ head.weight.T
+        exact = features @ head.dequantized().T
         for matmul in kernels.INT4_KERNELS:  # each kernel that runs here, with its own bound
             if kernels.int4_kernel_missing(matmul) is None:
                 head.use_kernel(matmul)
@@ -1097,7 +1097,7 @@ def test_the_head_computes_only_the_legal_logits_of_narrow_positions(tiny_int4_t
     rows of the head, −inf elsewhere); a wider one gets the whole head; the largest legal logit
     is float32's everywhere; no position's logits depend on the other positions fed with it."""
     model = tiny_int4_target
-    weight = model.lm_head.weight
+    weight = model.lm_head.dequantized()  # (V, d) float32
     vocab = weight.shape[0]
     limit = int(llama.NARROW * vocab)
     torch.manual_seed(0)
@@ -1155,6 +1155,38 @@ def test_q8_head_is_float32_at_the_top_and_within_its_bound_elsewhere(seed, matm
         assert torch.equal(head(x[i : i + 1], legal[i : i + 1])[0], head(x, legal)[i])
 
 
+@pytest.mark.parametrize("vocab", [1024, 1000])  # the table's blocks screen as they are, or padded
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_fused), False])
+def test_q8_head_rows_kept_as_blocks_give_the_float32_rows_logits(vocab, fused):
+    """A Q8_0 head keeps its rows as their blocks (kernels.Q8Rows) and dequantizes the rows it
+    recomputes: its logits are bit for bit those of the same head over a float32 copy of the
+    rows, whole or masked, as one compiled call and as torch ops. Float32 rows that are Q8_0
+    values are kept as blocks; others stay float32."""
+    torch.manual_seed(vocab)
+    q, d = kernels.quantize_q8_0(torch.randn(vocab, 128) * 0.05)
+    rows = kernels.Q8Rows(q, d)
+    floats = kernels.dequantize_q8_0(q, d)
+    assert torch.equal(rows(slice(None)), floats)
+    ids = torch.tensor([[5, 0], [vocab - 1, 7]])
+    assert torch.equal(rows(ids), floats[ids])  # any shape of ids, as nn.Embedding takes
+    head = kernels.Q8Head(rows)
+    head.fused = fused
+    reference = copy.deepcopy(head)
+    reference.table = torch.nn.Embedding.from_pretrained(floats)  # today's float32 copy
+    x = torch.randn(16, 128) * torch.logspace(-1, 1.5, 16)[:, None]
+    legal = torch.rand(16, vocab) < torch.linspace(0.01, 1, 16)[:, None]
+    legal[:, 0] = True
+    for mask in (None, legal):
+        logits = head(x, mask)
+        assert (logits != head.approximate(x)[0]).any(1).all(), "no row was recomputed"
+        assert torch.equal(logits, reference(x, mask))
+    assert torch.equal(head.rows(ids[0]), floats[ids[0]])
+    assert torch.equal(head.dequantized(), floats)
+    assert isinstance(kernels.Q8Head(floats).table, kernels.Q8Rows)  # Q8_0 values: as blocks
+    other = floats + 1e-3  # not Q8_0 values: kept as float32 rows
+    assert torch.equal(kernels.Q8Head(other).rows(ids[0]), other[ids[0]])
+
+
 def test_speculation_takes_the_narrow_head_and_still_equals_the_baseline(
     tiny_int4_target, tiny_tokenizer, monkeypatch
 ):
@@ -1185,7 +1217,7 @@ def test_either_lm_head_kernel_gives_the_same_top_logit(tiny_int4_target):
     model = copy.deepcopy(tiny_int4_target)
     torch.manual_seed(0)
     features = torch.randn(8, model.shape.hidden) * 3
-    masks = torch.ones(8, model.lm_head.weight.shape[0], dtype=torch.bool)
+    masks = torch.ones(8, model.vocab_size, dtype=torch.bool)
     blocks = model.head(features, masks)
     model.use_head("float")
     assert isinstance(model.lm_head, kernels.DenseLinear)

@@ -14,7 +14,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from constrained_spec import Generator, testing
 from constrained_spec.constraints import token_vocabulary
 from constrained_spec.constraints.vocabulary import _UNICODE_TO_BYTE, _byte_level
-from constrained_spec.target import models, prepared
+from constrained_spec.target import kernels, models, prepared
 from constrained_spec.target.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
@@ -64,6 +64,31 @@ def test_a_prepared_model_maps_to_the_model_it_was_converted_to(gguf_file):
     assert torch.equal(_logits(mapped, ids), first)
     again = Generator(mapped, mapped_tokenizer).generate(ids, schema=SCHEMA, max_new_tokens=30)
     assert again.token_ids == first_text.token_ids
+
+
+def test_a_q8_0_embedding_is_stored_once_as_its_blocks(gguf_file):
+    """The file's Q8_0 token embedding, tied to the LM head, is stored once as its blocks
+    (int8 rows and fp16 scales: kernels.Q8Rows), with no float32 (V, d) copy; loaded twice, the
+    mapped models compute bit for bit the converted model's logits, their embedding and head
+    rows one mapped storage."""
+    model, tokenizer = models.load_model(str(gguf_file), weights="int4")
+    prepared.wait()
+    assert model.lm_head.table is model.embed  # tied: one table
+    vocab, width = model.embed.shape
+    state = torch.load(prepared.path_for(gguf_file), mmap=True, weights_only=True)
+    tables = [t for t in prepared._tensors(state) if t.shape[0] == vocab and t.dim() == 2]
+    assert {t.dtype for t in tables} >= {torch.int8, torch.float16}, "no Q8_0 blocks stored"
+    assert not [t for t in tables if t.dtype == torch.float32 and t.shape[1] == width]
+    q = {t.untyped_storage().data_ptr() for t in tables if t.dtype == torch.int8}
+    assert len(q) == 1, "the embedding and the head's rows stored twice"
+    ids = tokenizer.encode('Give a: {"a": "the same text again"}')
+    first = _logits(model, ids)
+    for _ in range(2):
+        mapped, _ = models.load_model(str(gguf_file), weights="int4")
+        embed, table = mapped.embed, mapped.lm_head.table
+        assert isinstance(embed, kernels.Q8Rows) and embed.q.data_ptr() == table.q.data_ptr()
+        assert embed.scales.data_ptr() == table.scales.data_ptr()
+        assert torch.equal(_logits(mapped, ids), first)
 
 
 def test_a_damaged_prepared_file_is_rebuilt(gguf_file, capsys):
@@ -177,8 +202,6 @@ def test_a_warm_start_of_the_default_model_never_imports_transformers():
 def test_our_kernels_tiles_give_back_the_nibbles(kernel):
     """A prepared file leaves a linear's plain nibbles out where our kernel's tiles hold them:
     rebuilt from the tiles, they are the originals (a two-halves linear and a 4-bit one)."""
-    from constrained_spec.target import kernels
-
     if missing := kernels.int4_kernel_missing(kernel):
         pytest.skip(f"the {kernel} kernel cannot run here: {missing}")
     g = torch.Generator().manual_seed(0)

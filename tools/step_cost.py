@@ -93,7 +93,7 @@ def layer_kernels(model) -> list:
 def head_split(model, context: list[int], n: int, reps: int = 20) -> str:
     """The compact forward without logits, and with the LM head at wide positions (every token
     legal: the Q8_0 head) or narrow ones (50 legal: their rows only); the float32 head alone."""
-    vocab = model.lm_head.weight.shape[0]
+    vocab = model.vocab_size
     wide = torch.ones(n, vocab, dtype=torch.bool)
     narrow = torch.zeros(n, vocab, dtype=torch.bool)
     narrow[:, 1000:1050] = True
@@ -112,7 +112,7 @@ def head_split(model, context: list[int], n: int, reps: int = 20) -> str:
 
     features = model(ids, cache, logits=False)[1]
     kv.crop(cache, len(context))
-    dense = kernels.DenseLinear(model.lm_head.weight.data)
+    dense = kernels.DenseLinear(model.lm_head.dequantized())
     return (
         f" (no logits {ms(lambda: model(ids, cache, logits=False)):.1f}, "
         f"wide {ms(lambda: model(ids, cache, masks=wide)):.1f}, "

@@ -51,6 +51,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE.parent / "benchmarks")]  # the packag
 from workloads import DEV_SET, compact, is_valid, messages_for  # noqa: E402
 
 from constrained_spec.constraints.vocabulary import token_vocabulary  # noqa: E402
+from constrained_spec.decoding.drafters import logits_width  # noqa: E402
 from constrained_spec.decoding.head import (  # noqa: E402
     DraftHead,
     HeadCache,
@@ -350,9 +351,14 @@ def dataset_answers(target, tokenizer, files, args, say):
 # --- 3. training ---------------------------------------------------------------------------------
 
 
+def head_weight(target) -> torch.Tensor:
+    """The target's LM head (V, d) in float32, every row (a compact model's dequantized)."""
+    return kv.head_rows(target, torch.arange(logits_width(target)))
+
+
 def sub_vocabulary(target, data, size: int) -> torch.Tensor:
     """The tokens the target most often puts first at answer positions (plus EOS)."""
-    W = target.get_output_embeddings().weight
+    W = head_weight(target)
     counts = torch.zeros(W.shape[0])
     with torch.inference_mode():
         for ids, start, h in data:
@@ -372,7 +378,7 @@ def head_inputs(embed, ids, h, start):
 
 def train(head, target, data, args, say):
     embed = target.get_input_embeddings()
-    W = target.get_output_embeddings().weight.detach()
+    W = head_weight(target)
     std = torch.cat([h.float() for _, _, h in data[:50]]).std().item()
     params = [
         p
@@ -444,7 +450,7 @@ def agreement(head, target, data, steps: int = 3, per_seq: int = 24, seed: int =
     fed the target's tokens) — unmasked, so a lower bound for masked agreement — and the share
     of target top tokens inside the sub-vocabulary (an upper bound)."""
     embed = target.get_input_embeddings()
-    W = target.get_output_embeddings().weight
+    W = head_weight(target)
     hits, seen, covered, total = [0] * steps, [0] * steps, 0, 0
     rng = random.Random(seed)
     for ids, start, h in data:
@@ -491,7 +497,7 @@ def step_costs(head, target, context_len: int = 400, reps: int = 20) -> dict:
     proposals = copy_proposals(ids + [7])[1:]
     e = pair_embeddings(target.get_input_embeddings(), ids[1:] + [7], proposals)
     head(f[None], e[None], head_cache)
-    rows = target.get_output_embeddings().weight[head.draft_ids].float()
+    rows = kv.head_rows(target, head.draft_ids)
     copies = vocabulary_positions(head.draft_ids, proposals[-1:])
 
     def target_step():

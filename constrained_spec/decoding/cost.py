@@ -124,8 +124,7 @@ def use(target, cost: PassCost | None) -> None:
 def measure(target: CompactLlama) -> PassCost:
     """Time passes of every grid size: R rows each after CONTEXT cached positions, each feeding
     n tokens, the caches cut back after each pass; the fastest of REPEATS per point."""
-    device = target.embed.weight.device
-    vocab = target.embed.weight.shape[0]
+    device, vocab = target.device, target.vocab_size
     cached = min(CONTEXT, target.shape.context - max(GRID_FED))  # a tiny test model's is short
     context = torch.arange(7, 7 + cached, device=device) % vocab
     caches = []

@@ -18,6 +18,7 @@ positions drafted this round use the head's own prediction, and are dropped at t
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import DraftHeadError, VocabularyMismatch
+from ..target import kv
 
 HEADS = Path(__file__).parent / "heads"  # shipped weights: <name>.safetensors + <name>.json card
 COPY_NGRAMS = (2, 1)  # the head's copy proposals: after the last bigram, after the last token
@@ -261,7 +263,7 @@ def vocabulary_positions(vocab: torch.Tensor, proposals: list[list[int]]) -> tor
 
 def pair_embeddings(embed, tokens: list[int], proposals: list[list[int]]) -> torch.Tensor:
     """(n, (1 + len(COPY_NGRAMS)) d): each token's embedding and its copy proposals' (0: none)."""
-    device = embed.weight.device
+    device = next(itertools.chain(embed.parameters(), embed.buffers())).device  # or Q8Rows' q
     ids = torch.tensor(tokens, dtype=torch.long, device=device)
     copies = torch.tensor(proposals, dtype=torch.long, device=device).reshape(len(tokens), -1)
     found = (copies >= 0).unsqueeze(-1)
@@ -346,7 +348,7 @@ def load_head(target, vocab, path: str | Path) -> DraftHead:
             f"the draft head {path.name} was trained for another tokenizer: "
             "use it with the model it was trained on, or retrain it."
         )
-    width = target.get_output_embeddings().weight.shape[1]
+    width = target.config.hidden_size  # the features' width (DraftHead.for_target's)
     if card["layer_config"].get("hidden_size") != width:
         raise VocabularyMismatch(
             f"the draft head {path.name} reads {card['layer_config']['hidden_size']}"
@@ -389,7 +391,7 @@ class HeadDraft:
         self.device = next(target.parameters()).device
         self.head.to(self.device)
         self.embed = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings().weight.detach()
+        self.target = target  # its LM head's rows of the sub-vocabulary: kv.head_rows
         self._use_vocabulary(head.draft_ids.to(self.device))
         self.cache = HeadCache()
         self.features = torch.empty(0, self.rows.shape[1], device=self.device)
@@ -451,7 +453,7 @@ class HeadDraft:
 
     def _use_vocabulary(self, ids: torch.Tensor) -> None:
         self.draft_ids = ids
-        self.rows = self.lm_head[ids.to(self.lm_head.device)].float().to(self.device)  # (N, d)
+        self.rows = kv.head_rows(self.target, ids).to(self.device)  # (N, d)
 
     def _step(
         self,

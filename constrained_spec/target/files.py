@@ -8,8 +8,10 @@ sub-block of 32): 4-bit types as they are, 5-bit ones and Q8_0 as two 4-bit halv
 input twice (EIGHT_BITS). Their only change is the scales' rounding to bf16 (WEIGHT_BOUND). Types
 that are not such a grid (REQUANTIZED: Q6_K's sub-blocks of 16, float tensors) are re-quantized
 to Q8_0 blocks, the error stated there and measured by the tests; ``CompactLlama.tensor_types``
-and ``describe`` say which ran how. The token embedding and the LM head's float32 rows are the
-file's values exactly (gguf's dequantization); norms, biases and rotary factors are float32.
+and ``describe`` say which ran how. The token embedding and the LM head's rows (those it
+recomputes in float32) are the file's values exactly: Q8_0 ones kept as the file's blocks and
+dequantized a row at a time (kernels.Q8Rows), others as gguf dequantizes them, in float32; norms,
+biases and rotary factors are float32.
 """
 
 from __future__ import annotations
@@ -229,7 +231,6 @@ def from_gguf(path: str | Path, config) -> llama.CompactLlama:
     tensors = {t.name: t for t in reader.tensors}
     s, types = llama._shape(config), Counter()
     _check_shapes(tensors, s, config, path)
-    embed = _float(tensors["token_embd.weight"])
     norms, linears, biases, qk_norms = [], [], [], []
     for i in range(s.layers):
         t = {part: tensors[f"blk.{i}.{part}.weight"] for part in LINEARS}
@@ -250,17 +251,14 @@ def from_gguf(path: str | Path, config) -> llama.CompactLlama:
         if family.qk_norms:
             qk_norms += [_float(tensors[f"blk.{i}.attn_{x}_norm.weight"]) for x in "qk"]
     norms.append(_float(tensors["output_norm.weight"]))
-    output = tensors.get("output.weight")
-    weight = embed if output is None else _float(output)  # tied unless the file has its own
-    source = tensors["token_embd.weight"] if output is None else output
-    blocks = None  # the head's 8-bit screen: the file's own Q8_0 blocks, else quantized (Q8Head)
-    if source.tensor_type.name == "Q8_0":
-        blocks = kernels.split_q8_0(torch.from_numpy(np.array(source.data)))
+    output = tensors.get("output.weight")  # tied unless the file has its own
+    head = kernels.Q8Head(_rows(tensors["token_embd.weight"] if output is None else output))
+    embed = head.table if output is None else _rows(tensors["token_embd.weight"])
     rope = families.rotary_frequencies(config)  # (3, hd/2): families.ROTARY_ROWS
     if "rope_freqs.weight" in tensors:  # Llama 3's long-context factors: θ_i / factor_i
         rope = rope / _float(tensors["rope_freqs.weight"])  # (0 / factor: none stays none)
     model = llama.CompactLlama(
-        config, embed, kernels.Q8Head(weight, blocks), norms, linears, "int4",
+        config, embed, head, norms, linears, "int4",
         biases=biases or None, qk_norms=qk_norms or None, rope=rope,
     )  # fmt: skip
     model.tensor_types = dict(types)
@@ -385,6 +383,15 @@ def _group_scales(raw: np.ndarray, kind: str):
     sc = sc.reshape(*b.shape[:2], 8).astype(np.float32)
     mn = mn.reshape(*b.shape[:2], 8).astype(np.float32)
     return d[..., None] * sc, -f16(2)[..., None] * mn
+
+
+def _rows(tensor) -> torch.Tensor | kernels.Q8Rows:
+    """A table of rows (the token embedding, the LM head's): a Q8_0 tensor's blocks as they are
+    (kernels.Q8Rows: the head's 8-bit screen runs on them too), else float32 rows (_float)."""
+    if tensor.tensor_type != GGMLQuantizationType.Q8_0:
+        return _float(tensor)
+    q, d = kernels.split_q8_0(torch.from_numpy(np.array(tensor.data)))
+    return kernels.Q8Rows(q, d)
 
 
 def _float(tensor) -> torch.Tensor:

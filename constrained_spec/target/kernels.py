@@ -2,7 +2,8 @@
 
 Q4_1 (w = d·q + m, q in 0..15, per block of 32 input weights) is exactly torch's int4 weight-only
 format with group 32: scale d, zero m + 8d, since torch dequantizes as (q − 8)·scale + zero.
-Q8_0 (w = d·q, q int8) is dequantized once to float32, where d·q is exact.
+Q8_0 (w = d·q, q int8) is exact in float32: a table of Q8_0 rows (the token embedding, the LM
+head's) keeps its blocks and dequantizes the rows it is asked for (Q8Rows).
 """
 
 from __future__ import annotations
@@ -96,6 +97,50 @@ def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return (blocks * d[..., None]).reshape(q.shape)  # exact: |q| ≤ 127 times an fp16 value
 
 
+class Q8Rows(nn.Module):
+    """A table of rows (V, d) whose values are Q8_0 (w = d·q per block of 32, q int8, d fp16),
+    kept as its blocks: q (V, d) int8 and the scales (V, d/32) fp16, 1.06 bytes a value where
+    float32 rows take 4 (Gemma 3's 262,144 × 640 embedding: 178 MB against 671 MB). Only the
+    rows asked for are dequantized, to exactly the float32 values a float32 copy would hold
+    (|q| ≤ 127 times an fp16 value is exact in float32). Called as an nn.Embedding is: the token
+    embedding, and the rows a Q8Head recomputes its top logits from (one table where tied)."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        assert q.dtype == torch.int8 and scales.shape == (q.shape[0], q.shape[1] // GROUP)
+        self.register_buffer("q", q.contiguous())  # (V, d)
+        self.register_buffer("scales", scales.to(torch.float16).contiguous())  # (V, d/32): exact
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def num_embeddings(self) -> int:  # nn.Embedding's names
+        return self.q.shape[0]
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.q.shape[1]
+
+    def forward(self, ids) -> torch.Tensor:
+        """The rows ``ids`` (a tensor of any shape, or a slice) → (*ids.shape, d) float32."""
+        q, scales = self.q[ids], self.scales[ids]  # (..., d) int8, (..., d/32) fp16
+        return (q.float().unflatten(-1, (-1, GROUP)) * scales.float()[..., None]).flatten(-2)
+
+
+_NO_SCALES = torch.empty(0, dtype=torch.float16)
+
+
+def table_tensors(table: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """What csrc/fused_layers.cpp reads of a table of rows (an embedding, the rows a Q8Head
+    recomputes from): a Q8Rows' q (V, d) int8 and scales (V, d/32) fp16, or an nn.Embedding's
+    float32 rows (V, d) and no scales."""
+    if isinstance(table, Q8Rows):
+        return table.q, table.scales
+    return table.weight, _NO_SCALES
+
+
 # --- layers -------------------------------------------------------------------------------------
 
 
@@ -115,6 +160,10 @@ class DenseLinear(nn.Module):
         if n <= SKINNY_MAX and x.device.type == "cpu":
             return torch.mm(self.weight, x.T).T
         return F.linear(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows ``ids`` (an LM head's: Q8Head.rows)."""
+        return self.weight[ids]
 
 
 class Int4Linear(nn.Module):
@@ -439,14 +488,26 @@ class Q8Head(nn.Module):
     bf16 roundoff. The terms are one (n, 4) × (4, V) product (``terms``). Tests check the bound
     on random and real features, on both kernels."""
 
-    def __init__(self, weight: torch.Tensor, blocks: tuple | None = None):
-        """``weight`` (V, d): Q8_0 values in float32; ``blocks``: its (q, d), where at hand (a
-        GGUF's), else quantized from it (exactly: they are Q8_0 values)."""
+    def __init__(self, weight: torch.Tensor | Q8Rows):
+        """``weight`` (V, d): a Q8Rows (a file's Q8_0 blocks: the screen's blocks too), or float32
+        rows, kept as a Q8Rows where they are Q8_0 values (the blocks quantized from them give
+        them back exactly), else as they are (Q6_K's, F16's: the screen then runs on their Q8_0
+        rounding)."""
         super().__init__()
-        self.weight = nn.Parameter(weight.float().contiguous(), requires_grad=False)  # (V, d)
         vocab, k = weight.shape
-        if blocks is None or vocab % 16:  # the kernel packs 16 rows at once
-            blocks = quantize_q8_0(F.pad(self.weight, (0, 0, 0, -vocab % 16)))
+        if isinstance(weight, Q8Rows) and vocab % 16 == 0:
+            blocks = weight.q, weight.scales.float()
+        else:  # quantized from the rows, padded: the kernel packs 16 rows at once
+            values = weight(slice(None)) if isinstance(weight, Q8Rows) else weight.float()
+            blocks = quantize_q8_0(F.pad(values, (0, 0, 0, -vocab % 16)))
+            if not isinstance(weight, Q8Rows):
+                q, d = blocks[0][:vocab].clone(), blocks[1][:vocab]  # q: not a view of the pad
+                if torch.equal(dequantize_q8_0(q, d), values):
+                    weight = Q8Rows(q, d)
+                else:  # the caller's storage (a tied embedding's too)
+                    weight = nn.Embedding.from_pretrained(values.contiguous())
+            del values
+        self.table = weight  # the rows recomputed in float32: a Q8Rows, or an nn.Embedding's
         self.blocks = Int4Linear.from_q8_0(*blocks)
         gamma, slack, norms = 2 * k * 2.0**-24, [], []
         for start in range(0, vocab, 4096):  # in slices: the whole would take ~1 GB at once
@@ -454,7 +515,8 @@ class Q8Head(nn.Module):
             hi, lo = self.blocks.dequantized(rows=rows).chunk(2, dim=1)  # what the kernel uses
             w, spread = hi + lo, (hi.abs() + lo.abs()).norm(dim=1)
             norms.append(w.norm(dim=1))
-            slack.append((w - self.weight[rows]).norm(dim=1) + 2 * gamma * spread)
+            float_rows = self.rows(torch.arange(rows.start, rows.stop))
+            slack.append((w - float_rows).norm(dim=1) + 2 * gamma * spread)
         # the bound's terms per token (V, 4), times (‖x‖, ‖x − x̃‖, ‖S‖, 1) per position: slack_t,
         # ‖w̃_t‖, and while our kernel runs ‖c_t‖ and a floor for flushed intermediates
         zero = torch.zeros(vocab)
@@ -462,10 +524,24 @@ class Q8Head(nn.Module):
         self.register_buffer("terms", terms.contiguous())
         self.fused = True  # one compiled call (csrc q8_head) where the fused layers build
 
+    @property
+    def out_features(self) -> int:  # nn.Linear's name: the logits' width
+        return self.table.num_embeddings
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The head's float32 rows ``ids`` (n, d), dequantized where it keeps Q8_0 blocks."""
+        return self.table(ids)
+
+    def dequantized(self) -> torch.Tensor:
+        """Every row (V, d) in float32: the table's own where it keeps float32 rows."""
+        if isinstance(self.table, nn.Embedding):
+            return self.table.weight.data
+        return self.table(slice(None))
+
     def use_kernel(self, kernel: str) -> None:
         """Which of INT4_KERNELS runs the blocks; the bound follows it."""
         self.blocks.use_kernel(kernel)
-        vocab = self.weight.shape[0]  # the blocks' rows are padded to a multiple of 16
+        vocab = self.out_features  # the blocks' rows are padded to a multiple of 16
         ours = kernel != "torch"
         error = _blocks_group_error if kernel in BLOCK_KERNELS else _group_error
         self.terms[:, 2] = error(self.blocks)[:, :vocab].norm(dim=0) if ours else 0
@@ -481,11 +557,11 @@ class Q8Head(nn.Module):
             approx = fused_build()[0].blocks_mm(
                 x.float().contiguous(), blocks.packed, blocks.scale_zero
             )
-            approx = approx.float()[:, : self.weight.shape[0]]
+            approx = approx.float()[:, : self.out_features]
         else:  # bf16 with denormals flushed (DAZ), fed twice
             rounded = x.to(torch.bfloat16)
             rounded = rounded.masked_fill(rounded.abs() < 2.0**-126, 0).float()
-            approx = self.blocks(rounded)[:, : self.weight.shape[0]]
+            approx = self.blocks(rounded)[:, : self.out_features]
         sums = rounded.abs().view(x.shape[0], -1, GROUP).sum(-1)  # (n, K/32): S_g
         scales = torch.stack(
             [x.norm(dim=1), (x - rounded).norm(dim=1), sums.norm(dim=1), x.new_ones(x.shape[0])], 1
@@ -506,7 +582,7 @@ class Q8Head(nn.Module):
                 blocks.packed,
                 blocks.scale_zero,
                 self.terms,
-                self.weight,
+                *table_tensors(self.table),
                 legal,
                 HEAD_ROUNDOFF,
             )
@@ -519,7 +595,7 @@ class Q8Head(nn.Module):
             maybe &= legal
         for i, row in enumerate(maybe):
             ids = row.nonzero().squeeze(1)
-            approx[i, ids] = self.weight[ids] @ x[i]
+            approx[i, ids] = self.rows(ids) @ x[i]
         return approx
 
 

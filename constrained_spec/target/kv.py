@@ -88,6 +88,14 @@ def forward(
     return (logits[0].float(), seen[-1][0]) if features else logits[0].float()
 
 
+def head_rows(model, ids: torch.Tensor) -> torch.Tensor:
+    """The LM head's rows ``ids`` (n, d) in float32: a compact model's head dequantizes only
+    those where it keeps Q8_0 blocks (kernels.Q8Rows); a transformers model's are its weight's."""
+    if isinstance(model, CompactLlama):
+        return model.lm_head.rows(ids)
+    return model.get_output_embeddings().weight.detach()[ids].float()
+
+
 def forward_rows(
     model, caches: list, rows: list[list[int]], device, masks=None, features: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

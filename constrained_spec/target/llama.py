@@ -2,9 +2,10 @@
 
 The built-in model ships as a GGUF of 210 Q4_1 tensors (w = d·q + m per block of 32 weights, d and
 m in fp16) and one Q8_0 token embedding (w = d·q, q int8) tied to the LM head. Here every Q4_1
-tensor stays 4-bit and runs through a weight-only kernel (`kernels.py`); the Q8_0 tensor is
-dequantized exactly to float32 (d·q is exact in float32) for the embedding, and as the LM head
-runs through its 8-bit blocks with the top logits recomputed in float32 (``kernels.Q8Head``;
+tensor stays 4-bit and runs through a weight-only kernel (`kernels.py`); the Q8_0 tensor stays
+in its blocks, once (``kernels.Q8Rows``): the embedding dequantizes the rows of the ids fed,
+exactly (d·q is exact in float32), and the LM head runs through its 8-bit blocks with the top
+logits recomputed in float32 from their rows (``kernels.Q8Head``;
 positions with few legal tokens get only theirs: ``CompactLlama.head``); norms, rotary,
 attention and the KV cache stay float32. The forward is its own rather than transformers' so
 that it can fuse q/k/v and gate/up into one 4-bit matmul each, keep the KV cache in one tensor cropped by a length, and make
@@ -295,13 +296,14 @@ class CompactLlama(nn.Module):
     (its norms, activation, scales, rotary and window) is ``block``, its family's declaration.
 
     Offers what the rest of the package reads off a transformers model: ``config``,
-    ``get_input_embeddings()``, ``get_output_embeddings().weight`` (the draft head uses them).
+    ``get_input_embeddings()`` (called on ids as nn.Embedding is), ``get_output_embeddings()``
+    (whose float32 rows kv.head_rows reads: the draft head's).
     ``tensor_types``: how each of the file's tensor types runs (GGUF files: models.describe_weights says them)."""
 
     def __init__(
         self,
         config,
-        embed: torch.Tensor,
+        embed: torch.Tensor | nn.Module,
         lm_head: nn.Module,
         norms: list,
         linears: list,
@@ -310,14 +312,18 @@ class CompactLlama(nn.Module):
         qk_norms: list | None = None,
         rope: torch.Tensor | None = None,
     ):
-        """``norms``: per layer its block's RMSNorm weights (families.Block.norms of them, in
-        the order they apply), then the final one; ``biases``: per layer the q/k/v matmul's
-        bias (width,) (Qwen2); ``qk_norms``: per layer the query and the key heads' RMSNorm
-        weights (hd,) (Qwen3, Gemma 3); ``rope``: the rotary inverse frequencies (3, hd/2) of
+        """``embed``: the token embedding (V, d): float32 rows, or a table of them (a
+        kernels.Q8Rows of Q8_0 blocks; a tied model's: its Q8Head's table, one copy); ``norms``:
+        per layer its block's RMSNorm weights (families.Block.norms of them, in the order they
+        apply), then the final one; ``biases``: per layer the q/k/v matmul's bias (width,)
+        (Qwen2); ``qk_norms``: per layer the query and the key heads' RMSNorm weights (hd,)
+        (Qwen3, Gemma 3); ``rope``: the rotary inverse frequencies (3, hd/2) of
         families.ROTARY_ROWS where the config's do not say them (a GGUF's factors)."""
         super().__init__()
         self.weights = weights
-        self.embed = nn.Embedding.from_pretrained(embed, freeze=True)  # (V, d)
+        if isinstance(embed, torch.Tensor):
+            embed = nn.Embedding.from_pretrained(embed, freeze=True)
+        self.embed = embed  # (V, d)
         self.lm_head = lm_head  # (V, d): a kernels.Q8Head (4-bit paths) or kernels.DenseLinear
         self.norms = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in norms)
         self.linears = nn.ModuleList(linears)  # per layer: qkv, o, gate_up, down
@@ -345,8 +351,16 @@ class CompactLlama(nn.Module):
         self.cache_pool = CachePool(CACHE_POOL_BYTES)  # dropped caches' buffers, for new ones
         self.use_layers(self.layer_kernel)
 
-    def get_input_embeddings(self) -> nn.Embedding:
+    def get_input_embeddings(self) -> nn.Module:
         return self.embed
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed.num_embeddings
+
+    @property
+    def device(self) -> torch.device:
+        return self.norms[-1].device
 
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
@@ -391,6 +405,7 @@ class CompactLlama(nn.Module):
                 )
             linears = list(self.linears)
             self._fused = (
+                kernels.table_tensors(self.embed),
                 [m.packed for m in linears],
                 [m.scale_zero for m in linears],
                 [m.copies for m in linears],
@@ -425,11 +440,10 @@ class CompactLlama(nn.Module):
         """The LM head of a 4-bit model: "q8" (its Q8_0 blocks, the top logits in float32) or
         "float" (float32 throughout); both give the same largest logit (kernels.Q8Head)."""
         assert kernel in kernels.HEAD_KERNELS, kernel
-        weight = self.lm_head.weight.data
         if kernel == "float" and isinstance(self.lm_head, kernels.Q8Head):
-            self.lm_head = kernels.DenseLinear(weight)
+            self.lm_head = kernels.DenseLinear(self.lm_head.dequantized())
         elif kernel == "q8" and not isinstance(self.lm_head, kernels.Q8Head):
-            self.lm_head = kernels.Q8Head(weight)
+            self.lm_head = kernels.Q8Head(self.lm_head.weight.data)
             if self.matmul:
                 self.lm_head.use_kernel(self.matmul)
 
@@ -445,7 +459,7 @@ class CompactLlama(nn.Module):
             cache.length = cached
             features.append(kept.features[:cached])
         if cached < len(ids):
-            fed = torch.tensor(ids[cached:], dtype=torch.long, device=self.embed.weight.device)
+            fed = torch.tensor(ids[cached:], dtype=torch.long, device=self.device)
             features.append(self.forward_rows([fed], [cache], logits=False, prompt=True)[1])
         features = torch.cat(features)
         if self.prompt_cache is not None:
@@ -491,12 +505,12 @@ class CompactLlama(nn.Module):
         ids = torch.cat(rows) if len(rows) > 1 else rows[0]
         if self._fused is not None:
             keys, values = [c.keys for c in caches], [c.values for c in caches]
-            packed, scale_zero, copies, norms, biases, qk_norms = self._fused
+            embed, packed, scale_zero, copies, norms, biases, qk_norms = self._fused
             on_copy = prompt and self.prefill in kernels.DENSE_KERNELS
             dense = [m.dense for m in self.linears] if on_copy else []
             b = self.block
             features = kernels.fused_build()[0].fused_layers(
-                ids, self.embed.weight, cos, sin, packed, scale_zero, copies, dense,
+                ids, *embed, cos, sin, packed, scale_zero, copies, dense,
                 self.prefill == "amx-bf16", norms, biases, qk_norms,
                 self.norms[-1], keys, values,
                 starts, sizes, s.heads, s.kv_heads, s.eps,
@@ -583,9 +597,9 @@ class CompactLlama(nn.Module):
         compute the same; the float target's dense head only up to its last bits."""
         if masks is None or features.device.type != "cpu":  # counting rows would sync a GPU
             return self._whole_head(features, masks)
-        weight = self.lm_head.weight  # (V, d)
-        assert masks.shape == (features.shape[0], weight.shape[0]), "one mask per position"
-        counts, limit = legal_counts(masks), NARROW * weight.shape[0]
+        vocab = self.vocab_size
+        assert masks.shape == (features.shape[0], vocab), "one mask per position"
+        counts, limit = legal_counts(masks), NARROW * vocab
         narrow = [i for i, c in enumerate(counts) if c <= limit]
         if not narrow:
             return self._whole_head(features, masks)
@@ -594,7 +608,7 @@ class CompactLlama(nn.Module):
             logits[wide] = self._whole_head(features[wide], masks[wide])
         for i in narrow:
             legal = masks[i].nonzero().squeeze(1)
-            logits[i, legal] = weight[legal] @ features[i]
+            logits[i, legal] = self.lm_head.rows(legal) @ features[i]
         return logits
 
     def _whole_head(self, features: torch.Tensor, masks: torch.Tensor | None) -> torch.Tensor:
@@ -609,7 +623,7 @@ def measure_layers(model: CompactLlama, repeats: int = 5) -> dict[str, float]:
     (kernels.LAYER_KERNELS), with each of kernels.INT4_KERNELS for 4-bit linears ("fused/torch",
     ...). Best of ``repeats``. Leaves the model as it was."""
     kept, kept_matmul, result = model.layer_kernel, model.matmul, {}
-    context = torch.arange(64) % model.embed.weight.shape[0]
+    context = torch.arange(64) % model.vocab_size
     matmuls = kernels.INT4_KERNELS if kept_matmul else (None,)
     for layers, matmul in [(a, b) for a in kernels.LAYER_KERNELS for b in matmuls]:
         try:
@@ -759,10 +773,12 @@ def from_transformers(model, weights: str = "int4") -> CompactLlama:
     }[weights]
     lm_head = model.get_output_embeddings().weight.detach().float()
     embed = model.get_input_embeddings().weight.detach().float()
-    if weights != "float":
-        tied = lm_head.data_ptr() == embed.data_ptr()
-        lm_head = kernels.dequantize_q8_0(*kernels.quantize_q8_0(lm_head))
-        embed = lm_head if tied else embed
+    tied = lm_head.data_ptr() == embed.data_ptr()
+    if weights == "float":
+        head = kernels.DenseLinear(lm_head)  # the same storage as the embedding where tied
+    else:  # Q8_0 values, which the head keeps as their blocks (kernels.Q8Rows)
+        head = kernels.Q8Head(kernels.dequantize_q8_0(*kernels.quantize_q8_0(lm_head)))
+        embed = head.table if tied else embed
 
     def norm(module) -> torch.Tensor:
         return module.weight.detach().float() + family.norm_offset
@@ -789,7 +805,6 @@ def from_transformers(model, weights: str = "int4") -> CompactLlama:
         if family.qk_norms:
             qk_norms += [norm(attn.q_norm), norm(attn.k_norm)]
     norms.append(norm(model.model.norm))
-    head = kernels.DenseLinear(lm_head) if weights == "float" else kernels.Q8Head(lm_head)
     return CompactLlama(
         config, embed, head, norms, linears, weights, biases or None, qk_norms or None
     )

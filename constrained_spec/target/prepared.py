@@ -1,9 +1,10 @@
 """Prepared models: a compact model as its kernels run it (4-bit blocks in the chosen kernel's
-layout, the prompts' bf16 copy, the LM head's Q8_0 blocks and bounds, the float rows), its
-config and its tokenizer, stored once per model file in ONE file that later loads map instead
-of converting (``torch.load(mmap=True)``: no copy; pages come in as the first passes touch
-them). A GGUF's conversion costs seconds to a minute (its metadata parsed in Python, every block
-re-laid, the bf16 copy computed); mapping the prepared file costs milliseconds.
+layout, the prompts' bf16 copy, the LM head's Q8_0 blocks and bounds, the embedding's and the
+head's rows: Q8_0 ones as their blocks, kernels.Q8Rows, once where tied), its config and its
+tokenizer, stored once per model file in ONE file that later loads map instead of converting
+(``torch.load(mmap=True)``: no copy; pages come in as the first passes touch them). A GGUF's
+conversion costs seconds to a minute (its metadata parsed in Python, every block re-laid, the
+bf16 copy computed); mapping the prepared file costs milliseconds.
 
 Layout: ``cache_dir()/prepared/<key>.pt`` (the tensors) and ``<key>.json`` (the config and the
 tokenizer, read without touching the tensors), the key a hash of the source file's path, size and
@@ -36,12 +37,18 @@ from . import kernels, llama
 from .machine import atomic_write, cache_dir, cpu_name, say, setting
 from .tokenizer import Tokenizer
 
-FORMAT = "prepared v1"
+FORMAT = "prepared v2"  # v2: Q8_0 embeddings and head rows as their blocks (kernels.Q8Rows)
 
 # the modules a compact model is made of, by the name the file stores
 _MODULES = {
     c.__name__: c
-    for c in (llama.CompactLlama, kernels.Int4Linear, kernels.Q8Head, kernels.DenseLinear)
+    for c in (
+        llama.CompactLlama,
+        kernels.Int4Linear,
+        kernels.Q8Head,
+        kernels.Q8Rows,
+        kernels.DenseLinear,
+    )
 }
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor)
 

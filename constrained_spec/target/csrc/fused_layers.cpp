@@ -91,6 +91,42 @@ float dot(const float* a, const float* b, int64_t n) {
   return partial[0];
 }
 
+// A table of rows (V, d): float32 rows, or Q8_0's q (V, d) int8 with its scales (V, d/32) fp16
+// (kernels.Q8Rows, the token embedding and the LM head's rows: a row is dequantized where it is
+// read, to the float32 values a float32 copy would hold, since |q| ≤ 127 times an fp16 value is
+// exact in float32). `scales` empty: float32 rows (kernels.table_tensors).
+struct Rows {
+  const float* values = nullptr;
+  const int8_t* q = nullptr;
+  const at::Half* scales = nullptr;
+  int64_t count, d;
+
+  Rows(const Tensor& table, const Tensor& table_scales) : count(table.size(0)), d(table.size(1)) {
+    TORCH_CHECK(table.dim() == 2 && table.is_contiguous() && d % 32 == 0, "a table: (V, d) contiguous");
+    if (table_scales.numel() == 0) {
+      TORCH_CHECK(table.scalar_type() == at::kFloat, "a table without scales: float32 rows");
+      values = table.data_ptr<float>();
+    } else {
+      TORCH_CHECK(table.scalar_type() == at::kChar && table_scales.scalar_type() == at::kHalf &&
+                      table_scales.is_contiguous() && table_scales.size(0) == count &&
+                      table_scales.size(1) == d / 32,
+                  "a table of Q8_0 rows: q (V, d) int8, scales (V, d/32) fp16");
+      q = table.data_ptr<int8_t>();
+      scales = table_scales.data_ptr<at::Half>();
+    }
+  }
+
+  // row t in float32: the table's own, or dequantized into `scratch` (d floats) and returned
+  const float* row(int64_t t, float* scratch) const {
+    if (values != nullptr) return values + t * d;
+    for (int64_t g = 0; g < d / 32; ++g) {
+      const float scale = static_cast<float>(scales[t * (d / 32) + g]);
+      for (int64_t j = 0; j < 32; ++j) scratch[32 * g + j] = scale * static_cast<float>(q[t * d + 32 * g + j]);
+    }
+    return scratch;
+  }
+};
+
 // p[from..n) ← exp(p − max p), p[0..from) ← 0 (positions a sliding window masks); returns
 // their sum. Lane l sums the entries j ≡ l (mod the vector width) in order, so leading zeros
 // change no sum: a query's values do not depend on where below its window a pass starts.
@@ -780,7 +816,8 @@ Tensor gated_mlp(const Tensor& gate_up, int64_t activation) {
 
 }  // namespace
 
-// ids (N,) int64: the new tokens, embedded from embed (V, d) float32 (× embed_scale); rows r = 0.. take sizes[r]
+// ids (N,) int64: the new tokens, embedded from embed (V, d) (Rows: float32, or int8 with embed_scales) ×
+// embed_scale; rows r = 0.. take sizes[r]
 // of them, at positions starts[r].., into keys[r] ((L, KV, capacity / 16, hd, 16) float32: tiles) and
 // values[r] ((L, KV, capacity, hd) bf16: the q/k/v matmul's outputs are bf16, so nothing is
 // rounded), room reserved. cos and sin (R, P, hd): R tables of the rotary factors of positions
@@ -795,7 +832,8 @@ Tensor gated_mlp(const Tensor& gate_up, int64_t activation) {
 // windows[l] > 0: layer l's queries see the last windows[l] positions only (a key at distance
 // ≥ windows[l] is masked). Returns the features (N, d): the last layer's output after the final
 // norm; the caches hold the new keys and values.
-Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, const Tensor& sin,
+Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& embed_scales,
+                    const Tensor& cos, const Tensor& sin,
                     const std::vector<Tensor>& packed, const std::vector<Tensor>& scale_zero,
                     const std::vector<int64_t>& copies, const std::vector<Tensor>& dense,
                     bool dense_amx, const std::vector<Tensor>& norms,
@@ -806,9 +844,8 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
                     int64_t activation, double embed_scale, double attention_scale,
                     const std::vector<int64_t>& windows, const std::vector<int64_t>& rotary) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids: (N,) int64");
-  TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.dim() == 2 && embed.is_contiguous(),
-              "embed: (V, d) float32");
-  const int64_t N = ids.size(0), d = embed.size(1), layers = static_cast<int64_t>(packed.size()) / 4;
+  const Rows embed_rows(embed, embed_scales);
+  const int64_t N = ids.size(0), d = embed_rows.d, layers = static_cast<int64_t>(packed.size()) / 4;
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(packed.size()) == 4 * layers, "packed: four linears a layer");
   const int64_t k_norms = static_cast<int64_t>(norms.size()) / layers;
   TORCH_CHECK((k_norms == 2 || k_norms == 4) && k_norms * layers == static_cast<int64_t>(norms.size()),
@@ -816,16 +853,16 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
   TORCH_CHECK(activation == 0 || activation == 1, "activation: 0 (SiLU) or 1 (gelu-tanh)");
   TORCH_CHECK(static_cast<int64_t>(windows.size()) == layers && static_cast<int64_t>(rotary.size()) == layers,
               "windows, rotary: one per layer");
-  Tensor x = at::empty({N, d}, embed.options());
+  Tensor x = at::empty({N, d}, ids.options().dtype(at::kFloat));
   const float embed_factor = static_cast<float>(embed_scale);
   for (int64_t t = 0; t < N; ++t) {
     const int64_t id = ids.data_ptr<int64_t>()[t];
-    TORCH_CHECK(0 <= id && id < embed.size(0), "a token id beyond the embedding");
-    const float* e = embed.data_ptr<float>() + id * d;
+    TORCH_CHECK(0 <= id && id < embed_rows.count, "a token id beyond the embedding");
     float* row = x.data_ptr<float>() + t * d;
-    if (embed_factor == 1.f) std::copy_n(e, d, row);
-    else
-      for (int64_t j = 0; j < d; ++j) row[j] = e[j] * embed_factor;
+    const float* e = embed_rows.row(id, row);  // dequantized in place, or the table's own
+    if (e != row) std::copy_n(e, d, row);
+    if (embed_factor != 1.f)
+      for (int64_t j = 0; j < d; ++j) row[j] *= embed_factor;
   }
   TORCH_CHECK(cos.dim() == 3 && cos.is_contiguous() && sin.is_contiguous() && sin.sizes() == cos.sizes(),
               "cos, sin: (R, P, hd)");
@@ -969,14 +1006,15 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& cos, c
 // to bf16 (denormals flushed), fed twice through the head's 4-bit blocks (packed, scale_zero);
 // per position, each logit's bound u·|a| + ‖x‖·T0 + ‖x − x̃‖·T1 + ‖S‖·T2 + T3 from terms (V, 4);
 // then every legal logit whose upper end reaches the largest legal lower end is recomputed in
-// float32 from weight (V, d). legal: (n, V) bool, or empty (every token legal). Returns the
-// logits (n, V) float32: the blocks' values, float32's where recomputed.
+// float32 from its row of weight (V, d) (Rows: float32, or int8 with weight_scales). legal: (n, V)
+// bool, or empty (every token legal). Returns the logits (n, V) float32: the blocks' values,
+// float32's where recomputed.
 Tensor q8_head(const Tensor& x, const Tensor& packed, const Tensor& scale_zero, const Tensor& terms,
-               const Tensor& weight, const Tensor& legal, double roundoff) {
+               const Tensor& weight, const Tensor& weight_scales, const Tensor& legal, double roundoff) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: (n, d) float32");
-  const int64_t n = x.size(0), d = x.size(1), V = weight.size(0);
-  TORCH_CHECK(weight.is_contiguous() && weight.size(1) == d && terms.is_contiguous() &&
-                  terms.size(0) == V && terms.size(1) == 4 && d % 32 == 0,
+  const Rows rows(weight, weight_scales);
+  const int64_t n = x.size(0), d = x.size(1), V = rows.count;
+  TORCH_CHECK(rows.d == d && terms.is_contiguous() && terms.size(0) == V && terms.size(1) == 4,
               "weight (V, d), terms (V, 4)");
   const bool masked = legal.defined() && legal.numel() > 0;
   TORCH_CHECK(!masked || (legal.scalar_type() == at::kBool && legal.is_contiguous() &&
@@ -1016,7 +1054,7 @@ Tensor q8_head(const Tensor& x, const Tensor& packed, const Tensor& scale_zero, 
   Tensor out = at::empty({n, V}, x.options());
   float* O = out.data_ptr<float>();
   const float* T = terms.data_ptr<float>();
-  const float* W = weight.data_ptr<float>();
+  std::vector<float> scratch(d);  // a recomputed row, dequantized
   const bool* L = masked ? legal.data_ptr<bool>() : nullptr;
   const float u = static_cast<float>(roundoff);
   std::vector<float> upper(V);
@@ -1034,7 +1072,7 @@ Tensor q8_head(const Tensor& x, const Tensor& packed, const Tensor& scale_zero, 
       if (!ok || ok[t]) best = std::max(best, v - bound);
     }
     for (int64_t t = 0; t < V; ++t)
-      if ((!ok || ok[t]) && upper[t] >= best) o[t] = dot(W + t * d, X + r * d, d);
+      if ((!ok || ok[t]) && upper[t] >= best) o[t] = dot(rows.row(t, scratch.data()), X + r * d, d);
   }
   return out;
 }
