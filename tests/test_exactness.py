@@ -12,6 +12,7 @@ import torch
 
 from constrained_spec import Generator, SamplingConfig
 from constrained_spec.decoding.drafters import CompositeDrafter, logits_width, model_drafter
+from constrained_spec.target import kernels
 from constrained_spec.testing import chi_square, random_head, sequence_distribution
 
 REGEX = "(ab|ba|yes|no){1,2}"
@@ -49,7 +50,12 @@ def drafter_for(kind, target, draft):
     if kind == "anti":  # a draft that disagrees strongly: the target with its output negated
         anti = copy.deepcopy(target)
         with torch.no_grad():
-            anti.lm_head.weight.neg_()
+            if isinstance(anti.lm_head, kernels.Q8Head):  # Q8_0 blocks: negated, still Q8_0
+                anti.lm_head = kernels.Q8Head(-anti.lm_head.dequantized())
+                if anti.matmul:
+                    anti.lm_head.use_kernel(anti.matmul)
+            else:
+                anti.lm_head.weight.neg_()
         return anti
     if kind == "lookup+forced":  # deterministic drafts only (one-hot q)
         return CompositeDrafter(model=None)
