@@ -687,3 +687,12 @@ def server_process(*args: str, timeout_s: float = 900.0) -> Iterator[str]:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def compact_gguf(path, layers: str = "python"):
+    """A GGUF file's compact model (target/files.from_gguf), its layers run ``layers``."""
+    from .target import files, models
+
+    model = files.from_gguf(path, models.load_config(path))
+    model.use_layers(layers)
+    return model

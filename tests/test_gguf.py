@@ -37,10 +37,7 @@ def reference(path):
     ).eval()
 
 
-def compact(path, layers="python"):
-    model = files.from_gguf(path, models.load_config(path))
-    model.use_layers(layers)
-    return model
+compact = testing.compact_gguf
 
 
 def relative_error(ours, theirs) -> float:
