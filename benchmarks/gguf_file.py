@@ -8,7 +8,9 @@ plain text where the file has no chat template (a base model), else through it. 
 runs, interleaved: ours with speculation (the default drafts), our masked baseline (one target
 call per token), llama.cpp with its JSON-Schema grammar, and llama.cpp again with prompts fed 8
 tokens a call (another batch size: its kernels' rounding differs, which is what its greedy chain
-agreeing with itself means). Timed from prompt ids in to output ids out (prefill included),
+agreeing with itself means). With ``--float-reference``, transformers' float32 forward on gguf's
+dequantization of the same file writes greedy chains too: the exact model the file's weights
+describe, which neither engine's rounded arithmetic computes. Timed from prompt ids in to output ids out (prefill included),
 grammar compiles excluded on both sides; one untimed warm-up request first. Loads are timed in
 fresh processes (ours: the prepared model, after one load prepared it; llama.cpp: the file).
 Writes results.json and report.md under --out.
@@ -110,6 +112,30 @@ def llama_chain(llm, ids: list[int], n: int) -> list[int]:
             return out
 
 
+@torch.inference_mode()
+def float_chain(model, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens of transformers' float32 forward after ``ids``, no grammar (the argmax
+    at every step, end of text included, as the other chains)."""
+    out, past, fed = [], None, torch.tensor([ids])
+    for _ in range(n):
+        step = model(input_ids=fed, past_key_values=past, use_cache=True)
+        past = step.past_key_values
+        out.append(int(step.logits[0, -1].argmax()))
+        fed = torch.tensor([out[-1:]])
+    return out
+
+
+def float_model(path: str):
+    """transformers' float32 model of a GGUF file (gguf's dequantization of every tensor)."""
+    from transformers import AutoModelForCausalLM
+
+    file = Path(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(file.parent), gguf_file=file.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
 def common_prefix(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -131,6 +157,11 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--chain", type=int, default=32, help="tokens of each unconstrained chain")
     p.add_argument("--out", required=True)
+    p.add_argument(
+        "--float-reference",
+        action="store_true",
+        help="greedy chains of transformers' float32 forward too (loads the file dequantized)",
+    )
     args = p.parse_args()
     from llama_cpp import Llama, LlamaGrammar
 
@@ -146,6 +177,7 @@ def main() -> None:
             args.model, n_ctx=4096, n_threads=threads, n_batch=8, verbose=False
         ),
     }
+    reference = float_model(args.model) if args.float_reference else None
     eos = gen.vocab.eos_id
     configs = ["ours", "ours/baseline", *llama]
     runs, refused = [], []
@@ -169,11 +201,20 @@ def main() -> None:
         run["chain"] = {"ours": {"ids": ours_chain(gen.target, ids, args.chain)}}
         for name, llm in llama.items():
             run["chain"][name] = {"ids": llama_chain(llm, ids, args.chain)}
+        if reference is not None:
+            run["chain"]["float32"] = {"ids": float_chain(reference, ids, args.chain)}
         if i - len(refused):  # the first timed is the warm-up
             runs.append(run)
         print(request.id, {c: (len(run[c]["ids"]), round(run[c]["s"], 3)) for c in configs})
     rate = {c: sum(len(r[c]["ids"]) for r in runs) / sum(r[c]["s"] for r in runs) for c in configs}
     chains = [r["chain"] for r in runs]
+    against_float = {
+        f"{args.chain}-token chains, no grammar: {side} vs float32": agreement(
+            chains, side, "float32"
+        )
+        for side in ("ours", "llama.cpp")
+        if reference is not None
+    }
     results = {
         "command": " ".join(sys.argv),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads},
@@ -190,6 +231,7 @@ def main() -> None:
             f"{args.chain}-token chains, no grammar: llama.cpp vs llama.cpp/batch8": agreement(
                 chains, "llama.cpp", "llama.cpp/batch8"
             ),
+            **against_float,
             "under the schema: ours, speculation vs baseline": agreement(
                 runs, "ours", "ours/baseline"
             ),

@@ -8,4 +8,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 GGUF=${GGUF:-/work/gemma3/gemma-3-270m-q4_k_m.gguf}
-python benchmarks/gguf_file.py --model "$GGUF" --n 14 --max-new-tokens 160 --out benchmarks/results/gemma3-270m
+python benchmarks/gguf_file.py --model "$GGUF" --n 14 --max-new-tokens 160 --float-reference --out benchmarks/results/gemma3-270m
