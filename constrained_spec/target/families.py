@@ -1,7 +1,8 @@
 """The model families the compact forward computes, each declared once (as llama.cpp keeps one
 small file per architecture over one graph builder: ``src/models/<arch>.cpp``): a block's norms
 and where they sit, per-head q/k norms, q/k/v biases, the MLP's activation, the embedding's
-scale, the rotary layout of its GGUF files and which layers attend through a sliding window.
+scale, the rotary layout of its GGUF files, which layers attend through a sliding window, and
+Granite's residual and logit scales.
 
 ``block_of(config)`` is a family's declaration with one model's numbers (``Block``): the Python
 layers (llama.py) and the fused C++ layers (csrc/fused_layers.cpp) both run from it, so adding
@@ -64,6 +65,11 @@ class Family:
     # layer counts whose scores are scaled by 1/√(hidden/heads), not 1/√head_dim (llama.cpp:
     # Gemma 3 27B, whose query_pre_attn_scalar is 168 with heads of 128)
     query_scalar_hidden_at: tuple[int, ...] = ()
+    # Granite's four scalars, from its config (transformers' names; llama.cpp's GGUF keys:
+    # granite.embedding_scale, .attention.scale, .residual_scale, .logit_scale): embeddings ×
+    # embedding_multiplier, scores × attention_multiplier (in place of 1/√head_dim), each
+    # branch's output × residual_multiplier before its residual add, logits ÷ logits_scaling
+    multipliers: bool = False
 
 
 FAMILIES = (
@@ -71,6 +77,8 @@ FAMILIES = (
     Family("qwen2", ("qwen2",), qkv_bias=True),
     Family("qwen3", ("qwen3",), qk_norms=True),
     Family("smollm3", ("smollm3",), nope_period=4, gguf=False),  # SmolLM3-3B checkpoints
+    # Granite 3.x dense checkpoints (llama.cpp's src/models/granite.cpp)
+    Family("granite", ("granite",), permuted_qk=True, gguf=False, multipliers=True),
     # Gemma 3 (270M, 1B text; FunctionGemma): llama.cpp's src/models/gemma3.cpp
     Family(
         "gemma3",
@@ -111,6 +119,8 @@ class Block:
     attention_scale: float  # scores = q·k × this
     windows: tuple[int, ...]  # per layer: a key at distance ≥ window is masked; 0: no window
     rotary: tuple[int, ...]  # per layer: its row of rotary_frequencies (ROTARY_ROWS)
+    residual_scale: float = 1.0  # each branch's output × this before its residual add
+    logit_scale: float = 1.0  # logits ÷ this
 
     @property
     def activation_code(self) -> int:
@@ -137,19 +147,28 @@ def block_of(config) -> Block:
     # Gemma's query_pre_attn_scalar (the head size on 270M/1B; llama.cpp: key_length, or
     # hidden/heads on 27B), else the head size
     scalar = getattr(config, "query_pre_attn_scalar", None) or head_dim
+    # transformers multiplies by torch.tensor(sqrt(hidden)) in the weights' dtype: float32 here
+    # (llama.cpp: sqrtf(n_embd), the same number)
+    embed_scale = float(torch.tensor(math.sqrt(hidden))) if family.embed_scale else 1.0
+    attention_scale, residual_scale, logit_scale = float(scalar) ** -0.5, 1.0, 1.0
+    if family.multipliers:
+        embed_scale = float(config.embedding_multiplier)
+        attention_scale = float(config.attention_multiplier)
+        residual_scale = float(config.residual_multiplier)
+        logit_scale = float(config.logits_scaling)
     return Block(
         family=family.name,
         norms=len(family.norms),
         activation=family.activation,
-        # transformers multiplies by torch.tensor(sqrt(hidden)) in the weights' dtype: float32 here
-        # (llama.cpp: sqrtf(n_embd), the same number)
-        embed_scale=float(torch.tensor(math.sqrt(hidden))) if family.embed_scale else 1.0,
-        attention_scale=float(scalar) ** -0.5,
+        embed_scale=embed_scale,
+        attention_scale=attention_scale,
         windows=tuple(window if kind == SLIDING else 0 for kind in kinds),
         rotary=tuple(
             ROTARY_ROWS.index(kind) if rotates else ROTARY_ROWS.index("none")
             for kind, rotates in zip(kinds, _rotates(config, family))
         ),
+        residual_scale=residual_scale,
+        logit_scale=logit_scale,
     )
 
 
@@ -242,6 +261,10 @@ def check(config, weights: str) -> Family:
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, cap, None):
             problems.append(f"soft-capping ({cap})")
+    if family and family.multipliers and not float(config.logits_scaling) > 0:
+        # the head picks the logits it recomputes in float32 by their order: a divisor ≤ 0
+        # would not keep it
+        problems.append(f"logits_scaling = {config.logits_scaling} (not positive)")
     if getattr(config, "use_bidirectional_attention", False):
         problems.append("bidirectional attention (use_bidirectional_attention)")
     if SLIDING in layer_kinds(config) and not (getattr(config, "sliding_window", 0) or 0) > 0:

@@ -89,11 +89,16 @@ def forward(
 
 
 def head_rows(model, ids: torch.Tensor) -> torch.Tensor:
-    """The LM head's rows ``ids`` (n, d) in float32: a compact model's head dequantizes only
-    those where it keeps Q8_0 blocks (kernels.Q8Rows); a transformers model's are its weight's."""
+    """The LM head's rows ``ids`` (n, d) in float32, ÷ the model's logit divisor (Granite's
+    logits_scaling), so that features · rows are the logits its forward gives: a compact model's
+    head dequantizes only those where it keeps Q8_0 blocks (kernels.Q8Rows); a transformers
+    model's are its weight's."""
     if isinstance(model, CompactLlama):
-        return model.lm_head.rows(ids)
-    return model.get_output_embeddings().weight.detach()[ids].float()
+        rows, divisor = model.lm_head.rows(ids), model.block.logit_scale
+    else:
+        rows = model.get_output_embeddings().weight.detach()[ids].float()
+        divisor = getattr(model.config, "logits_scaling", 1.0)  # transformers' Granite divides
+    return rows / divisor if divisor != 1.0 else rows
 
 
 def forward_rows(

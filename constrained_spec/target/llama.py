@@ -14,8 +14,9 @@ every token of a verify pass compute exactly what a one-token step would (``_att
 Any other transformers model of a family it computes can be converted too
 (``from_transformers``): its linear layers quantized the same way as Q4_1 (group 32, affine) or
 kept as they are. What a family's layers compute beyond Llama's (Qwen's biases and q/k norms,
-Gemma 3's four norms a layer, GeGLU, scales and sliding windows) is declared once in
-``families.py``; this forward and the fused C++ layers both read that declaration (``block``).
+Gemma 3's four norms a layer, GeGLU, scales and sliding windows, Granite's multipliers) is
+declared once in ``families.py``; this forward and the fused C++ layers both read that
+declaration (``block``).
 """
 
 from __future__ import annotations
@@ -291,7 +292,8 @@ class Shape:
 
 
 class CompactLlama(nn.Module):
-    """A causal LM of one of families.FAMILIES (Llama, Mistral, Qwen2, Qwen3, Gemma 3):
+    """A causal LM of one of families.FAMILIES (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite,
+    Gemma 3):
     ``model(ids, cache)`` → (logits (n, V), LM-head inputs (n, d)). What each layer computes
     (its norms, activation, scales, rotary and window) is ``block``, its family's declaration.
 
@@ -515,6 +517,7 @@ class CompactLlama(nn.Module):
                 self.norms[-1], keys, values,
                 starts, sizes, s.heads, s.kv_heads, s.eps,
                 b.activation_code, b.embed_scale, b.attention_scale, b.windows, b.rotary,
+                b.residual_scale,
             )  # fmt: skip
         else:
             at = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, sizes)])
@@ -578,13 +581,13 @@ class CompactLlama(nn.Module):
             a = o(a.transpose(0, 1).reshape(total, -1), long)  # (N, d)
             if k == 4:  # the branch's output normed before the residual add (SANDWICH_NORMS)
                 a = F.rms_norm(a, (s.hidden,), norms[1], s.eps)
-            x = x + a
+            x = _add_branch(x, a, b.residual_scale)
             h = gate_up(F.rms_norm(x, (s.hidden,), norms[k // 2], s.eps), long)
             g, u = h.chunk(2, dim=-1)  # (N, I) each
             m = down(act(g) * u, long)
             if k == 4:
                 m = F.rms_norm(m, (s.hidden,), norms[3], s.eps)
-            x = x + m
+            x = _add_branch(x, m, b.residual_scale)
         return x
 
     def head(self, features: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
@@ -594,7 +597,16 @@ class CompactLlama(nn.Module):
         head (a Q8Head recomputes their top legal logits in float32). The acceptance rule masks
         every illegal logit anyway. A position's values depend on its own features and mask
         only (4-bit kernel rows are independent), so a step, a verify pass and a batch row
-        compute the same; the float target's dense head only up to its last bits."""
+        compute the same; the float target's dense head only up to its last bits. Every logit
+        ÷ Block.logit_scale (Granite's logits_scaling) where it is not 1: after a Q8Head chose
+        which to recompute, a choice that dividing every logit and its bound by the same
+        positive number would leave as it is."""
+        logits = self._head(features, masks)
+        if self.block.logit_scale != 1.0:
+            logits /= self.block.logit_scale
+        return logits
+
+    def _head(self, features: torch.Tensor, masks: torch.Tensor | None) -> torch.Tensor:
         if masks is None or features.device.type != "cpu":  # counting rows would sync a GPU
             return self._whole_head(features, masks)
         vocab = self.vocab_size
@@ -710,6 +722,12 @@ def _prompt_masks(n: int, start: int, windows) -> dict[int, torch.Tensor]:
     sees every cached position and the new ones up to itself, within its window."""
     causal = torch.ones(n, start + n, dtype=torch.bool).tril(start)
     return {w: causal.triu(start - w + 1) if w else causal for w in set(windows)}
+
+
+def _add_branch(x: torch.Tensor, branch: torch.Tensor, scale: float) -> torch.Tensor:
+    """x + branch·scale: a branch's residual add (Granite scales the branch first; 1 skips the
+    multiply, leaving other families' sums as they were)."""
+    return x + branch * scale if scale != 1.0 else x + branch
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}

@@ -766,17 +766,23 @@ Tensor int4_matmul(const Tensor& x, const Tensor& packed, const Tensor& scale_ze
   return at::_weight_int4pack_mm_for_cpu(input, packed, 32, scale_zero);
 }
 
-void add_bf16(float* x, const Tensor& y) {  // x += y (bf16), rows (n, d)
+// x += y·residual (y bf16), rows (n, d): a branch's residual add, the branch × residual first
+// (Granite's residual_multiplier; 1: no multiply, the other families' sums as they were)
+void add_bf16(float* x, const Tensor& y, float residual) {
   const BFloat16* v = y.data_ptr<BFloat16>();
   const int64_t d = y.size(1);
   parallel_for(0, y.size(0), TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin * d; i < end * d; ++i) x[i] += static_cast<float>(v[i]);
+    if (residual == 1.f)
+      for (int64_t i = begin * d; i < end * d; ++i) x[i] += static_cast<float>(v[i]);
+    else
+      for (int64_t i = begin * d; i < end * d; ++i) x[i] += static_cast<float>(v[i]) * residual;
   });
 }
 
-// x += rms_norm(y)·weight, y (n, d) bf16: a branch's output normed before its residual add
-// (families.SANDWICH_NORMS' post_attention_norm and post_ffw_norm), in float32.
-void add_normed(float* x, const Tensor& y, const float* weight, float eps) {
+// x += rms_norm(y)·weight·residual, y (n, d) bf16: a branch's output normed before its residual
+// add (families.SANDWICH_NORMS' post_attention_norm and post_ffw_norm), in float32; residual as
+// in add_bf16.
+void add_normed(float* x, const Tensor& y, const float* weight, float eps, float residual) {
   const BFloat16* v = y.data_ptr<BFloat16>();
   const int64_t d = y.size(1);
   parallel_for(0, y.size(0), TOKENS_A_THREAD, [&](int64_t begin, int64_t end) {
@@ -784,7 +790,10 @@ void add_normed(float* x, const Tensor& y, const float* weight, float eps) {
     for (int64_t r = begin; r < end; ++r) {
       at::vec::convert(v + r * d, row.data(), d);
       const float inverse = 1.f / std::sqrt(dot(row.data(), row.data(), d) / d + eps);
-      for (int64_t j = 0; j < d; ++j) x[r * d + j] += row[j] * inverse * weight[j];
+      if (residual == 1.f)
+        for (int64_t j = 0; j < d; ++j) x[r * d + j] += row[j] * inverse * weight[j];
+      else
+        for (int64_t j = 0; j < d; ++j) x[r * d + j] += row[j] * inverse * weight[j] * residual;
     }
   });
 }
@@ -830,8 +839,9 @@ Tensor gated_mlp(const Tensor& gate_up, int64_t activation) {
 // layer the RMSNorm weights (hd,) float32 of each query head and each key head, applied before
 // rotary (Qwen3, Gemma 3). activation: the MLP's (gated_mlp); scores are q·k × attention_scale;
 // windows[l] > 0: layer l's queries see the last windows[l] positions only (a key at distance
-// ≥ windows[l] is masked). Returns the features (N, d): the last layer's output after the final
-// norm; the caches hold the new keys and values.
+// ≥ windows[l] is masked); each branch's output × residual_scale before its residual add (1:
+// none). Returns the features (N, d): the last layer's output after the final norm; the caches
+// hold the new keys and values.
 Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& embed_scales,
                     const Tensor& cos, const Tensor& sin,
                     const std::vector<Tensor>& packed, const std::vector<Tensor>& scale_zero,
@@ -842,7 +852,8 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& embed_
                     const std::vector<Tensor>& values, const std::vector<int64_t>& starts,
                     const std::vector<int64_t>& sizes, int64_t heads, int64_t kv_heads, double eps,
                     int64_t activation, double embed_scale, double attention_scale,
-                    const std::vector<int64_t>& windows, const std::vector<int64_t>& rotary) {
+                    const std::vector<int64_t>& windows, const std::vector<int64_t>& rotary,
+                    double residual_scale) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids: (N,) int64");
   const Rows embed_rows(embed, embed_scales);
   const int64_t N = ids.size(0), d = embed_rows.d, layers = static_cast<int64_t>(packed.size()) / 4;
@@ -904,7 +915,7 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& embed_
   float* X = x.data_ptr<float>();
   const float* C = cos.data_ptr<float>();
   const float* S = sin.data_ptr<float>();
-  const float scale = static_cast<float>(attention_scale);
+  const float scale = static_cast<float>(attention_scale), residual = static_cast<float>(residual_scale);
   auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   Tensor normed = at::empty({N, d}, bf16), attended = at::empty({N, heads * hd}, bf16);
   std::vector<float> q(N * heads * hd);
@@ -984,14 +995,14 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& embed_
         for (int64_t i = 0; i < count; ++i) at::vec::convert(&out[i * hd], A + place[i], hd);
       }
     });
-    if (k_norms == 4) add_normed(X, linear(attended, 4 * l + 1), norms[4 * l + 1].data_ptr<float>(), eps);
-    else add_bf16(X, linear(attended, 4 * l + 1));
+    if (k_norms == 4) add_normed(X, linear(attended, 4 * l + 1), norms[4 * l + 1].data_ptr<float>(), eps, residual);
+    else add_bf16(X, linear(attended, 4 * l + 1), residual);
 
     // MLP: down(act(gate) · up)
     rms_norm(X, norms[k_norms * l + k_norms / 2].data_ptr<float>(), normed.data_ptr<BFloat16>(), N, d, eps);
     Tensor gated = gated_mlp(linear(normed, 4 * l + 2), activation);
-    if (k_norms == 4) add_normed(X, linear(gated, 4 * l + 3), norms[4 * l + 3].data_ptr<float>(), eps);
-    else add_bf16(X, linear(gated, 4 * l + 3));
+    if (k_norms == 4) add_normed(X, linear(gated, 4 * l + 3), norms[4 * l + 3].data_ptr<float>(), eps, residual);
+    else add_bf16(X, linear(gated, 4 * l + 3), residual);
   }
   const float* weight = final_norm.data_ptr<float>();  // the final RMSNorm, in float32
   for (int64_t t = 0; t < N; ++t) {
