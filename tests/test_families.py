@@ -3,12 +3,14 @@
 the same file; each declared part of its block shown to matter, the sliding window's boundary
 exactly transformers'; steps, verify passes, prompts and batch rows bit for bit alike through a
 window; greedy identity and the chi-square test on a windowed target; a SentencePiece vocabulary's
-exact bytes; base models in the CLI; bad files refused by name before any weight is read."""
+exact bytes; base models in the CLI; bad files refused by name before any weight is read. Granite
+checkpoints against transformers' GraniteForCausalLM, each of its four scales shown to matter."""
 
 import copy
 import ctypes
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -222,6 +224,143 @@ def test_smollm3s_layers_without_rotary(weights):
         assert float(relative_error(moved, theirs).max()) > 0.03
 
 
+# Granite's four scalars (families.Family.multipliers), each far from 1 (granite-3.1-2b's: 12,
+# 0.015625 = 1/64, 0.22, 8), so that dropping any one of them moves the logits
+GRANITE_SCALES = dict(
+    embedding_multiplier=6.0,
+    attention_multiplier=0.12,
+    residual_multiplier=0.45,
+    logits_scaling=2.5,
+)
+# (weights, layers, bound): the compact forward against transformers' float32 logits, relative at
+# the worst position (float32: measured 0 on the Python layers; 8-bit weights 0.012)
+GRANITE_WAYS = [
+    ("float", "python", 1e-4),
+    ("int8", "python", 0.05),
+    pytest.param("int8", "fused", 0.05, marks=needs_fused),
+]
+
+
+def tiny_granite(layers: int = 3, vocab: int = 300, **config):
+    """A float32 GraniteForCausalLM with random weights, GRANITE_SCALES and tied embeddings (as
+    granite-3.1-2b has them)."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(0)
+    config = GraniteConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=True, initializer_range=0.1, **{**GRANITE_SCALES, **config},
+    )  # fmt: skip
+    return GraniteForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("weights, layers, bound", GRANITE_WAYS)
+def test_granites_four_scales_each_matter(weights, layers, bound):
+    """Granite (a declaration: Llama with four scalars from its config): a GraniteForCausalLM in
+    the compact forward within ``bound`` of transformers' logits on the Python and the fused
+    layers; each scale set back to Llama's (the embedding and each residual branch × 1, scores
+    × 1/√head_dim, logits ÷ 1) moves them far past it."""
+    ids = list(range(3, 120, 3))
+    model = tiny_granite()
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0]
+    compact = llama.from_transformers(model, weights)
+    compact.use_layers(layers)
+    assert compact.block == families.Block(
+        "granite", 2, "silu", 6.0, 0.12, (0,) * 3, (0,) * 3, residual_scale=0.45, logit_scale=2.5
+    )
+    ours = kv.forward(compact, compact.new_cache(), ids, "cpu")
+    assert float(relative_error(ours, theirs).max()) < bound
+    block = compact.block
+    llamas = dict(embed_scale=1.0, attention_scale=16**-0.5, residual_scale=1.0, logit_scale=1.0)
+    for what, value in llamas.items():
+        compact.block = dataclasses.replace(block, **{what: value})
+        moved = kv.forward(compact, compact.new_cache(), ids, "cpu")
+        assert float(relative_error(moved, theirs).max()) > 0.1, what
+
+
+@needs_fused
+def test_a_granite_verify_pass_prompt_and_batch_rows_compute_what_steps_do():
+    """The residual scale on every path of the fused layers: with Granite's scales (8-bit
+    weights), a verify pass, a whole prompt and a batch's rows give bit for bit the logits of
+    one-token steps, and those are transformers' within the 8-bit bound."""
+    model = tiny_granite()
+    compact = llama.from_transformers(model, "int8")
+    compact.use_layers("fused")
+    context, new = list(range(5, 45)), [7, 3, 11, 2, 9, 30, 4]
+
+    def logits(ids, cache):
+        return compact(torch.tensor(ids), cache)[0]
+
+    prefilled = compact.new_cache()
+    logits(context, prefilled)
+    steps = copy.deepcopy(prefilled)
+    one_by_one = torch.cat([logits([t], steps) for t in new])
+    with torch.no_grad():
+        theirs = model(torch.tensor([context + new])).logits[0, len(context) :]
+    assert float(relative_error(one_by_one, theirs).max()) < 0.05
+    assert torch.equal(logits(new, copy.deepcopy(prefilled)), one_by_one)
+    whole = compact.forward_rows([torch.tensor(context + new)], [compact.new_cache()], prompt=True)
+    assert torch.equal(whole[0][len(context) :], one_by_one), "a prompt's rows differ from steps"
+    other = compact.new_cache()
+    logits(context[:9], other)
+    alone = logits(new[:3], copy.deepcopy(other))
+    rows, _ = compact.forward_rows(
+        [torch.tensor(new), torch.tensor(new[:3])], [copy.deepcopy(prefilled), other]
+    )
+    assert torch.equal(rows[: len(new)], one_by_one), "a row depends on its neighbour"
+    assert torch.equal(rows[len(new) :], alone), "a row depends on its neighbour"
+
+
+def test_granites_logits_are_divided_wherever_they_leave_the_model():
+    """logits_scaling divides every logit the engine reads: the Q8_0 head's (its float32
+    recomputed rows and the others), a narrow position's legal rows (CompactLlama.head) and the
+    rows a draft head multiplies (kv.head_rows): each ×2.5 of the same model's with the divisor
+    set to 1; transformers' Granite rows as well."""
+    model = tiny_granite()
+    compact = llama.from_transformers(model, "int8")
+    assert isinstance(compact.lm_head, kernels.Q8Head)
+    features = torch.randn(3, 64) * 4
+    masks = torch.ones(3, 300, dtype=torch.bool)
+    masks[1] = False
+    masks[1, [4, 40, 77]] = True  # narrow: its legal rows only
+    divided = compact.head(features, masks)
+    assert torch.isinf(divided[1]).sum() == 297
+    compact.block = dataclasses.replace(compact.block, logit_scale=1.0)
+    torch.testing.assert_close(divided * 2.5, compact.head(features, masks))
+    ids = torch.tensor([4, 40, 77])
+    torch.testing.assert_close(kv.head_rows(compact, ids) @ features[1], divided[1, ids] * 2.5)
+    compact.block = dataclasses.replace(compact.block, logit_scale=2.5)
+    torch.testing.assert_close(kv.head_rows(compact, ids) @ features[1], divided[1, ids])
+    theirs = model.lm_head.weight[ids].detach() / 2.5
+    torch.testing.assert_close(kv.head_rows(model, ids), theirs)
+
+
+def test_a_granite_checkpoint_generates_under_a_regex(tmp_path):
+    """A Granite checkpoint folder end to end: Generator.from_pretrained in 8 bits, a regex, and
+    greedy speculation (prompt lookup) committing the masked baseline's tokens."""
+    tokenizer = testing.tiny_tokenizer()
+    model = tiny_granite(vocab=len(tokenizer) + 6, eos_token_id=tokenizer.eos_token_id)
+    folder = tmp_path / "granite"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    gen = Generator.from_pretrained(str(folder), weights="int8")
+    assert gen.weights == "int8" and gen.target.block.logit_scale == 2.5
+    regex = "(yes|no|abba|baab)( (yes|no|abba|baab)){4,12}"
+    ids = gen.tokenizer.encode("yes no yes no abba baab abab " * 3)
+    base = Generator(gen.target, gen.tokenizer, draft=None).generate(
+        ids, regex=regex, max_new_tokens=40
+    )
+    rounds = []
+    spec = gen.generate(ids, regex=regex, max_new_tokens=40, on_round=rounds.append)
+    assert re.fullmatch(regex, spec.text) and spec.finish_reason == "stop", spec
+    assert sum(len(r.drafted) for r in rounds) > 0, "nothing drafted: speculation unused"
+    testing.assert_greedy_match(
+        gen.target, gen.compile(regex=regex), ids, base.token_ids, spec.token_ids
+    )
+
+
 def test_a_transformers_gemma3_runs_in_8_bits_on_the_fused_layers_too():
     """from_transformers on a Gemma3ForCausalLM (its norms + 1, its windows from layer_types):
     the 8-bit forward on either layers within the quantization's reach of transformers'."""
@@ -430,6 +569,28 @@ def test_a_smollm3_gguf_is_refused_by_name_before_its_weights(tmp_path, monkeypa
     monkeypatch.setattr(files, "dequantize", explode)
     with pytest.raises(WeightsError, match="'smollm3' architecture is not supported.*gemma3"):
         files.check_gguf(files.read_gguf(path), path)
+
+
+def test_a_granite_logit_divisor_not_positive_is_refused():
+    """CompactLlama.head divides after the Q8_0 head chose its rows by their order, which only a
+    positive divisor keeps."""
+    from transformers import GraniteConfig
+
+    assert families.check(GraniteConfig(logits_scaling=8.0), "int8").name == "granite"
+    with pytest.raises(WeightsError, match=r"logits_scaling = -1\.0 \(not positive\)"):
+        families.check(GraniteConfig(logits_scaling=-1.0), "int8")
+
+
+def test_a_granite_gguf_is_refused_by_name_before_its_weights(tmp_path, monkeypatch):
+    """Granite runs from checkpoints only (transformers reads no config from its GGUF files)."""
+    path = testing.write_gguf(tmp_path / "granite.gguf", "granite", "Q8_0", hidden=64, ffn=128)
+    monkeypatch.setattr(files, "dequantize", explode)
+    with pytest.raises(WeightsError, match="'granite' architecture is not supported.*gemma3"):
+        files.check_gguf(files.read_gguf(path), path)
+    monkeypatch.setattr(files, "_float", explode)
+    with pytest.raises(WeightsError, match="'granite' architecture is not supported"):
+        models.load_model(str(path), weights="int4")
+    assert models.auto_weights(str(path))[0] == "float"
 
 
 # --- the real file, where it is on disk (never downloaded by the tests) ---------------------------
