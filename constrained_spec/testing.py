@@ -179,10 +179,11 @@ def write_gguf(
 ) -> Path:
     """A small GGUF of ``arch`` (one of families.FAMILIES: "llama", "qwen2": q/k/v biases,
     "qwen3": q/k norms, "gemma3": four norms a layer, q/k norms, a sliding ``window`` on all but
-    every 6th layer) over _gguf_header's vocabulary, random weights in the tensor types
+    every 6th layer, "gemma2": four norms, a window on even layers, the soft-caps llama.cpp
+    assumes stated) over _gguf_header's vocabulary, random weights in the tensor types
     ``types`` (one for every linear, or {"attn_q": ..., ..., "*": default, "token_embd": ...});
     norms, biases and ``rope_factors`` (Llama 3's rope_freqs) in F32; heads of ``head_dim``
-    (default hidden/heads; stated as key_length where the family has q/k norms); ``metadata``:
+    (default hidden/heads; stated as key_length for qwen3 and Gemma); ``metadata``:
     more keys, {"gemma3.rope.freq_base_swa": 1e4, ...}, or None to leave one out;
     ``vocabulary``: "bpe" (byte-level, _gguf_header's) or "spm" (SentencePiece, _spm_vocabulary's).
     K-quants need inputs in multiples of 256: ``hidden``, ``ffn`` and heads·head_dim are."""
@@ -307,9 +308,13 @@ def _gguf_header(w, family, layers, hidden, ffn, heads, kv_heads, hd, chat_templ
     w.add_rope_freq_base(10000.0 if family.name == "llama" else 1e6)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(vocab)
-    if family.qk_norms:
+    if family.name in ("qwen3", "gemma2", "gemma3"):  # their converters state the head size
         w.add_key_length(hd)
         w.add_value_length(hd)
+    if family.attention_cap:  # as llama.cpp's converter writes Gemma 2's
+        w.add_float32(f"{family.name}.attn_logit_softcapping", family.attention_cap)
+    if family.logit_cap:
+        w.add_float32(f"{family.name}.final_logit_softcapping", family.logit_cap)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
     w.add_token_types([3] * len(GGUF_SPECIALS) + [1] * (vocab - len(GGUF_SPECIALS) - 1) + [5])

@@ -1,10 +1,11 @@
-"""Model families beyond Llama (target/families.py), Gemma 3 first: tiny gemma3 GGUFs written here
-(testing.write_gguf) against transformers' float32 Gemma3ForCausalLM on gguf's dequantization of
-the same file; each declared part of its block shown to matter, the sliding window's boundary
-exactly transformers'; steps, verify passes, prompts and batch rows bit for bit alike through a
-window; greedy identity and the chi-square test on a windowed target; a SentencePiece vocabulary's
-exact bytes; base models in the CLI; bad files refused by name before any weight is read. Granite
-checkpoints against transformers' GraniteForCausalLM, each of its four scales shown to matter."""
+"""Model families beyond Llama (target/families.py), Gemma 3 and Gemma 2 first: tiny gemma3 and
+gemma2 GGUFs written here (testing.write_gguf) against transformers' float32 Gemma3ForCausalLM and
+Gemma2ForCausalLM on gguf's dequantization of the same file; each declared part of a block shown
+to matter (Gemma 2's soft-caps too), the sliding window's boundary exactly transformers'; steps,
+verify passes, prompts and batch rows bit for bit alike through a window (and a soft-cap); greedy
+identity and the chi-square test on a windowed target; a SentencePiece vocabulary's exact bytes;
+base models in the CLI; bad files refused by name before any weight is read. Granite checkpoints
+against transformers' GraniteForCausalLM, each of its four scales shown to matter."""
 
 import copy
 import ctypes
@@ -16,7 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+)
 
 from constrained_spec import Generator, SamplingConfig, cli, testing
 from constrained_spec.errors import WeightsError
@@ -30,6 +38,12 @@ LAYERS = ["python", pytest.param("fused", marks=needs_fused)]
 GEMMA = dict(layers=6, heads=4, kv_heads=2, head_dim=128)
 IDS = list(range(3, 200, 3))  # 66 teacher-forced positions: past a window of 16 four times
 Q4_K_M = {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q5_0", "token_embd": "Q6_K"}
+# four layers: 0 and 2 windowed, 1 and 3 global (transformers' layer_types, llama.cpp's il % 2)
+GEMMA2 = dict(layers=4, heads=4, kv_heads=2, head_dim=128)
+# soft-caps that bite on a tiny random model (its raw scores reach ~3, its logits ~5.5; the real
+# files' 50 and 30 leave them nearly as they are): as a file states them, and as transformers' config
+CAPS = {"gemma2.attn_logit_softcapping": 1.0, "gemma2.final_logit_softcapping": 2.0}
+CAPPED = dict(attn_logit_softcapping=1.0, final_logit_softcapping=2.0)
 
 
 def reference(path, **changes):
@@ -127,6 +141,183 @@ def test_each_part_of_gemma3s_block_matters(layers, tmp_path):
     model._cos = None
     moved = kv.forward(model, model.new_cache(), IDS, "cpu")
     assert float(relative_error(moved, theirs).max()) > 0.1, "the local base ignored"
+
+
+# --- a gemma2 file against transformers ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers", LAYERS)
+@pytest.mark.parametrize("types, bound", [("Q8_0", 0.03), (Q4_K_M, 0.06)], ids=["Q8_0", "Q4_K_M"])
+def test_a_gemma2_file_computes_what_transformers_does(types, bound, layers, tmp_path):
+    """Four norms a layer (1 + w as stored), no q/k norms, GeGLU, the embedding × √hidden, scores
+    × 1/√key_length soft-capped, a window of 16 on layers 0 and 2, one rotary base, the logits
+    soft-capped: our logits within ``bound`` of transformers' Gemma2ForCausalLM over the same file
+    (relative, worst position), the same top token at ≥ 95% of positions."""
+    path = testing.write_gguf(tmp_path / "g.gguf", "gemma2", types, **GEMMA2, metadata=CAPS)
+    model = compact(path, layers)
+    assert model.block == families.Block(
+        "gemma2",
+        4,
+        "gelu_tanh",
+        16.0,
+        128**-0.5,
+        (16, 0, 16, 0),
+        (1, 0, 1, 0),
+        attention_cap=1.0,
+        logit_cap=2.0,
+    )
+    assert torch.equal(model.rope[0], model.rope[1]), "one rotary base for every layer"
+    ours = kv.forward(model, model.new_cache(), IDS, "cpu")
+    theirs = theirs_logits(path, **CAPPED)
+    error = relative_error(ours, theirs)
+    assert float(error.max()) < bound and float(error.median()) < 0.03, error
+    agree = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
+    assert agree >= 0.95, f"top-1 agreement {agree:.3f}"
+
+
+@pytest.mark.parametrize("layers", LAYERS)
+def test_each_part_of_gemma2s_block_matters(layers, tmp_path):
+    """The comparison above sees each declared part of Gemma 2's block: either soft-cap dropped,
+    the window dropped, the embedding unscaled, or scores × 1/√256 (transformers' default
+    query_pre_attn_scalar) moves the logits far past its bound, in the Python layers and in the
+    fused ones (whose attention computes the cap)."""
+    path = testing.write_gguf(tmp_path / "g.gguf", "gemma2", "Q8_0", **GEMMA2, metadata=CAPS)
+    model = compact(path, layers)
+    theirs = theirs_logits(path, **CAPPED)
+    ours = kv.forward(model, model.new_cache(), IDS, "cpu")
+    assert float(relative_error(ours, theirs).max()) < 0.03
+    block = model.block
+    wrong = {
+        "no attention soft-cap": dict(attention_cap=0.0),
+        "no logit soft-cap": dict(logit_cap=0.0),
+        "no window": dict(windows=(0,) * 4),
+        "no embedding scale": dict(embed_scale=1.0),
+        "1/sqrt(256)": dict(attention_scale=256**-0.5),
+    }
+    for what, change in wrong.items():
+        model.block = dataclasses.replace(block, **change)
+        moved = kv.forward(model, model.new_cache(), IDS, "cpu")
+        assert float(relative_error(moved, theirs).max()) > 0.1, what
+
+
+def test_a_gemma2_files_soft_caps_and_windows_are_llama_cpps(tmp_path):
+    """What llama.cpp reads from a gemma2 file: the soft-caps it states (else 50 and 30), the
+    window on even layers, every layer at ``rope.freq_base`` (its freq_base_swa is Gemma 3's),
+    scores × 1/√key_length, or 1/√(hidden/heads) at 46 layers (27B: query_pre_attn_scalar
+    144 with heads of 128); a config only, no weight read."""
+    shape = dict(GEMMA2, head_dim=64, heads=8, hidden=256)  # hidden/heads 32, not 64
+    stated = testing.write_gguf(
+        tmp_path / "stated.gguf", "gemma2", "Q8_0", **shape,
+        metadata={**CAPS, "gemma2.rope.freq_base_swa": 1e4},
+    )  # fmt: skip
+    config = models.load_config(stated)
+    block = families.block_of(config)
+    assert (block.attention_cap, block.logit_cap, block.windows) == (1.0, 2.0, (16, 0, 16, 0))
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert config.rope_parameters[families.SLIDING]["rope_theta"] == 1e6  # rope.freq_base
+    rope = families.rotary_frequencies(config)
+    assert torch.equal(rope[0], rope[1]) and block.attention_scale == 64**-0.5
+    left_out = {key: None for key in CAPS}
+    default = testing.write_gguf(
+        tmp_path / "default.gguf", "gemma2", "Q8_0", **shape, metadata=left_out
+    )
+    block = families.block_of(models.load_config(default))
+    assert (block.attention_cap, block.logit_cap) == (50.0, 30.0)
+    big = dict(layers=46, hidden=64, ffn=64, heads=4, kv_heads=2, head_dim=32)  # 64/4 = 16
+    big = testing.write_gguf(tmp_path / "46.gguf", "gemma2", "Q8_0", **big)
+    block = families.block_of(models.load_config(big))
+    assert block.attention_scale == 16**-0.5 and block.windows[44:] == (16, 0)
+
+
+def test_the_q8_heads_bound_holds_through_the_logit_soft_cap(tmp_path):
+    """The Q8_0 head's logits, soft-capped (cap·tanh(x / cap) is increasing and 1-Lipschitz):
+    every capped logit within the head's bound of the capped float32 product, the top token
+    float32's; a narrow position's legal logits (their rows in float32) capped the same, its
+    illegal ones still −inf."""
+    path = testing.write_gguf(tmp_path / "g.gguf", "gemma2", "Q8_0", **GEMMA2, metadata=CAPS)
+    model = compact(path, "python")
+    head, cap = model.lm_head, model.block.logit_cap
+    assert isinstance(head, kernels.Q8Head) and cap == 2.0
+    _, features = kv.forward(model, model.new_cache(), IDS, "cpu", features=True)
+    raw = features.double() @ head.dequantized().double().T
+    exact = llama.soft_cap(raw, cap)
+    assert float((raw - exact).abs().max()) > 2, "a cap that changes nothing tests nothing"
+    for matmul in int4_kernels():
+        model.use_matmul(matmul)
+        approx, bound = (t.double() for t in head.approximate(features))
+        assert ((approx - raw).abs() <= bound).all(), matmul
+        logits = model.head(features).double()
+        assert ((logits - exact).abs() <= bound).all(), f"{matmul}: left its bound when capped"
+        assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    masks = torch.zeros(len(IDS), model.vocab_size, dtype=torch.bool)
+    masks[:, 5:9] = True  # 4 legal tokens: the narrow head's rows
+    narrow = model.head(features, masks).double()
+    torch.testing.assert_close(narrow[:, 5:9], exact[:, 5:9], rtol=1e-5, atol=1e-5)
+    assert (narrow[:, 9:] == float("-inf")).all() and (narrow[:, :5] == float("-inf")).all()
+
+
+def tiny_gemma2(window: int, layers: int = 4, seed: int = 0, **caps) -> Gemma2ForCausalLM:
+    """A float32 Gemma2ForCausalLM with random weights and norms, soft-caps that bite (``caps``:
+    other config fields)."""
+    torch.manual_seed(seed)
+    config = Gemma2Config(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=window,
+        max_position_embeddings=256, query_pre_attn_scalar=32, initializer_range=0.1,
+        **{**dict(attn_logit_softcapping=1.0, final_logit_softcapping=2.0), **caps},
+    )  # fmt: skip
+    model = Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def test_a_transformers_gemma2_is_computed_to_float_rounding():
+    """from_transformers on a Gemma2ForCausalLM, float32: its logits to 1e-4 at every position
+    (both soft-caps, its window on even layers, the norms + 1); a window one position off, or
+    either cap dropped, moves them 10x past that; a config without caps (None) computes none."""
+    window, ids = 8, list(range(3, 120, 3))
+    model = tiny_gemma2(window)
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0]
+    ours_model = llama.from_transformers(model, "float")
+    block = ours_model.block
+    assert (block.windows, block.attention_cap, block.logit_cap) == ((8, 0, 8, 0), 1.0, 2.0)
+    ours = kv.forward(ours_model, ours_model.new_cache(), ids, "cpu")
+    assert float((ours - theirs).abs().max()) < 1e-4
+    wrong = {
+        "no attention cap": dict(attention_cap=0.0),
+        "no logit cap": dict(logit_cap=0.0),
+        "window + 1": dict(windows=(9, 0, 9, 0)),
+    }
+    for what, change in wrong.items():
+        ours_model.block = dataclasses.replace(block, **change)
+        moved = kv.forward(ours_model, ours_model.new_cache(), ids, "cpu")
+        assert float((moved - theirs).abs().max()) > 1e-3, what
+    uncapped = tiny_gemma2(window, attn_logit_softcapping=None, final_logit_softcapping=None)
+    compact_uncapped = llama.from_transformers(uncapped, "float")
+    assert (compact_uncapped.block.attention_cap, compact_uncapped.block.logit_cap) == (0, 0)
+    with torch.no_grad():
+        theirs = uncapped(torch.tensor([ids])).logits[0]
+    ours = kv.forward(compact_uncapped, compact_uncapped.new_cache(), ids, "cpu")
+    assert float((ours - theirs).abs().max()) < 1e-4
+
+
+def test_the_fused_layers_compute_what_the_python_ones_do_on_gemma2(tmp_path):
+    """The same 4-bit gemma2 model through the fused C++ layers and the Python ones: the same
+    function up to float rounding (the fused attention's soft-cap is the Python one's)."""
+    path = testing.write_gguf(tmp_path / "g.gguf", "gemma2", "Q4_0", **GEMMA2, metadata=CAPS)
+    if kernels.fused_missing():
+        pytest.skip(f"no fused layers: {kernels.fused_missing()}")
+    fused, python = compact(path, "fused"), compact(path, "python")
+    ours = kv.forward(fused, fused.new_cache(), IDS, "cpu")
+    theirs = kv.forward(python, python.new_cache(), IDS, "cpu")
+    assert float(relative_error(ours, theirs).max()) < 0.01
+    python.block = dataclasses.replace(python.block, attention_cap=0.0)
+    uncapped = kv.forward(python, python.new_cache(), IDS, "cpu")
+    assert float(relative_error(uncapped, theirs).max()) > 0.1
 
 
 def tiny_gemma3(window: int, layers: int = 7, seed: int = 0) -> Gemma3ForCausalLM:
@@ -382,14 +573,20 @@ def int4_kernels() -> list[str]:
     return [k for k in kernels.INT4_KERNELS if kernels.int4_kernel_missing(k) is None]
 
 
+# each windowed family with its shape (gemma2: soft-caps that bite, as the file states them)
+WINDOWED = {"gemma3": dict(GEMMA), "gemma2": dict(GEMMA2, metadata=CAPS)}
+
+
 @needs_fused
+@pytest.mark.parametrize("arch", WINDOWED)
 @pytest.mark.parametrize("matmul", int4_kernels())
-def test_a_windowed_verify_pass_prompt_and_batch_rows_compute_what_steps_do(matmul, tmp_path):
+def test_a_windowed_verify_pass_prompt_and_batch_rows_compute_what_steps_do(matmul, arch, tmp_path):
     """Greedy speculation commits the baseline's tokens because every token gets bit for bit the
     logits a one-token step gives it: through windows of 5 (not a tile of 16: passes start at
-    different tiles below their queries' windows), the fused layers' verify pass, a whole
-    prompt and a batch's rows equal the steps; so does a crop and re-feed."""
-    path = testing.write_gguf(tmp_path / "g.gguf", "gemma3", "Q4_0", **GEMMA, window=5)
+    different tiles below their queries' windows) and Gemma 2's soft-capped scores, the fused
+    layers' verify pass, a whole prompt and a batch's rows equal the steps; so does a crop and
+    re-feed."""
+    path = testing.write_gguf(tmp_path / "g.gguf", arch, "Q4_0", **WINDOWED[arch], window=5)
     model = compact(path, "fused")
     model.use_matmul(matmul)
     context, new = list(range(5, 45)), [7, 3, 11, 2, 9, 30, 4]
@@ -433,12 +630,17 @@ def windowed_files(tmp_path_factory):
     }
 
 
-def test_greedy_speculation_on_a_windowed_target_commits_the_baseline_tokens(windowed_files):
-    """A window of 4 on five of six layers, a prompt and an output many windows long: greedy
-    speculation (forced tokens and prompt lookup, verify passes across the window's edge,
-    rejected drafts cropped) commits the masked baseline's tokens."""
-    gen = Generator.from_pretrained(str(windowed_files["target"]))
-    assert gen.weights == "int4" and gen.target.block.windows[:5] == (4,) * 5
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_greedy_speculation_on_a_windowed_target_commits_the_baseline_tokens(arch, tmp_path):
+    """A window of 4 (gemma3: on five of six layers; gemma2: on every other, its scores and
+    logits soft-capped), a prompt and an output many windows long: greedy speculation (forced
+    tokens and prompt lookup, verify passes across the window's edge, rejected drafts cropped)
+    commits the masked baseline's tokens."""
+    target = testing.write_gguf(
+        tmp_path / "target.gguf", arch, "Q4_K", **WINDOWED[arch], window=4, vocabulary="spm"
+    )
+    gen = Generator.from_pretrained(str(target))
+    assert gen.weights == "int4" and gen.target.block.windows[0] == 4
     text = {"type": "string", "minLength": 12, "maxLength": 30}
     schema = {"type": "object", "properties": {"a": text}, "required": ["a"]}
     ids = gen.tokenizer.encode('Give a: {"a": "the same text again and again"} ' * 2)
@@ -557,10 +759,30 @@ def test_a_gemma3_file_contradicting_its_family_is_named(change, words, tmp_path
 
 
 def test_an_unsupported_family_names_the_supported_ones():
-    with pytest.raises(WeightsError, match="'gemma2' architecture.*gemma3_text.*weights='float'"):
-        families.check(transformers.Gemma2Config(), "int4")
-    with pytest.raises(WeightsError, match="soft-capping.*final_logit_softcapping"):
-        families.check(Gemma3TextConfig(final_logit_softcapping=30.0), "int4")
+    with pytest.raises(WeightsError, match="'gpt2' architecture.*gemma2.*weights='float'"):
+        families.check(transformers.GPT2Config(), "int4")
+    # soft-caps are computed for the family that declares them only
+    assert families.check(Gemma2Config(), "int4").name == "gemma2"
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        with pytest.raises(WeightsError, match=f"soft-capping.*{cap}"):
+            families.check(Gemma3TextConfig(**{cap: 30.0}), "int4")
+
+
+def test_a_gemma2_file_runs_from_the_generator(tmp_path):
+    """A gemma2 GGUF (the real files' soft-caps, 50 and 30) from Generator.from_pretrained to a
+    regex's text: compact, fused where the fused layers build, greedy and sampled."""
+    path = testing.write_gguf(
+        tmp_path / "g2.gguf", "gemma2", "Q4_K", **GEMMA2, window=4, vocabulary="spm"
+    )
+    gen = Generator.from_pretrained(str(path))
+    block = gen.target.block
+    assert gen.weights == "int4" and (block.attention_cap, block.logit_cap) == (50.0, 30.0)
+    regex = "(yes|no), (ab|ba){2,3}!"
+    for seed, temperature in [(0, 0.0), (1, 1.0), (2, 1.0)]:
+        result = gen.generate(
+            "the", regex=regex, max_new_tokens=30, seed=seed, temperature=temperature
+        )
+        assert re.fullmatch(regex, result.text) and result.finish_reason == "stop", result
 
 
 def test_a_smollm3_gguf_is_refused_by_name_before_its_weights(tmp_path, monkeypatch):

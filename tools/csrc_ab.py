@@ -76,6 +76,8 @@ def build_other(commit: str, folder: Path):
     )
     if "bool dense_amx" not in text.stdout:  # before the dense copy on AVX-512 BF16 too
         module = WithoutDenseFlag(module)
+    if "attention_cap" not in text.stdout:  # before soft-capped scores (Gemma 2)
+        module = WithoutAttentionCap(module)
     return (module, None), "KEY_TILE" in text.stdout  # the build flags are the library's own
 
 
@@ -94,6 +96,21 @@ class WithoutDenseFlag:
 
     def dense_mm(self, x, tiles, amx):
         return self.module.dense_mm(x, tiles)
+
+
+class WithoutAttentionCap:
+    """An older module, called as this checkout calls it: its fused_layers has no
+    ``attention_cap`` (the last argument; 0 for every family it ran)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def fused_layers(self, *args):
+        assert args[-1] == 0, "the older layers compute no soft-cap"
+        return self.module.fused_layers(*args[:-1])
 
 
 def pass_ms(

@@ -1,8 +1,8 @@
 """The model families the compact forward computes, each declared once (as llama.cpp keeps one
 small file per architecture over one graph builder: ``src/models/<arch>.cpp``): a block's norms
 and where they sit, per-head q/k norms, q/k/v biases, the MLP's activation, the embedding's
-scale, the rotary layout of its GGUF files, which layers attend through a sliding window, and
-Granite's residual and logit scales.
+scale, the rotary layout of its GGUF files, which layers attend through a sliding window,
+Granite's residual and logit scales, and Gemma 2's soft-caps on attention scores and logits.
 
 ``block_of(config)`` is a family's declaration with one model's numbers (``Block``): the Python
 layers (llama.py) and the fused C++ layers (csrc/fused_layers.cpp) both run from it, so adding
@@ -54,9 +54,10 @@ class Family:
     norm_offset: float = 0.0
     # sliding windows: every layer but each window_period-th (il % period == period − 1) attends
     # to the last ``{arch}.attention.sliding_window`` positions only, with its own rotary base
-    # (``{arch}.rope.freq_base_swa``, else local_rope_base); 0: no windows
+    # (``{arch}.rope.freq_base_swa``, else local_rope_base; None: the full layers' base and
+    # scaling, as llama.cpp rotates them unless a family says otherwise); 0: no windows
     window_period: int = 0
-    local_rope_base: float = 10000.0
+    local_rope_base: float | None = 10000.0
     # no rotary on layers where (il + 1) % nope_period == 0 (SmolLM3: 4; the GGUF does not say it,
     # llama.cpp hard-codes it; a checkpoint's config.no_rope_layers says it per layer); 0: none
     nope_period: int = 0
@@ -70,6 +71,12 @@ class Family:
     # embedding_multiplier, scores × attention_multiplier (in place of 1/√head_dim), each
     # branch's output × residual_multiplier before its residual add, logits ÷ logits_scaling
     multipliers: bool = False
+    # soft-capping, x → cap·tanh(x / cap): of the attention scores (after their scale, before the
+    # mask) and of the logits; each the value llama.cpp takes where a GGUF file does not state
+    # ``{arch}.attn_logit_softcapping`` / ``{arch}.final_logit_softcapping`` (a checkpoint's
+    # config states its own); 0: the family has none (a config asking for one is refused)
+    attention_cap: float = 0.0
+    logit_cap: float = 0.0
 
 
 FAMILIES = (
@@ -90,6 +97,21 @@ FAMILIES = (
         norm_offset=1.0,
         window_period=6,
         query_scalar_hidden_at=(62,),
+    ),
+    # Gemma 2 (2B, 9B, 27B): llama.cpp's src/models/gemma2-iswa.cpp; no q/k norms, a window on
+    # even layers, one rotary base, scores × 1/√(hidden/heads) on 27B (query_pre_attn_scalar 144)
+    Family(
+        "gemma2",
+        ("gemma2",),
+        norms=SANDWICH_NORMS,
+        activation="gelu_tanh",
+        embed_scale=True,
+        norm_offset=1.0,
+        window_period=2,
+        local_rope_base=None,
+        query_scalar_hidden_at=(46,),
+        attention_cap=50.0,
+        logit_cap=30.0,
     ),
 )
 ARCHITECTURES = tuple(f.name for f in FAMILIES if f.gguf)  # of GGUF files
@@ -121,6 +143,11 @@ class Block:
     rotary: tuple[int, ...]  # per layer: its row of rotary_frequencies (ROTARY_ROWS)
     residual_scale: float = 1.0  # each branch's output × this before its residual add
     logit_scale: float = 1.0  # logits ÷ this
+    # soft-caps (Family.attention_cap, logit_cap): scores = cap·tanh(scores / cap) after the
+    # scale, before the mask and softmax; logits = cap·tanh(logits / cap); 0: none (the scores
+    # and logits exactly as without the step)
+    attention_cap: float = 0.0
+    logit_cap: float = 0.0
 
     @property
     def activation_code(self) -> int:
@@ -169,7 +196,13 @@ def block_of(config) -> Block:
         ),
         residual_scale=residual_scale,
         logit_scale=logit_scale,
+        attention_cap=_cap(config, "attn_logit_softcapping") if family.attention_cap else 0.0,
+        logit_cap=_cap(config, "final_logit_softcapping") if family.logit_cap else 0.0,
     )
+
+
+def _cap(config, name: str) -> float:
+    return float(getattr(config, name, None) or 0.0)  # transformers' None: no cap
 
 
 def _rotates(config, family: Family) -> list[bool]:
@@ -258,8 +291,11 @@ def check(config, weights: str) -> Family:
         if (rope := rope_of(config, kind)["rope_type"]) not in ROPE_TYPES:
             problems.append(f"the {rope!r} rotary scaling (it runs {', '.join(ROPE_TYPES)})")
             break
-    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, cap, None):
+    for cap, declared in (
+        ("attn_logit_softcapping", family and family.attention_cap),
+        ("final_logit_softcapping", family and family.logit_cap),
+    ):
+        if getattr(config, cap, None) and not declared:
             problems.append(f"soft-capping ({cap})")
     if family and family.multipliers and not float(config.logits_scaling) > 0:
         # the head picks the logits it recomputes in float32 by their order: a divisor ≤ 0

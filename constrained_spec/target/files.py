@@ -193,6 +193,13 @@ def _config(path: Path, size: int, mtime_ns: int):
     family = next((f for f in families.FAMILIES if f.name == arch), None)
     if family is not None and family.window_period:
         _windows(config, reader, arch, family)
+    if family is not None:  # as llama.cpp reads them (transformers' reader keeps its defaults)
+        if family.attention_cap:
+            key = f"{arch}.attn_logit_softcapping"
+            config.attn_logit_softcapping = float(_field(reader, key, family.attention_cap))
+        if family.logit_cap:
+            key = f"{arch}.final_logit_softcapping"
+            config.final_logit_softcapping = float(_field(reader, key, family.logit_cap))
     return config
 
 
@@ -200,7 +207,8 @@ def _windows(config, reader: GGUFReader, arch: str, family: families.Family) -> 
     """A windowed family's layers as llama.cpp reads them (src/llama-model.cpp), where
     transformers' GGUF reader keeps its config's defaults: every window_period-th layer full,
     the others windowed; the full layers' rotary base ``rope.freq_base`` with the file's linear
-    scaling, the windowed ones' ``rope.freq_base_swa`` (else the family's) unscaled; scores
+    scaling, the windowed ones' ``rope.freq_base_swa`` (else the family's) unscaled, or the full
+    ones' where the family has no local base (Gemma 2); scores
     scaled by 1/√key_length (transformers' query_pre_attn_scalar stays 256 whatever the head)."""
     period, layers = family.window_period, config.num_hidden_layers
     config.layer_types = [
@@ -211,11 +219,12 @@ def _windows(config, reader: GGUFReader, arch: str, family: families.Family) -> 
     factor = _field(reader, f"{arch}.rope.scaling.factor", 1.0)
     if scaling not in (None, "none") and not (scaling == "linear" and factor == 1.0):
         full |= {"rope_type": scaling, "factor": float(factor)}  # families.check names others
-    local = _field(reader, f"{arch}.rope.freq_base_swa", family.local_rope_base)
-    config.rope_parameters = {
-        families.FULL: full,
-        families.SLIDING: {"rope_type": "default", "rope_theta": float(local)},
-    }
+    if family.local_rope_base is None:  # the windowed layers rotate as the full ones
+        local = dict(full)
+    else:
+        base = _field(reader, f"{arch}.rope.freq_base_swa", family.local_rope_base)
+        local = {"rope_type": "default", "rope_theta": float(base)}
+    config.rope_parameters = {families.FULL: full, families.SLIDING: local}
     if layers in family.query_scalar_hidden_at:
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
     else:

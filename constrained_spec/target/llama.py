@@ -14,9 +14,9 @@ every token of a verify pass compute exactly what a one-token step would (``_att
 Any other transformers model of a family it computes can be converted too
 (``from_transformers``): its linear layers quantized the same way as Q4_1 (group 32, affine) or
 kept as they are. What a family's layers compute beyond Llama's (Qwen's biases and q/k norms,
-Gemma 3's four norms a layer, GeGLU, scales and sliding windows, Granite's multipliers) is
-declared once in ``families.py``; this forward and the fused C++ layers both read that
-declaration (``block``).
+Gemma's four norms a layer, GeGLU, scales, sliding windows and soft-caps, Granite's
+multipliers) is declared once in ``families.py``; this forward and the fused C++ layers both read
+that declaration (``block``).
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ class Shape:
 
 class CompactLlama(nn.Module):
     """A causal LM of one of families.FAMILIES (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite,
-    Gemma 3):
+    Gemma 2 and 3):
     ``model(ids, cache)`` → (logits (n, V), LM-head inputs (n, d)). What each layer computes
     (its norms, activation, scales, rotary and window) is ``block``, its family's declaration.
 
@@ -517,7 +517,7 @@ class CompactLlama(nn.Module):
                 self.norms[-1], keys, values,
                 starts, sizes, s.heads, s.kv_heads, s.eps,
                 b.activation_code, b.embed_scale, b.attention_scale, b.windows, b.rotary,
-                b.residual_scale,
+                b.residual_scale, b.attention_cap,
             )  # fmt: skip
         else:
             at = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, sizes)])
@@ -575,7 +575,11 @@ class CompactLlama(nn.Module):
                 keys, values = cache.positions_keys(start + n, layer), cache.values[layer]
                 mask = seen[window] if seen else None
                 q = qk[: s.heads, new]
-                parts.append(_attend(q, keys, values, start, mask, window, b.attention_scale))
+                parts.append(
+                    _attend(
+                        q, keys, values, start, mask, window, b.attention_scale, b.attention_cap
+                    )
+                )
                 offset += n
             a = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # (H, N, hd)
             a = o(a.transpose(0, 1).reshape(total, -1), long)  # (N, d)
@@ -600,10 +604,16 @@ class CompactLlama(nn.Module):
         compute the same; the float target's dense head only up to its last bits. Every logit
         ÷ Block.logit_scale (Granite's logits_scaling) where it is not 1: after a Q8Head chose
         which to recompute, a choice that dividing every logit and its bound by the same
-        positive number would leave as it is."""
+        positive number would leave as it is. Then soft-capped where the family caps them
+        (Block.logit_cap, Gemma 2), which keeps that choice and the bound too: cap·tanh(x / cap)
+        is increasing, so the largest legal logit stays the largest, and 1-Lipschitz (its slope
+        1 − tanh² ≤ 1), so a logit within b of float32's is capped to within b of float32's
+        capped one."""
         logits = self._head(features, masks)
         if self.block.logit_scale != 1.0:
             logits /= self.block.logit_scale
+        if cap := self.block.logit_cap:  # a narrow position's −inf stay −inf
+            logits = soft_cap(logits, cap).masked_fill_(logits == float("-inf"), float("-inf"))
         return logits
 
     def _head(self, features: torch.Tensor, masks: torch.Tensor | None) -> torch.Tensor:
@@ -676,6 +686,12 @@ def legal_counts(masks: torch.Tensor) -> list[int]:
     return masks.view(torch.uint8).sum(1, dtype=torch.int32).tolist()
 
 
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap·tanh(x / cap) (Gemma 2's soft-capping, as transformers computes it); ``x`` itself
+    where cap is 0."""
+    return x if not cap else torch.tanh(x / cap) * cap
+
+
 # Up to this many new tokens (every verify pass: drafts are at most 24), each one attends by
 # itself (from kernels.PREFILL_ROWS on, a prompt's tokens attend in one masked call), exactly as a one-token step at its position would: the 4-bit kernel's bf16 rounding of
 # every matmul input turns a masked kernel's last-bit differences into visible ones (0.15 in the
@@ -691,30 +707,42 @@ def _attend(
     mask: torch.Tensor | None,
     window: int,
     scale: float,
+    cap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of q (H, n, hd) at positions start.. over the cached keys/values (KV, T, hd),
-    scores q·k × ``scale``; with a ``window``, a key at distance ≥ window is masked."""
+    scores q·k × ``scale``, soft-capped by ``cap`` (0: none); with a ``window``, a key at
+    distance ≥ window is masked."""
     n = q.shape[1]
     keys = keys[:, : start + n].contiguous()
     values = values[:, : start + n].float()  # stored in bf16, exactly
     if mask is not None:  # a prompt's prefill: one masked call
-        return F.scaled_dot_product_attention(
-            q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True, scale=scale
-        )[0]
+        return _softmax_attention(q, keys, values, mask, scale, cap)
     seen = [(max(0, start + i + 1 - window) if window else 0, start + i + 1) for i in range(n)]
     return torch.cat(
         [
-            F.scaled_dot_product_attention(
-                q[None, :, i : i + 1],
-                keys[None, :, lo:end],
-                values[None, :, lo:end],
-                enable_gqa=True,
-                scale=scale,
-            )[0]
+            _softmax_attention(
+                q[:, i : i + 1], keys[:, lo:end], values[:, lo:end], None, scale, cap
+            )
             for i, (lo, end) in enumerate(seen)
         ],
         dim=1,
     )  # (H, n, hd)
+
+
+def _softmax_attention(q, keys, values, mask, scale: float, cap: float) -> torch.Tensor:
+    """softmax(q·k × scale, soft-capped, masked)·v of q (H, n, hd) over keys, values (KV, T, hd),
+    mask (n, T) bool or None. Without a cap torch's fused attention (which has no soft-cap),
+    else the scores as transformers' eager Gemma 2 attention computes them."""
+    if not cap:
+        return F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True, scale=scale
+        )[0]
+    group = q.shape[0] // keys.shape[0]  # query heads per key/value head
+    keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    scores = soft_cap(q @ keys.transpose(1, 2) * scale, cap)  # (H, n, T)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ values  # (H, n, hd)
 
 
 def _prompt_masks(n: int, start: int, windows) -> dict[int, torch.Tensor]:

@@ -153,6 +153,15 @@ float exp_shifted(float* p, int64_t from, int64_t n) {
   return total;
 }
 
+// p[0..n) ← cap·tanh(p / cap): soft-capped scores (Gemma 2), each from its own score alone, so a
+// query's capped scores do not depend on the pass either.
+void soft_cap(float* p, int64_t n, float cap) {
+  for (int64_t j = 0; j < n; j += Vec::size()) {
+    const int64_t count = std::min<int64_t>(Vec::size(), n - j);
+    ((Vec::loadu(p + j, count) / Vec(cap)).tanh() * Vec(cap)).store(p + j, count);
+  }
+}
+
 // Keys are stored in tiles of KEY_TILE positions, (capacity / KEY_TILE, hd, KEY_TILE): a vector
 // of positions' element e is one load, and a tile's hd × KEY_TILE floats are contiguous, so a
 // pass reads its keys from memory in order, where position-last rows (one per element) had it
@@ -229,20 +238,22 @@ void values_block(const float* p, int64_t stride, const BFloat16* v, int64_t bas
 
 // Q queries (q: Q × hd, scaled, in order of n) of one key/value head, K in tiles, V (capacity,
 // hd) bf16: out (Q × hd) = softmax(q·K)·V over each query's positions [lo[i], n[i]) (lo: its
-// sliding window's first, else 0; lo and n ascending). The pass starts at the tile holding
-// lo[0], the positions below a query's lo weighing exactly 0, so that each query's sums run
-// over the same positions in the same order (from a tile boundary, whatever the other queries)
-// as it would alone. The positions every query sees go through the shared passes, each
+// sliding window's first, else 0; lo and n ascending), the scores q·K soft-capped where cap > 0.
+// The pass starts at the tile holding lo[0], the positions below a query's lo weighing exactly 0,
+// so that each query's sums run over the same positions in the same order (from a tile boundary,
+// whatever the other queries) as it would alone. The positions every query sees go through the shared passes, each
 // query's own last ones after (continuing its sums in the same order).
 template <int64_t Q>
 void attend(const float* q, const float* k, const BFloat16* v, const int64_t* lo, const int64_t* n,
-            int64_t hd, float* scores, int64_t stride, float* out) {
+            int64_t hd, float cap, float* scores, int64_t stride, float* out) {
   constexpr int64_t W = Vec::size(), B = 4;
   const int64_t longest = n[Q - 1], shared = n[0], base = lo[0] / KEY_TILE * KEY_TILE;
   int64_t j = base;
   for (; j + B * W <= longest; j += B * W) scores_block<Q, B>(q, k, hd, j, W, scores, stride, base);
   for (; j < longest; j += W)
     scores_block<Q, 1>(q, k, hd, j, std::min(W, longest - j), scores, stride, base);
+  if (cap > 0.f)
+    for (int64_t i = 0; i < Q; ++i) soft_cap(scores + i * stride, n[i] - base, cap);
   float total[Q];
   for (int64_t i = 0; i < Q; ++i) total[i] = exp_shifted(scores + i * stride, lo[i] - base, n[i] - base);
   int64_t c = 0;
@@ -264,10 +275,10 @@ void attend(const float* q, const float* k, const BFloat16* v, const int64_t* lo
 constexpr int64_t QUERIES = Vec::size() >= 16 ? 6 : 3;
 
 void attend_some(int64_t queries, const float* q, const float* k, const BFloat16* v, const int64_t* lo,
-                 const int64_t* n, int64_t hd, float* scores, int64_t stride, float* out) {
+                 const int64_t* n, int64_t hd, float cap, float* scores, int64_t stride, float* out) {
   switch (queries) {
 #define ATTEND(Q) \
-  case Q: return attend<Q>(q, k, v, lo, n, hd, scores, stride, out);
+  case Q: return attend<Q>(q, k, v, lo, n, hd, cap, scores, stride, out);
     ATTEND(1) ATTEND(2) ATTEND(3) ATTEND(4) ATTEND(5) ATTEND(6)
 #undef ATTEND
   }
@@ -840,8 +851,9 @@ Tensor gated_mlp(const Tensor& gate_up, int64_t activation) {
 // rotary (Qwen3, Gemma 3). activation: the MLP's (gated_mlp); scores are q·k × attention_scale;
 // windows[l] > 0: layer l's queries see the last windows[l] positions only (a key at distance
 // ≥ windows[l] is masked); each branch's output × residual_scale before its residual add (1:
-// none). Returns the features (N, d): the last layer's output after the final norm; the caches
-// hold the new keys and values.
+// none); attention_cap > 0: the scores soft-capped, cap·tanh(scores / cap), after their scale and
+// before the mask (Gemma 2; 0: none). Returns the features (N, d): the last layer's output after
+// the final norm; the caches hold the new keys and values.
 Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& embed_scales,
                     const Tensor& cos, const Tensor& sin,
                     const std::vector<Tensor>& packed, const std::vector<Tensor>& scale_zero,
@@ -853,7 +865,7 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& embed_
                     const std::vector<int64_t>& sizes, int64_t heads, int64_t kv_heads, double eps,
                     int64_t activation, double embed_scale, double attention_scale,
                     const std::vector<int64_t>& windows, const std::vector<int64_t>& rotary,
-                    double residual_scale) {
+                    double residual_scale, double attention_cap) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids: (N,) int64");
   const Rows embed_rows(embed, embed_scales);
   const int64_t N = ids.size(0), d = embed_rows.d, layers = static_cast<int64_t>(packed.size()) / 4;
@@ -916,6 +928,8 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& embed_
   const float* C = cos.data_ptr<float>();
   const float* S = sin.data_ptr<float>();
   const float scale = static_cast<float>(attention_scale), residual = static_cast<float>(residual_scale);
+  const float cap = static_cast<float>(attention_cap);
+  TORCH_CHECK(cap >= 0.f, "attention_cap: 0 (none) or the cap");
   auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   Tensor normed = at::empty({N, d}, bf16), attended = at::empty({N, heads * hd}, bf16);
   std::vector<float> q(N * heads * hd);
@@ -991,7 +1005,7 @@ Tensor fused_layers(const Tensor& ids, const Tensor& embed, const Tensor& embed_
           for (int64_t e = 0; e < hd; ++e) queries[i * hd + e] = q[place[i] + e] * scale;
         }
         attend_some(count, queries.data(), K.data_ptr<float>() + offset, V.data_ptr<BFloat16>() + offset,
-                    lo, n, hd, scores.data(), longest, out.data());
+                    lo, n, hd, cap, scores.data(), longest, out.data());
         for (int64_t i = 0; i < count; ++i) at::vec::convert(&out[i * hd], A + place[i], hd);
       }
     });
