@@ -28,7 +28,7 @@ from transformers import (
 
 from constrained_spec import Generator, SamplingConfig, cli, testing
 from constrained_spec.errors import WeightsError
-from constrained_spec.target import families, files, kernels, kv, llama, models
+from constrained_spec.target import families, files, kernels, kv, llama, models, prepared
 
 needs_fused = pytest.mark.skipif(
     kernels.fused_missing() is not None, reason=f"no fused layers: {kernels.fused_missing()}"
@@ -616,16 +616,17 @@ def test_a_windowed_verify_pass_prompt_and_batch_rows_compute_what_steps_do(matm
 # --- speculation on a windowed target ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def windowed_files(tmp_path_factory):
-    """A windowed gemma3 target and a one-layer gemma3 draft, Gemma's kind of vocabulary (its
-    tokenizer class expects Gemma's special tokens)."""
-    folder = tmp_path_factory.mktemp("gemma3")
+@pytest.fixture(scope="module", params=list(WINDOWED))
+def windowed_files(request, tmp_path_factory):
+    """A windowed target of each windowed family and a one-layer draft of the same family,
+    Gemma's kind of vocabulary (its tokenizer class expects Gemma's special tokens)."""
+    arch, shape = request.param, WINDOWED[request.param]
+    folder = tmp_path_factory.mktemp(arch)
     spm = dict(window=4, vocabulary="spm")
     return {
-        "target": testing.write_gguf(folder / "target.gguf", "gemma3", "Q4_K", **GEMMA, **spm),
+        "target": testing.write_gguf(folder / "target.gguf", arch, "Q4_K", **shape, **spm),
         "draft": testing.write_gguf(
-            folder / "draft.gguf", "gemma3", "Q4_K", **{**GEMMA, "layers": 1}, seed=2, **spm
+            folder / "draft.gguf", arch, "Q4_K", **{**shape, "layers": 1}, seed=2, **spm
         ),
     }
 
@@ -657,8 +658,9 @@ def test_greedy_speculation_on_a_windowed_target_commits_the_baseline_tokens(arc
 
 
 def test_speculation_on_a_windowed_target_is_exact(windowed_files):
-    """The exactness suite's chi-square test on the windowed gemma3 file drafted by another
-    (the same vocabulary), a window of 4 and a prompt of 5 tokens."""
+    """The exactness suite's chi-square test on a windowed file (gemma3; gemma2, its scores and
+    logits soft-capped) drafted by another of its family (the same vocabulary), a window of 4
+    and a prompt of 5 tokens."""
     from constrained_spec.testing import chi_square, sequence_distribution
 
     gen = Generator.from_pretrained(
@@ -768,9 +770,10 @@ def test_an_unsupported_family_names_the_supported_ones():
             families.check(Gemma3TextConfig(**{cap: 30.0}), "int4")
 
 
-def test_a_gemma2_file_runs_from_the_generator(tmp_path):
+def test_a_gemma2_file_runs_from_the_generator(tmp_path, monkeypatch):
     """A gemma2 GGUF (the real files' soft-caps, 50 and 30) from Generator.from_pretrained to a
-    regex's text: compact, fused where the fused layers build, greedy and sampled."""
+    regex's text: compact, fused where the fused layers build, greedy and sampled; then mapped
+    from its prepared file, bit for bit the same."""
     path = testing.write_gguf(
         tmp_path / "g2.gguf", "gemma2", "Q4_K", **GEMMA2, window=4, vocabulary="spm"
     )
@@ -783,6 +786,15 @@ def test_a_gemma2_file_runs_from_the_generator(tmp_path):
             "the", regex=regex, max_new_tokens=30, seed=seed, temperature=temperature
         )
         assert re.fullmatch(regex, result.text) and result.finish_reason == "stop", result
+    # its prepared file keeps the caps (it stores the config, which the Block comes from)
+    prepared.wait()
+    monkeypatch.setattr(files, "read_gguf", explode)
+    mapped, _ = models.load_model(str(path), weights="int4")
+    assert mapped.block == block
+    ids = torch.tensor(IDS[:20])
+    assert torch.equal(
+        mapped(ids, mapped.new_cache())[0], gen.target(ids, gen.target.new_cache())[0]
+    )
 
 
 def test_a_smollm3_gguf_is_refused_by_name_before_its_weights(tmp_path, monkeypatch):
