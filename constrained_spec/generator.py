@@ -33,7 +33,7 @@ from .decoding.loop import AdaptiveK, Round, Row, Stats, TokenLogprob
 from .decoding.sample import SamplingConfig
 from .decoding.text import MAX_STOP_STRINGS, ReplyText, stop_problem, stop_strings
 from .errors import ConstraintError, GenerationInputError, VocabularyMismatch, WeightsError
-from .target import DEFAULT_MODEL, describe_weights, load_model, quantize_int8
+from .target import DEFAULT_MODEL, describe_weights, kv, load_model, quantize_int8
 from .target import skinny_matmul as use_skinny
 
 __all__ = ["Generator", "Request", "Result"]
@@ -188,7 +188,7 @@ class Generator:
             )
         self.drafter = _as_drafter(draft, target, len(tokenizer), self.width)
         self.whitespace, self.open_objects = whitespace, open_objects
-        self.context = getattr(target.config, "max_position_embeddings", None) or 2**31
+        self.context = kv.context_of(target)
         self._lock = threading.RLock()  # one request at a time: see the class docstring
 
     @classmethod
@@ -406,9 +406,16 @@ class Generator:
                 "the prompt is empty: give the model something to respond to."
             )
         if len(ids) >= self.context:
+            stated = getattr(self.target.config, "max_position_embeddings", None) or self.context
+            why = (
+                f" of the {stated} it states: the compact forward runs LongRoPE's short factors "
+                "only, up to original_max_position_embeddings (weights='float' runs the long ones)"
+                if stated > self.context
+                else ""
+            )
             raise GenerationInputError(
-                f"the prompt has {len(ids)} tokens but the model's context holds {self.context}: "
-                "shorten the prompt."
+                f"the prompt has {len(ids)} tokens but the model's context holds {self.context}"
+                f"{why}: shorten the prompt."
             )
         return ids
 

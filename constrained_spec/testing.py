@@ -170,6 +170,7 @@ def write_gguf(
     kv_heads: int = 2,
     seed: int = 0,
     rope_factors: np.ndarray | None = None,
+    float_tensors: dict | None = None,
     tied: bool = True,
     chat_template: str | None = GGUF_TEMPLATE,
     head_dim: int | None = None,
@@ -180,10 +181,12 @@ def write_gguf(
     """A small GGUF of ``arch`` (one of families.FAMILIES: "llama", "qwen2": q/k/v biases,
     "qwen3": q/k norms, "gemma3": four norms a layer, q/k norms, a sliding ``window`` on all but
     every 6th layer, "gemma2": four norms, a window on even layers, the soft-caps llama.cpp
-    assumes stated) over _gguf_header's vocabulary, random weights in the tensor types
-    ``types`` (one for every linear, or {"attn_q": ..., ..., "*": default, "token_embd": ...});
-    norms, biases and ``rope_factors`` (Llama 3's rope_freqs) in F32; heads of ``head_dim``
-    (default hidden/heads; stated as key_length for qwen3 and Gemma); ``metadata``:
+    assumes stated, "phi3": fused attn_qkv and [gate | up] ffn_up) over _gguf_header's
+    vocabulary, random weights in the tensor types ``types`` (one for every linear, or
+    {"attn_q": ..., ..., "*": default, "token_embd": ...}); norms, biases, ``rope_factors``
+    (Llama 3's rope_freqs) and ``float_tensors`` ({name: values}: LongRoPE's
+    rope_factors_short.weight, ...) in F32; heads of ``head_dim`` (default hidden/heads;
+    stated as key_length for qwen3 and Gemma); ``metadata``:
     more keys, {"gemma3.rope.freq_base_swa": 1e4, ...}, or None to leave one out;
     ``vocabulary``: "bpe" (byte-level, _gguf_header's) or "spm" (SentencePiece, _spm_vocabulary's).
     K-quants need inputs in multiples of 256: ``hidden``, ``ffn`` and heads·head_dim are."""
@@ -195,7 +198,7 @@ def write_gguf(
     w = gguf.GGUFWriter(str(path), arch)
     vocab = _gguf_header(w, family, layers, hidden, ffn, heads, kv_heads, hd, chat_template)
     if vocabulary == "spm":
-        vocab = _spm_vocabulary(w)
+        vocab = _spm_vocabulary(w, *SPM_CONTROLS.get(arch, ("<bos>", "<eos>")))
     if family.window_period:
         w.add_sliding_window(window)
     for key, value in (metadata or {}).items():  # replacing or leaving out the header's
@@ -224,19 +227,22 @@ def write_gguf(
     add_float("output_norm.weight", 1 + 0.1 * rng.standard_normal(hidden))
     if rope_factors is not None:
         add_float("rope_freqs.weight", rope_factors)
-    width = {"attn_q": heads * hd, "attn_k": kv_heads * hd, "attn_v": kv_heads * hd}
+    for name, values in (float_tensors or {}).items():
+        add_float(name, np.asarray(values))
+    q, kv = heads * hd, kv_heads * hd
+    rows = {"attn_q": q, "attn_k": kv, "attn_v": kv, "ffn_gate": ffn, "ffn_up": ffn}
+    # each linear's (inputs, outputs): a fused tensor holds all its linear's outputs
+    shapes = ((hidden, q + 2 * kv), (q, hidden), (hidden, 2 * ffn), (ffn, hidden))
     for i in range(layers):
-        for part, rows in width.items():
-            add(f"blk.{i}.{part}.weight", rows, hidden, kind_of(part))
-            if family.qkv_bias:
-                add_float(f"blk.{i}.{part}.bias", 0.1 * rng.standard_normal(rows))
-        if family.qk_norms:
-            add_float(f"blk.{i}.attn_q_norm.weight", 1 + 0.2 * rng.standard_normal(hd))
-            add_float(f"blk.{i}.attn_k_norm.weight", 1 + 0.2 * rng.standard_normal(hd))
-        add(f"blk.{i}.attn_output.weight", hidden, heads * hd, kind_of("attn_output"))
-        add(f"blk.{i}.ffn_gate.weight", ffn, hidden, kind_of("ffn_gate"))
-        add(f"blk.{i}.ffn_up.weight", ffn, hidden, kind_of("ffn_up"))
-        add(f"blk.{i}.ffn_down.weight", hidden, ffn, kind_of("ffn_down"))
+        for n, (group, (k, outputs)) in enumerate(zip(family.linears, shapes)):
+            for part, _ in group:
+                width = outputs if len(group) == 1 else rows[part]
+                add(f"blk.{i}.{part}.weight", width, k, kind_of(part))
+                if family.qkv_bias and n == 0:
+                    add_float(f"blk.{i}.{part}.bias", 0.1 * rng.standard_normal(width))
+            if family.qk_norms and n == 0:
+                add_float(f"blk.{i}.attn_q_norm.weight", 1 + 0.2 * rng.standard_normal(hd))
+                add_float(f"blk.{i}.attn_k_norm.weight", 1 + 0.2 * rng.standard_normal(hd))
         for norm, _ in family.norms:  # as llama.cpp stores them (Gemma's with its 1 + w)
             add_float(f"blk.{i}.{norm}.weight", 1 + 0.1 * rng.standard_normal(hidden))
     w.write_header_to_file()
@@ -333,14 +339,19 @@ SPM_PIECES = ("▁", "t", "h", "e", "a", "b", "▁t", "th", "he", "▁th", "▁t
 SPM_PIECES += ("\n", "{", "}", '"', ":", "▁a", "ye", "s", "▁ye", "no", "▁no", "yes")
 
 
-def _spm_vocabulary(w) -> int:
+# the BOS and EOS tokens' names by architecture (transformers' tokenizer of the architecture adds
+# its own where the vocabulary lacks them): Gemma's, else llama's SentencePiece ones (Phi-3)
+SPM_CONTROLS = {"phi3": ("<s>", "</s>")}
+
+
+def _spm_vocabulary(w, bos: str, eos: str) -> int:
     """Replaces the header's vocabulary by a SentencePiece one (tokenizer.ggml.model "llama"):
-    <pad>, <eos> (1, the EOS), <bos> (2, added before a prompt), <unk>, <mask> (Gemma's ids),
-    <0x00>..<0xFF> (byte fallback: any text), SPM_PIECES; no chat template (a base model).
-    Returns its size."""
+    <pad>, ``eos`` (1, the EOS), ``bos`` (2, added before a prompt), <unk>, <mask> (Gemma's
+    ids), <0x00>..<0xFF> (byte fallback: any text), SPM_PIECES; no chat template (a base
+    model). Returns its size."""
     for key in [k for k in w.kv_data[0] if k.startswith("tokenizer.") or k.endswith(".vocab_size")]:
         w.kv_data[0].pop(key, None)
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", *(f"<0x{b:02X}>" for b in range(256))]
+    tokens = ["<pad>", eos, bos, "<unk>", "<mask>", *(f"<0x{b:02X}>" for b in range(256))]
     tokens += SPM_PIECES
     types = [3, 3, 3, 2, 3] + [6] * 256 + [1] * len(SPM_PIECES)
     w.add_tokenizer_model("llama")

@@ -5,15 +5,20 @@ to matter (Gemma 2's soft-caps too), the sliding window's boundary exactly trans
 verify passes, prompts and batch rows bit for bit alike through a window (and a soft-cap); greedy
 identity and the chi-square test on a windowed target; a SentencePiece vocabulary's exact bytes;
 base models in the CLI; bad files refused by name before any weight is read. Granite checkpoints
-against transformers' GraniteForCausalLM, each of its four scales shown to matter."""
+against transformers' GraniteForCausalLM, each of its four scales shown to matter.
+Phi-3: tiny phi3 GGUFs (fused attn_qkv and [gate | up] ffn_up, partial rotary, LongRoPE's
+factors) and a Phi3ForCausalLM against transformers' Phi3, each rotary part shown to matter, the
+context capped at LongRoPE's original one."""
 
 import copy
 import ctypes
 import dataclasses
+import math
 import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -27,7 +32,7 @@ from transformers import (
 )
 
 from constrained_spec import Generator, SamplingConfig, cli, testing
-from constrained_spec.errors import WeightsError
+from constrained_spec.errors import GenerationInputError, WeightsError
 from constrained_spec.target import families, files, kernels, kv, llama, models, prepared
 
 needs_fused = pytest.mark.skipif(
@@ -566,6 +571,176 @@ def test_a_transformers_gemma3_runs_in_8_bits_on_the_fused_layers_too():
         assert float(relative_error(ours, theirs).max()) < 0.1, layers
 
 
+# --- a phi3 file: fused tensors, partial rotary, LongRoPE's short factors ------------------------
+
+# Phi-4-mini's kind of head: 48 of 64 dimensions rotate (rope.dimension_count); LongRoPE's factors
+# (24 each, as llama.cpp's converter writes them) for a context of 1024 over an original 256
+PHI3 = dict(layers=2, heads=4, kv_heads=2, hidden=256, ffn=512)
+_factors = np.random.default_rng(7)
+SHORT = (1 + 3 * _factors.uniform(size=24)).astype(np.float32)  # Phi's short ones are not all 1
+LONG = (1 + 8 * _factors.uniform(size=24)).astype(np.float32)
+PHI3_ROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 1e6,
+    "partial_rotary_factor": 0.75,
+    "short_factor": SHORT.tolist(),
+    "long_factor": LONG.tolist(),
+    "original_max_position_embeddings": 256,
+}  # transformers computes the attention factor from the two contexts itself
+ATTENTION_FACTOR = math.sqrt(1 + math.log(1024 / 256) / math.log(256))  # the converter's
+
+
+def write_phi3(path, types="Q8_0", **more):
+    """A tiny phi3 GGUF as llama.cpp's converter writes Phi-4-mini's, with Phi-3's kind of
+    vocabulary (SentencePiece)."""
+    return testing.write_gguf(
+        path, "phi3", types, **PHI3, vocabulary="spm",
+        float_tensors={"rope_factors_short.weight": SHORT, "rope_factors_long.weight": LONG},
+        metadata={
+            "phi3.rope.dimension_count": 48, "phi3.context_length": 1024,
+            "phi3.rope.scaling.original_context_length": 256,
+            "phi3.rope.scaling.attn_factor": ATTENTION_FACTOR,
+        }, **more,
+    )  # fmt: skip
+
+
+def phi3_logits(path, ids=IDS, **rope) -> torch.Tensor:
+    """transformers' float32 Phi3ForCausalLM of the file (gguf's dequantization; its fused
+    qkv_proj and gate_up_proj as stored), with the rotary the file states, which its GGUF
+    reader drops (PHI3_ROPE, ``rope``: changes)."""
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    assert config.model_type == "phi3" and config.max_position_embeddings == 1024
+    config.rope_parameters = PHI3_ROPE | rope
+    config.original_max_position_embeddings = 256  # as Phi's config.json (else 4096, its default)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent,
+        gguf_file=path.name,
+        config=config,
+        dtype=torch.float32,
+        quantization_config=transformers.GgufConfig(dequantize=True),
+    ).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+PHI3_Q4_K_M = {"*": "Q4_K", "attn_qkv": "Q6_K", "ffn_down": "Q5_0", "token_embd": "Q6_K"}
+
+
+@pytest.mark.parametrize("layers", LAYERS)
+@pytest.mark.parametrize(
+    "types, bound", [("Q8_0", 0.03), (PHI3_Q4_K_M, 0.06)], ids=["Q8_0", "Q4_K_M"]
+)
+def test_a_phi3_file_computes_what_transformers_does(types, bound, layers, tmp_path):
+    """attn_qkv ([q | k | v] rows) and ffn_up ([gate | up]) as the 4-bit matmuls' stacked rows,
+    48 of each head's 64 dimensions rotating, LongRoPE's short factors and attention factor:
+    our logits within ``bound`` of transformers' over the same file (Q8_0 measured 0.013), the
+    same top token at ≥ 95% of positions; the model's context is the original 256."""
+    path = write_phi3(tmp_path / "p.gguf", types)
+    model = compact(path, layers)
+    assert model.block == families.Block(
+        "phi3", 2, "silu", 1.0, 64**-0.5, (0, 0), (0, 0), pytest.approx(ATTENTION_FACTOR)
+    )
+    assert (
+        model.rope.shape == (3, 32) and not model.rope[:2, 24:].any() and model.rope[:2, :24].all()
+    )
+    assert model.shape.context == 256
+    ours = kv.forward(model, model.new_cache(), IDS, "cpu")
+    theirs = phi3_logits(path)
+    error = relative_error(ours, theirs)
+    assert float(error.max()) < bound and float(error.median()) < 0.03, error
+    agree = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
+    assert agree >= 0.95, f"top-1 agreement {agree:.3f}"
+
+
+@pytest.mark.parametrize("layers", LAYERS)
+def test_each_part_of_phi3s_rotary_matters(layers, tmp_path, monkeypatch):
+    """The comparison above sees each part: every pair rotating (no partial rotary), the q/k
+    rows in transformers' order (partial rotary's pairs not where the forward pairs them),
+    frequencies without the short factors, the long factors instead, no attention factor:
+    each moves the logits far past the bound."""
+    path = write_phi3(tmp_path / "p.gguf")
+    theirs = phi3_logits(path)
+    model = compact(path, layers)
+    assert (
+        float(relative_error(kv.forward(model, model.new_cache(), IDS, "cpu"), theirs).max()) < 0.03
+    )
+    block, rope = model.block, model.rope.clone()
+    full = families.rotary_frequencies(
+        transformers.Phi3Config(hidden_size=256, num_attention_heads=4)
+    )
+    wrong = {
+        "all pairs rotate": (block, torch.where(rope == 0, full, rope)),
+        "no short factors": (block, rope * torch.cat((torch.from_numpy(SHORT), torch.ones(8)))),
+        "the long factors": (
+            block,
+            rope * torch.cat((torch.from_numpy(SHORT / LONG), torch.ones(8))),
+        ),
+        "no attention factor": (dataclasses.replace(block, rotary_scale=1.0), rope),
+    }
+    for what, (changed, frequencies) in wrong.items():
+        model.block, model.rope, model._cos = changed, frequencies, None
+        moved = kv.forward(model, model.new_cache(), IDS, "cpu")
+        assert float(relative_error(moved, theirs).max()) > 0.1, what
+    monkeypatch.setattr(families, "qkv_row_order", lambda config: None)
+    unordered = compact(path, layers)
+    moved = kv.forward(unordered, unordered.new_cache(), IDS, "cpu")
+    assert float(relative_error(moved, theirs).max()) > 0.1, "q/k rows in transformers' order"
+
+
+def tiny_phi3(seed: int = 0, **rope) -> transformers.Phi3ForCausalLM:
+    torch.manual_seed(seed)
+    config = transformers.Phi3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        original_max_position_embeddings=256, initializer_range=0.1,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_parameters={**PHI3_ROPE, "short_factor": SHORT[:6].tolist(),
+                         "long_factor": LONG[:6].tolist(), **rope},
+    )  # fmt: skip
+    return transformers.Phi3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_a_phi3_checkpoint_computes_what_transformers_does(weights):
+    """A Phi3ForCausalLM (qkv_proj, gate_up_proj, 12 of 16 head dimensions rotating, LongRoPE):
+    in float32 the compact forward gives transformers' logits to 1e-4 (the partial rotary's
+    reordering and the attention factor exact), in 8 bits on either layers within their reach."""
+    model = tiny_phi3()
+    ids = list(range(3, 120, 3))
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0]
+    ours_model = llama.from_transformers(model, weights)
+    assert ours_model.block.rotary_scale == pytest.approx(ATTENTION_FACTOR)
+    bound = 1e-4 if weights == "float" else 0.05
+    kinds = ["python"] + ([] if weights == "float" or kernels.fused_missing() else ["fused"])
+    for layers in kinds:
+        ours_model.use_layers(layers)
+        ours = kv.forward(ours_model, ours_model.new_cache(), ids, "cpu")
+        assert float(relative_error(ours, theirs).max()) < bound, layers
+
+
+def test_a_longrope_model_runs_its_original_context_and_says_so(tmp_path):
+    """LongRoPE past original_max_position_embeddings switches every position to the long
+    factors (transformers, llama.cpp): the compact forward runs the short ones only, so the
+    Generator's context is the original one, and a longer prompt is refused by a message
+    saying why."""
+    gen = Generator.from_pretrained(str(write_phi3(tmp_path / "p.gguf")))
+    assert gen.weights == "int4" and gen.context == 256
+    with pytest.raises(GenerationInputError, match="holds 256 of the 1024.*LongRoPE"):
+        gen.generate([5 + i % 280 for i in range(300)], regex="(yes|no)")
+
+
+def test_longrope_and_partial_rotary_are_phi3s_only():
+    llama_config = transformers.LlamaConfig(num_attention_heads=4, hidden_size=64)
+    llama_config.rope_parameters = dict(PHI3_ROPE, partial_rotary_factor=1.0)
+    with pytest.raises(WeightsError, match="'longrope' rotary scaling"):
+        families.check(llama_config, "int4")
+    llama_config.rope_parameters = {"rope_type": "default", "partial_rotary_factor": 0.5}
+    with pytest.raises(WeightsError, match=r"partial rotary \(partial_rotary_factor = 0.5\)"):
+        families.check(llama_config, "int4")
+    assert families.check(tiny_phi3().config, "int4").name == "phi3"
+
+
 # --- through a window, every way of feeding computes the same -----------------------------------
 
 
@@ -688,18 +863,21 @@ def test_speculation_on_a_windowed_target_is_exact(windowed_files):
 # --- a SentencePiece vocabulary, a base model ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def spm_file(tmp_path_factory):
+@pytest.fixture(scope="module", params=["gemma3", "phi3"])
+def spm_file(tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("spm")
+    if request.param == "phi3":
+        return write_phi3(folder / "spm.gguf")
     return testing.write_gguf(
         folder / "spm.gguf", "gemma3", "Q8_0", **GEMMA, window=4, vocabulary="spm"
     )
 
 
 def test_a_sentencepiece_vocabulary_maps_every_token_to_its_exact_bytes(spm_file):
-    """Gemma's vocabulary kind: "▁" is a space, <0xNN> the byte NN, a run of spaces (stored as
+    """Gemma's and Phi-3's vocabulary kind (llama's SentencePiece; transformers reads Phi-3's
+    with its own normalizer): "▁" is a space, <0xNN> the byte NN, a run of spaces (stored as
     real spaces in Gemma files) those spaces, control tokens no text; text outside the pieces
-    (Zoë, 東京) is generated through the byte tokens, exactly."""
+    (Zoë, 東京) is generated through the byte tokens, exactly, by the Generator end to end."""
     gen = Generator.from_pretrained(str(spm_file))
     assert gen.tokenizer.chat_template is None and gen.vocab.eos_id == 1
     expected = [None] * 5 + [bytes([b]) for b in range(256)]

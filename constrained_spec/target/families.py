@@ -20,7 +20,17 @@ import torch
 
 from ..errors import WeightsError
 
-__all__ = ["FAMILIES", "Block", "Family", "block_of", "check", "family_of", "rotary_frequencies"]
+__all__ = [
+    "FAMILIES",
+    "Block",
+    "Family",
+    "block_of",
+    "check",
+    "context_of",
+    "family_of",
+    "qkv_row_order",
+    "rotary_frequencies",
+]
 
 # A block's RMSNorms in the order the forward applies them, each as (the GGUF tensor of layer i:
 # blk.i.<name>.weight, transformers' module on the layer). Two: before attention and before the
@@ -31,6 +41,27 @@ SANDWICH_NORMS = (
     ("post_attention_norm", "post_attention_layernorm"),
     ("ffn_norm", "pre_feedforward_layernorm"),
     ("post_ffw_norm", "post_feedforward_layernorm"),
+)
+# A block's four linears (q/k/v, the attention's output, gate/up, down), each as the GGUF tensors
+# of layer i (blk.i.<name>.weight) and transformers' modules on the layer whose rows it stacks, in
+# that order: separate tensors (Llama, Qwen, Gemma), or tensors the checkpoint already fused (Phi-3:
+# qkv_proj's rows are [q | k | v], gate_up_proj's [gate | up], and llama.cpp's converter keeps
+# them as attn_qkv and ffn_up, whose first half is the gate: ggml_swiglu's and Phi3MLP's chunk).
+SEPARATE_LINEARS = (
+    (
+        ("attn_q", "self_attn.q_proj"),
+        ("attn_k", "self_attn.k_proj"),
+        ("attn_v", "self_attn.v_proj"),
+    ),
+    (("attn_output", "self_attn.o_proj"),),
+    (("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj")),
+    (("ffn_down", "mlp.down_proj"),),
+)
+FUSED_LINEARS = (
+    (("attn_qkv", "self_attn.qkv_proj"),),
+    (("attn_output", "self_attn.o_proj"),),
+    (("ffn_up", "mlp.gate_up_proj"),),
+    (("ffn_down", "mlp.down_proj"),),
 )
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the MLP's gate: act(gate)·up; the C++ layers' codes
 # transformers' names of each activation (config.hidden_act / hidden_activation)
@@ -44,6 +75,7 @@ class Family:
     name: str  # general.architecture of its GGUF files
     model_types: tuple[str, ...]  # transformers' config.model_type of its checkpoints
     norms: tuple[tuple[str, str], ...] = PRE_NORMS
+    linears: tuple = SEPARATE_LINEARS
     permuted_qk: bool = False  # GGUF q/k rows in llama.cpp's interleaved rotary order
     qkv_bias: bool = False  # q/k/v matmul biases, where the file has them
     qk_norms: bool = False  # each head's RMSNorm on q and k, before rotary
@@ -77,6 +109,10 @@ class Family:
     # config states its own); 0: the family has none (a config asking for one is refused)
     attention_cap: float = 0.0
     logit_cap: float = 0.0
+    # rotary scalings beyond ROPE_TYPES ("longrope": Phi-3.5/Phi-4-mini, short factors only)
+    more_rope_types: tuple[str, ...] = ()
+    # rotary on the first partial_rotary_factor of each head only (Phi-4-mini: 0.75)
+    partial_rotary: bool = False
 
 
 FAMILIES = (
@@ -113,6 +149,14 @@ FAMILIES = (
         attention_cap=50.0,
         logit_cap=30.0,
     ),
+    # Phi-3/3.5-mini, Phi-4-mini: llama.cpp's src/models/phi3.cpp (NEOX rotary: q/k unpermuted)
+    Family(
+        "phi3",
+        ("phi3",),
+        linears=FUSED_LINEARS,
+        more_rope_types=("longrope",),
+        partial_rotary=True,
+    ),
 )
 ARCHITECTURES = tuple(f.name for f in FAMILIES if f.gguf)  # of GGUF files
 MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
@@ -148,6 +192,8 @@ class Block:
     # and logits exactly as without the step)
     attention_cap: float = 0.0
     logit_cap: float = 0.0
+    # cos and sin of the pairs that rotate × this (LongRoPE's attention factor; 1.0: none)
+    rotary_scale: float = 1.0
 
     @property
     def activation_code(self) -> int:
@@ -155,7 +201,8 @@ class Block:
 
 
 # Rotary scalings computed here: those that only rescale the frequencies, the same at every length
-# (dynamic, yarn and longrope change with the length or scale attention).
+# (dynamic and yarn change with the length or scale attention; LongRoPE's short factors, up to
+# its original context, with its attention factor: a family's more_rope_types).
 ROPE_TYPES = ("default", "linear", "llama3")
 # transformers' names of a layer's kind (config.layer_types): its window and its rotary parameters
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -170,7 +217,7 @@ def block_of(config) -> Block:
     hidden = config.hidden_size
     kinds = layer_kinds(config)
     window = getattr(config, "sliding_window", None) or 0
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    head_dim = _head_dim(config)
     # Gemma's query_pre_attn_scalar (the head size on 270M/1B; llama.cpp: key_length, or
     # hidden/heads on 27B), else the head size
     scalar = getattr(config, "query_pre_attn_scalar", None) or head_dim
@@ -198,6 +245,7 @@ def block_of(config) -> Block:
         logit_scale=logit_scale,
         attention_cap=_cap(config, "attn_logit_softcapping") if family.attention_cap else 0.0,
         logit_cap=_cap(config, "final_logit_softcapping") if family.logit_cap else 0.0,
+        rotary_scale=_attention_factor(config),
     )
 
 
@@ -238,22 +286,67 @@ def _per_kind(rope: dict) -> bool:
 
 
 def rope_of(config, kind: str) -> dict:
-    """The rotary parameters of layers of ``kind``: rope_type, rope_theta and the type's own."""
+    """The rotary parameters of layers of ``kind``: rope_type, rope_theta,
+    partial_rotary_factor and the type's own."""
     rope = _rope_parameters(config)
     rope = dict(rope.get(kind) or {}) if _per_kind(rope) else dict(rope)
     rope.setdefault("rope_type", rope.get("type", "default"))
     rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     return rope
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rotary_dims(config, kind: str = FULL) -> int:
+    """How many of a head's dimensions rotate (the first ones, in pairs (i, i + dims/2) as
+    transformers pairs them): all, or partial_rotary_factor of them (Phi-4-mini: 96 of 128)."""
+    return int(_head_dim(config) * float(rope_of(config, kind)["partial_rotary_factor"]))
+
+
+def _original_context(config, rope: dict) -> int:
+    """LongRoPE's original_max_position_embeddings (the pretraining context)."""
+    original = rope.get("original_max_position_embeddings")
+    return int(original or getattr(config, "original_max_position_embeddings", None) or 0)
+
+
+def _attention_factor(config) -> float:
+    """LongRoPE's factor on cos and sin, as transformers and llama.cpp's converter compute it:
+    √(1 + ln(s)/ln(original)), s = max/original context (1 where s ≤ 1), unless stated."""
+    rope = rope_of(config, FULL)
+    if rope["rope_type"] != "longrope":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    original = _original_context(config, rope)
+    scale = rope.get("factor") or config.max_position_embeddings / original
+    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+
+
+def context_of(config) -> int:
+    """The positions the compact forward runs: max_position_embeddings, but with LongRoPE its
+    original_max_position_embeddings, the context its short factors are for (past it
+    transformers and llama.cpp rotate every position by the long factors instead: not
+    computed here)."""
+    rope = rope_of(config, FULL)
+    if rope["rope_type"] == "longrope":
+        return min(config.max_position_embeddings, _original_context(config, rope))
+    return config.max_position_embeddings
 
 
 def rotary_frequencies(config) -> torch.Tensor:
     """The rotary inverse frequencies (3, hd/2) of ROTARY_ROWS (Block.rotary picks a layer's
-    row), as transformers computes them."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    row), as transformers computes them. With partial rotary (rotary_dims < hd) the pairs that
+    rotate are the first rotary_dims/2 of each half, the others have frequency 0 (cos 1,
+    sin 0): the order qkv_row_order puts each q and k head's dimensions in."""
+    head_dim = _head_dim(config)
     rows = []
     for kind in (FULL, SLIDING):
         rope = rope_of(config, kind)
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        dims = rotary_dims(config, kind)
+        exponent = torch.arange(0, dims, 2, dtype=torch.float32) / dims
         base = 1.0 / float(rope["rope_theta"]) ** exponent
         if rope["rope_type"] == "linear":
             base = base / float(rope["factor"])
@@ -262,8 +355,38 @@ def rotary_frequencies(config) -> torch.Tensor:
 
             base, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
             assert attention_factor == 1.0, attention_factor
-        rows.append(base.float())
+        elif rope["rope_type"] == "longrope":  # the short factors (context_of: no further)
+            short = torch.tensor(rope["short_factor"], dtype=torch.float32)
+            base = 1.0 / (short * float(rope["rope_theta"]) ** exponent)
+        rows.append(torch.cat((base.float(), torch.zeros(head_dim // 2 - dims // 2))))
     return torch.stack((*rows, torch.zeros_like(rows[0])))
+
+
+def qkv_row_order(config) -> torch.Tensor | None:
+    """Where the forward takes each row of the q/k/v matmul from (an index into the [q | k | v]
+    rows as transformers orders them), or None where all of a head rotates. With partial
+    rotary, each q and k head's rotated halves move to the front of the head's two halves and
+    the dimensions that pass through behind them, so that the forward's pairs (i, i + hd/2)
+    are transformers' (i, i + rotary_dims/2) and the rest rotate by frequency 0
+    (rotary_frequencies). Scores are unchanged: q and k heads are permuted alike; values are
+    not permuted."""
+    hd, dims = _head_dim(config), rotary_dims(config)
+    if dims == hd:
+        return None
+    assert dims % 2 == 0 and (hd - dims) % 2 == 0, (hd, dims)
+    rotated, passed = dims // 2, (hd - dims) // 2
+    order = torch.cat(
+        (
+            torch.arange(rotated),  # first half: the rotated pairs' first elements, then
+            torch.arange(dims, dims + passed),  # half of the dimensions passed through
+            torch.arange(rotated, dims),  # second half: the pairs' second elements, then
+            torch.arange(dims + passed, hd),  # the other half passed through
+        )
+    )
+    qk = config.num_attention_heads + config.num_key_value_heads
+    heads = torch.arange(qk)[:, None] * hd + order  # (q and k heads, hd)
+    values = torch.arange(qk * hd, (qk + config.num_key_value_heads) * hd)
+    return torch.cat((heads.flatten(), values))
 
 
 def check(config, weights: str) -> Family:
@@ -287,10 +410,14 @@ def check(config, weights: str) -> Family:
         problems.append(f"the {act!r} activation")
     if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
         problems.append("mixture-of-experts layers")
+    types = ROPE_TYPES + (family.more_rope_types if family else ())
     for kind in (FULL, SLIDING):
-        if (rope := rope_of(config, kind)["rope_type"]) not in ROPE_TYPES:
-            problems.append(f"the {rope!r} rotary scaling (it runs {', '.join(ROPE_TYPES)})")
+        if (rope := rope_of(config, kind)["rope_type"]) not in types:
+            problems.append(f"the {rope!r} rotary scaling (it runs {', '.join(types)})")
             break
+    partial = float(rope_of(config, FULL)["partial_rotary_factor"])
+    if partial != 1.0 and not (family and family.partial_rotary):
+        problems.append(f"partial rotary (partial_rotary_factor = {partial})")
     for cap, declared in (
         ("attn_logit_softcapping", family and family.attention_cap),
         ("final_logit_softcapping", family and family.logit_cap),

@@ -53,7 +53,10 @@ LINEAR_TYPES = (*AFFINE_BITS, *EIGHT_BITS, *REQUANTIZED)
 # 4-bit half, the kernel's scale and zero.
 WEIGHT_BOUND = kernels.HEAD_ROUNDOFF
 
-LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+def _linears(family: families.Family) -> list[str]:
+    """The GGUF tensors of a layer's linears (family.linears), in order."""
+    return [name for group in family.linears for name, _ in group]
 
 
 def read_gguf(path: str | Path) -> GGUFReader:
@@ -127,7 +130,7 @@ def check_gguf(reader: GGUFReader, path: str | Path) -> families.Family:
         )
     tensors = {t.name: t for t in reader.tensors}
     layers = _field(reader, f"{arch}.block_count", 0)
-    parts = (*LINEARS, *(gguf for gguf, _ in family.norms))
+    parts = (*_linears(family), *(gguf for gguf, _ in family.norms))
     parts += ("attn_q_norm", "attn_k_norm") if family.qk_norms else ()
     needed = ["token_embd.weight", "output_norm.weight"] + [
         f"blk.{i}.{part}.weight" for i in range(layers) for part in parts
@@ -139,11 +142,14 @@ def check_gguf(reader: GGUFReader, path: str | Path) -> families.Family:
         )
     if family.window_period:
         _check_window(reader, name, arch)
+    key = f"{arch}.rope.scaling.original_context_length"
+    if "rope_factors_short.weight" in tensors and _field(reader, key) is None:
+        raise WeightsError(f"{name}: {key} is missing: LongRoPE's factors need their context.")
     odd = sorted(
         {
             tensors[f"blk.{i}.{part}.weight"].tensor_type.name
             for i in range(layers)
-            for part in LINEARS
+            for part in _linears(family)
         }
         - set(LINEAR_TYPES)
     )
@@ -193,6 +199,8 @@ def _config(path: Path, size: int, mtime_ns: int):
     family = next((f for f in families.FAMILIES if f.name == arch), None)
     if family is not None and family.window_period:
         _windows(config, reader, arch, family)
+    else:
+        _rotary(config, reader, arch)
     if family is not None:  # as llama.cpp reads them (transformers' reader keeps its defaults)
         if family.attention_cap:
             key = f"{arch}.attn_logit_softcapping"
@@ -201,6 +209,33 @@ def _config(path: Path, size: int, mtime_ns: int):
             key = f"{arch}.final_logit_softcapping"
             config.final_logit_softcapping = float(_field(reader, key, family.logit_cap))
     return config
+
+
+def _rotary(config, reader: GGUFReader, arch: str) -> None:
+    """Partial rotary and LongRoPE as llama.cpp's converter states them, which transformers'
+    GGUF reader drops: ``rope.dimension_count`` below the head size (Phi-4-mini: 96 of 128),
+    and the ``rope_factors_short``/``rope_factors_long`` tensors with the original context and
+    ``rope.scaling.attn_factor`` (llama.cpp scales cos and sin by it, 1 where the file has
+    none)."""
+    rope, stated = dict(families._rope_parameters(config)), config.rope_parameters
+    dims = _field(reader, f"{arch}.rope.dimension_count")
+    head_dim = families._head_dim(config)
+    if dims is not None and int(dims) != head_dim:
+        stated = rope = rope | {"partial_rotary_factor": int(dims) / head_dim}
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_factors_short.weight" in tensors:
+        original = int(_field(reader, f"{arch}.rope.scaling.original_context_length"))
+        rope |= {
+            "rope_type": "longrope",
+            "short_factor": _float(tensors["rope_factors_short.weight"]).tolist(),
+            "long_factor": _float(tensors["rope_factors_long.weight"]).tolist(),
+            "original_max_position_embeddings": original,
+            "attention_factor": float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+        }
+        rope.pop("type", None)
+        stated = rope
+        config.original_max_position_embeddings = original
+    config.rope_parameters = stated
 
 
 def _windows(config, reader: GGUFReader, arch: str, family: families.Family) -> None:
@@ -239,24 +274,22 @@ def from_gguf(path: str | Path, config) -> llama.CompactLlama:
     families.check(config, "int4")
     tensors = {t.name: t for t in reader.tensors}
     s, types = llama._shape(config), Counter()
-    _check_shapes(tensors, s, config, path)
+    _check_shapes(tensors, s, config, family, path)
+    # llama's convert script interleaves each head's rotary halves in q and k: rows back to
+    # transformers' order (qwen2/qwen3/gemma3/phi3 use the split halves already)
+    heads = {"attn_q": s.heads, "attn_k": s.kv_heads} if family.permuted_qk else {}
+    order = families.qkv_row_order(config)  # partial rotary: each q/k head's rotated dims first
     norms, linears, biases, qk_norms = [], [], [], []
     for i in range(s.layers):
-        t = {part: tensors[f"blk.{i}.{part}.weight"] for part in LINEARS}
-        # llama's convert script interleaves each head's rotary halves in q and k: rows back to
-        # transformers' order (qwen2/qwen3/gemma3 use the split halves already)
-        heads = {"attn_q": s.heads, "attn_k": s.kv_heads} if family.permuted_qk else {}
-        parts = [(t[p], heads.get(p)) for p in LINEARS]
-        linears += [
-            _linear(parts[0:3], types),
-            _linear(parts[3:4], types),
-            _linear(parts[4:6], types),
-            _linear(parts[6:7], types),
-        ]
+        for n, group in enumerate(family.linears):  # each linear's tensors stacked
+            parts = [(tensors[f"blk.{i}.{part}.weight"], heads.get(part)) for part, _ in group]
+            linears.append(_linear(parts, types, order if n == 0 else None))
         # as stored: llama.cpp's converter has added Gemma's 1 to its norms (x·w, as here)
         norms += [_float(tensors[f"blk.{i}.{part}.weight"]) for part, _ in family.norms]
-        if f"blk.{i}.attn_q.bias" in tensors:
-            biases.append(torch.cat([_float(tensors[f"blk.{i}.{p}.bias"]) for p in LINEARS[:3]]))
+        qkv = [f"blk.{i}.{part}.bias" for part, _ in family.linears[0]]
+        if qkv[0] in tensors:
+            bias = torch.cat([_float(tensors[b]) for b in qkv])
+            biases.append(bias if order is None else bias[order])
         if family.qk_norms:
             qk_norms += [_float(tensors[f"blk.{i}.attn_{x}_norm.weight"]) for x in "qk"]
     norms.append(_float(tensors["output_norm.weight"]))
@@ -274,21 +307,19 @@ def from_gguf(path: str | Path, config) -> llama.CompactLlama:
     return model
 
 
-def _check_shapes(tensors: dict, s, config, path) -> None:
+def _check_shapes(tensors: dict, s, config, family: families.Family, path) -> None:
     """A WeightsError naming the first tensor whose shape is not the one the metadata implies."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     i, d = config.intermediate_size, s.hidden
     expected = {"token_embd.weight": (d, config.vocab_size), "output_norm.weight": (d,)}
+    rows = {"attn_q": q, "attn_k": kv, "attn_v": kv, "ffn_gate": i, "ffn_up": i}
+    # each linear's (inputs, outputs); a fused tensor holds all its linear's outputs
+    shapes = ((d, q + 2 * kv), (q, d), (d, 2 * i), (i, d))
     for n in range(s.layers):
-        expected |= {
-            f"blk.{n}.attn_q.weight": (d, q),
-            f"blk.{n}.attn_k.weight": (d, kv),
-            f"blk.{n}.attn_v.weight": (d, kv),
-            f"blk.{n}.attn_output.weight": (q, d),
-            f"blk.{n}.ffn_gate.weight": (d, i),
-            f"blk.{n}.ffn_up.weight": (d, i),
-            f"blk.{n}.ffn_down.weight": (i, d),
-        }
+        for group, (inputs, outputs) in zip(family.linears, shapes):
+            for part, _ in group:
+                width = outputs if len(group) == 1 else rows[part]
+                expected[f"blk.{n}.{part}.weight"] = (inputs, width)
     for name, shape in expected.items():
         have = tuple(int(x) for x in tensors[name].shape)  # GGUF order: inputs first
         if have != shape:
@@ -298,10 +329,12 @@ def _check_shapes(tensors: dict, s, config, path) -> None:
             )
 
 
-def _linear(parts: list, types: Counter) -> kernels.Int4Linear:
+def _linear(parts: list, types: Counter, order: torch.Tensor | None = None) -> kernels.Int4Linear:
     """One Int4Linear over tensors (each with the heads to un-interleave, or None) stacked
-    along their outputs: 4-bit blocks alone, or two 4-bit halves for all where one needs them
-    (a 4-bit q's high half is 0, its zero cancels: w = 16d·(0 − 8) + 128d + …)."""
+    along their outputs, its rows then taken in ``order`` (families.qkv_row_order; a row's
+    blocks are whole: rows are independent): 4-bit blocks alone, or two 4-bit halves for all
+    where one needs them (a 4-bit q's high half is 0, its zero cancels: w = 16d·(0 − 8) +
+    128d + …)."""
     copies = 1 if all(AFFINE_BITS.get(t.tensor_type.name) == 4 for t, _ in parts) else 2
     blocks = []
     for tensor, heads in parts:
@@ -314,6 +347,8 @@ def _linear(parts: list, types: Counter) -> kernels.Int4Linear:
             q, scale, zero = (_unpermute(x, heads) for x in (q, scale, zero))
         blocks.append((q, scale, zero))
     q, scale, zero = (torch.cat(x) for x in zip(*blocks))
+    if order is not None:
+        q, scale, zero = q[order], scale[order], zero[order]
     return kernels.Int4Linear(q, scale, zero, copies=copies)
 
 

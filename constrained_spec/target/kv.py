@@ -88,6 +88,14 @@ def forward(
     return (logits[0].float(), seen[-1][0]) if features else logits[0].float()
 
 
+def context_of(model) -> int:
+    """The positions ``model`` runs: a compact model's (with LongRoPE its original context:
+    families.context_of), a transformers model's max_position_embeddings (unbounded if none)."""
+    if isinstance(model, CompactLlama):
+        return model.shape.context
+    return getattr(model.config, "max_position_embeddings", None) or 2**31
+
+
 def head_rows(model, ids: torch.Tensor) -> torch.Tensor:
     """The LM head's rows ``ids`` (n, d) in float32, ÷ the model's logit divisor (Granite's
     logits_scaling), so that features · rows are the logits its forward gives: a compact model's

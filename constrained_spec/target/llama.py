@@ -539,8 +539,12 @@ class CompactLlama(nn.Module):
         if have < positions:
             count = min(max(positions, 2 * have, 256), max(self.shape.context, positions))
             angles = torch.arange(count, dtype=torch.float32)[None, :, None] * self.rope[:, None]
-            self._cos = angles.cos().repeat(1, 1, 2).contiguous()
-            self._sin = angles.sin().repeat(1, 1, 2).contiguous()
+            cos, sin = angles.cos(), angles.sin()  # (3, P, hd/2)
+            if (scale := self.block.rotary_scale) != 1.0:  # LongRoPE's, on the pairs that rotate
+                scale = torch.where(self.rope[:, None] != 0, scale, 1.0)
+                cos, sin = cos * scale, sin * scale
+            self._cos = cos.repeat(1, 1, 2).contiguous()
+            self._sin = sin.repeat(1, 1, 2).contiguous()
         return self._cos, self._sin
 
     def _python_layers(self, x, caches, starts, sizes, cos, sin, long, seen) -> torch.Tensor:
@@ -771,7 +775,7 @@ def _shape(config) -> Shape:
         config.num_key_value_heads,
         head_dim,
         float(config.rms_norm_eps),
-        config.max_position_embeddings,
+        families.context_of(config),
     )
 
 
@@ -800,7 +804,7 @@ def from_transformers(model, weights: str = "int4") -> CompactLlama:
     1 + w)."""
     config = model.config
     family = families.check(config, weights)
-    qkv_names = ("q_proj", "k_proj", "v_proj")
+    qkv_names = [module.rsplit(".", 1)[-1] for _, module in family.linears[0]]
     odd = [
         n
         for n, m in model.named_modules()
@@ -829,26 +833,27 @@ def from_transformers(model, weights: str = "int4") -> CompactLlama:
     def norm(module) -> torch.Tensor:
         return module.weight.detach().float() + family.norm_offset
 
+    order = families.qkv_row_order(config)  # partial rotary: each q/k head's rotated dims first
     norms, linears, biases, qk_norms = [], [], [], []
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-        w = [
-            m.weight.detach().float()
-            for m in (*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        ]
-        linears += [linear(torch.cat(w[:3])), linear(w[3]), linear(torch.cat(w[4:6])), linear(w[6])]
+        # each of the block's four linears: its modules' rows stacked (family.linears)
+        groups = [[layer.get_submodule(name) for _, name in group] for group in family.linears]
+        w = [torch.cat([m.weight.detach().float() for m in group]) for group in groups]
+        qkv = groups[0]
+        if order is not None:
+            w[0] = w[0][order]
+        linears += [linear(x) for x in w]
         norms += [norm(getattr(layer, name)) for _, name in family.norms]
         if any(m.bias is not None for m in qkv):
-            biases.append(
-                torch.cat(
-                    [
-                        m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach()
-                        for m in qkv
-                    ]
-                ).float()
-            )
+            bias = torch.cat(
+                [
+                    m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach()
+                    for m in qkv
+                ]
+            ).float()
+            biases.append(bias if order is None else bias[order])
         if family.qk_norms:
+            attn = layer.self_attn
             qk_norms += [norm(attn.q_norm), norm(attn.k_norm)]
     norms.append(norm(model.model.norm))
     return CompactLlama(
