@@ -638,7 +638,14 @@ def test_a_phi3_file_computes_what_transformers_does(types, bound, layers, tmp_p
     path = write_phi3(tmp_path / "p.gguf", types)
     model = compact(path, layers)
     assert model.block == families.Block(
-        "phi3", 2, "silu", 1.0, 64**-0.5, (0, 0), (0, 0), pytest.approx(ATTENTION_FACTOR)
+        "phi3",
+        2,
+        "silu",
+        1.0,
+        64**-0.5,
+        (0, 0),
+        (0, 0),
+        rotary_scale=pytest.approx(ATTENTION_FACTOR),
     )
     assert (
         model.rope.shape == (3, 32) and not model.rope[:2, 24:].any() and model.rope[:2, :24].all()
