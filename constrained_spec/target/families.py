@@ -28,6 +28,7 @@ __all__ = [
     "check",
     "context_of",
     "family_of",
+    "head_size",
     "qkv_row_order",
     "rotary_frequencies",
 ]
@@ -217,7 +218,7 @@ def block_of(config) -> Block:
     hidden = config.hidden_size
     kinds = layer_kinds(config)
     window = getattr(config, "sliding_window", None) or 0
-    head_dim = _head_dim(config)
+    head_dim = head_size(config)
     # Gemma's query_pre_attn_scalar (the head size on 270M/1B; llama.cpp: key_length, or
     # hidden/heads on 27B), else the head size
     scalar = getattr(config, "query_pre_attn_scalar", None) or head_dim
@@ -296,14 +297,15 @@ def rope_of(config, kind: str) -> dict:
     return rope
 
 
-def _head_dim(config) -> int:
+def head_size(config) -> int:
+    """Each attention head's size: config.head_dim, else hidden / heads."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def rotary_dims(config, kind: str = FULL) -> int:
     """How many of a head's dimensions rotate (the first ones, in pairs (i, i + dims/2) as
     transformers pairs them): all, or partial_rotary_factor of them (Phi-4-mini: 96 of 128)."""
-    return int(_head_dim(config) * float(rope_of(config, kind)["partial_rotary_factor"]))
+    return int(head_size(config) * float(rope_of(config, kind)["partial_rotary_factor"]))
 
 
 def _original_context(config, rope: dict) -> int:
@@ -341,7 +343,7 @@ def rotary_frequencies(config) -> torch.Tensor:
     row), as transformers computes them. With partial rotary (rotary_dims < hd) the pairs that
     rotate are the first rotary_dims/2 of each half, the others have frequency 0 (cos 1,
     sin 0): the order qkv_row_order puts each q and k head's dimensions in."""
-    head_dim = _head_dim(config)
+    head_dim = head_size(config)
     rows = []
     for kind in (FULL, SLIDING):
         rope = rope_of(config, kind)
@@ -370,7 +372,7 @@ def qkv_row_order(config) -> torch.Tensor | None:
     are transformers' (i, i + rotary_dims/2) and the rest rotate by frequency 0
     (rotary_frequencies). Scores are unchanged: q and k heads are permuted alike; values are
     not permuted."""
-    hd, dims = _head_dim(config), rotary_dims(config)
+    hd, dims = head_size(config), rotary_dims(config)
     if dims == hd:
         return None
     assert dims % 2 == 0 and (hd - dims) % 2 == 0, (hd, dims)

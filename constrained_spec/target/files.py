@@ -217,11 +217,11 @@ def _rotary(config, reader: GGUFReader, arch: str) -> None:
     and the ``rope_factors_short``/``rope_factors_long`` tensors with the original context and
     ``rope.scaling.attn_factor`` (llama.cpp scales cos and sin by it, 1 where the file has
     none)."""
-    rope, stated = dict(families._rope_parameters(config)), config.rope_parameters
-    dims = _field(reader, f"{arch}.rope.dimension_count")
-    head_dim = families._head_dim(config)
-    if dims is not None and int(dims) != head_dim:
-        stated = rope = rope | {"partial_rotary_factor": int(dims) / head_dim}
+    rope = families.rope_of(config, families.FULL)
+    stated = dict(rope)
+    dims, head_size = _field(reader, f"{arch}.rope.dimension_count"), families.head_size(config)
+    if dims is not None and int(dims) != head_size:
+        rope["partial_rotary_factor"] = int(dims) / head_size
     tensors = {t.name: t for t in reader.tensors}
     if "rope_factors_short.weight" in tensors:
         original = int(_field(reader, f"{arch}.rope.scaling.original_context_length"))
@@ -233,9 +233,9 @@ def _rotary(config, reader: GGUFReader, arch: str) -> None:
             "attention_factor": float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
         }
         rope.pop("type", None)
-        stated = rope
         config.original_max_position_embeddings = original
-    config.rope_parameters = stated
+    if rope != stated:
+        config.rope_parameters = rope
 
 
 def _windows(config, reader: GGUFReader, arch: str, family: families.Family) -> None:
