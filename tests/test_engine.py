@@ -13,6 +13,7 @@ from constrained_spec import (
     Generator,
     UnsupportedSchemaError,
     VocabularyMismatch,
+    testing,
 )
 from constrained_spec.constraints import FINISHED
 from constrained_spec.decoding import loop
@@ -194,6 +195,25 @@ def test_max_new_tokens_stops_with_length(tiny_target, tiny_draft, tiny_tokenize
     gen = Generator(tiny_target, tiny_tokenizer, draft=tiny_draft)
     res = gen.generate("hello", regex="[a-z]{20}", max_new_tokens=5, temperature=1.0, seed=0)
     assert res.finish_reason == "length" and len(res.token_ids) == 5 and res.value is None
+
+
+def test_a_draft_model_with_a_shorter_context_stops_drafting_where_it_ends(
+    tiny_target, tiny_tokenizer
+):
+    """A draft model running fewer positions than the target (a LongRoPE draft's original
+    context) drafts up to its last position; past it the target goes on alone, to the tokens
+    the masked baseline commits."""
+    from constrained_spec.target import llama
+
+    tiny = testing.tiny_model(tiny_tokenizer, seed=1, layers=1, max_positions=24)
+    short = llama.from_transformers(tiny, "int8")  # a compact cache holds 24 positions at most
+    gen = Generator(tiny_target, tiny_tokenizer, draft=short)
+    base = gen.generate("hello", schema=PERSON, speculative=False, max_new_tokens=60)
+    spec = gen.generate("hello", schema=PERSON, num_draft_tokens=4, max_new_tokens=60)
+    assert len(spec.token_ids) == len(base.token_ids) > 24 and spec.stats.drafted > 0
+    prompt = tiny_tokenizer.encode("hello")
+    constraint = gen.compile(schema=PERSON)
+    assert_greedy_match(tiny_target, constraint, prompt, base.token_ids, spec.token_ids)
 
 
 def test_prompt_forms(tiny_target, tiny_tokenizer):

@@ -100,9 +100,14 @@ class DraftModel:
         self.device = next(model.parameters()).device
         self.cache = kv.new_cache(model)
         self.cached_ids: list[int] = []  # the tokens whose KV the cache holds
+        self.context = kv.context_of(model)  # positions it runs (a LongRoPE model's: fewer)
 
     def scores(self, context: list[int], state: int, constraint: Constraint):
-        """(logits, legal mask, None) for the token after ``context``: the whole vocabulary."""
+        """(logits, legal mask, None) for the token after ``context``: the whole vocabulary; None
+        past the positions the model runs (a draft model with a shorter context than the
+        target's: the target goes on without its drafts; a length decides it, never a draw)."""
+        if len(context) >= self.context:
+            return None
         logits = self._fit(kv.forward(self.model, self.cache, self._feed(context), self.device)[-1])
         return logits, constraint.mask(state, self.device), None
 
