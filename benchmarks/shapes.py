@@ -50,17 +50,18 @@ import run  # noqa: E402  (forward_ms, bandwidth_limit, forget_prompts: the engi
 import workloads  # noqa: E402
 
 from constrained_spec import Generator  # noqa: E402
+from constrained_spec.target import families  # noqa: E402
 from constrained_spec.target.machine import cache_dir  # noqa: E402
 from constrained_spec.target.models import BUILTIN_MODELS, DEFAULT_MODEL, verified_gguf  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Shape:
-    """A model's shape as its config.json states it. All four tie the output head to the token
+    """A model's shape as its config.json states it. All of them tie the output head to the token
     embedding: llama.cpp's convert then writes no output.weight."""
 
     name: str
-    arch: str  # llama | qwen2 (q/k/v biases)
+    arch: str  # a family of families.FAMILIES with GGUF files: its norms, biases and q/k norms
     layers: int
     hidden: int
     ffn: int
@@ -71,20 +72,33 @@ class Shape:
     rope_theta: float
     context: int
     rms_eps: float
+    # the real model's parameters (its safetensors' count, a tied head once): `params` must match
+    published_params: int
     llama3_rope: bool = False  # rope_scaling llama3: llama.cpp stores rope_freqs.weight
     states_head_dim: bool = False  # config.json has head_dim: convert writes key/value_length
+    window: int = 0  # the family's windowed layers attend to this many positions (0: none)
+    rope_theta_swa: float = 0.0  # the windowed layers' rotary base
 
     @property
-    def params(self) -> int:  # the real model's count, a check on the numbers above
-        attn = self.hidden * self.head_dim * 2 * (self.heads + self.kv_heads)
-        return self.vocab * self.hidden + self.layers * (attn + 3 * self.hidden * self.ffn)
+    def family(self) -> families.Family:
+        return next(f for f in families.FAMILIES if f.name == self.arch and f.gguf)
+
+    @property
+    def params(self) -> int:
+        """Parameters in the file (rope_freqs are factors, not parameters): a check on the
+        numbers above against published_params."""
+        return sum(math.prod(dims) for _, dims, kind in tensor_specs(self) if kind != "rope")
 
 
 SHAPES = {
     s.name: s
     for s in (
-        Shape("smollm2-360m", "llama", 32, 960, 2560, 15, 5, 64, 49152, 1e5, 8192, 1e-5),
-        Shape("qwen2.5-0.5b", "qwen2", 24, 896, 4864, 14, 2, 64, 151936, 1e6, 32768, 1e-6),
+        Shape(
+            "smollm2-360m", "llama", 32, 960, 2560, 15, 5, 64, 49152, 1e5, 8192, 1e-5, 361_821_120
+        ),
+        Shape(
+            "qwen2.5-0.5b", "qwen2", 24, 896, 4864, 14, 2, 64, 151936, 1e6, 32768, 1e-6, 494_032_768
+        ),
         Shape(
             "llama-3.2-1b",
             "llama",
@@ -98,11 +112,63 @@ SHAPES = {
             5e5,
             131072,
             1e-5,
+            1_235_814_400,
             llama3_rope=True,
             states_head_dim=True,
         ),
         # the Instruct model's context (the base model's config says 131072)
-        Shape("qwen2.5-1.5b", "qwen2", 28, 1536, 8960, 12, 2, 128, 151936, 1e6, 32768, 1e-6),
+        Shape(
+            "qwen2.5-1.5b",
+            "qwen2",
+            28,
+            1536,
+            8960,
+            12,
+            2,
+            128,
+            151936,
+            1e6,
+            32768,
+            1e-6,
+            1_543_714_304,
+        ),
+        # q/k norms; heads of 128 (16 of them: q is twice the hidden width)
+        Shape(
+            "qwen3-0.6b",
+            "qwen3",
+            28,
+            1024,
+            3072,
+            16,
+            8,
+            128,
+            151936,
+            1e6,
+            40960,
+            1e-6,
+            596_049_920,
+            states_head_dim=True,
+        ),
+        # google/gemma-3-1b-it: four norms a layer, q/k norms, a 512 window on 5 layers of 6; its
+        # hidden width (1152) is no multiple of 256: Q4_K_M falls back to Q5_0/Q8_0 on those rows
+        Shape(
+            "gemma3-1b",
+            "gemma3",
+            26,
+            1152,
+            6912,
+            4,
+            1,
+            256,
+            262144,
+            1e6,
+            32768,
+            1e-6,
+            999_885_952,
+            states_head_dim=True,
+            window=512,
+            rope_theta_swa=1e4,
+        ),
     )
 }
 
@@ -119,32 +185,45 @@ F16_FILE_TYPE = 1  # LLAMA_FTYPE_MOSTLY_F16
 
 def tensor_specs(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
     """(llama.cpp's name, numpy shape (out, in), kind) of every tensor, in the order written;
-    kind: linear (F16, random), norm (F32 ones), bias (F32, random), rope (F32 factors)."""
+    kind: linear (F16, random), norm (F32 ones), bias (F32, random), rope (F32 factors). What
+    a layer holds beyond Llama's is its family's (families.py): q/k/v biases, each head's q/k
+    norms, a second norm after each branch (Gemma)."""
+    family = shape.family
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    norms = [name for name, _ in family.norms]
+    # each branch's norms: the first before it, Gemma's second after it
+    attention_norms, mlp_norms = norms[: len(norms) // 2], norms[len(norms) // 2 :]
     specs = [("token_embd.weight", (shape.vocab, shape.hidden), "linear")]
     if shape.llama3_rope:
         specs.append(("rope_freqs.weight", (shape.head_dim // 2,), "rope"))
     for i in range(shape.layers):
         b = f"blk.{i}"
         specs += [
-            (f"{b}.attn_norm.weight", (shape.hidden,), "norm"),
+            (f"{b}.{attention_norms[0]}.weight", (shape.hidden,), "norm"),
             (f"{b}.attn_q.weight", (q, shape.hidden), "linear"),
             (f"{b}.attn_k.weight", (kv, shape.hidden), "linear"),
             (f"{b}.attn_v.weight", (kv, shape.hidden), "linear"),
         ]
-        if shape.arch == "qwen2":
+        if family.qkv_bias:
             specs += [
                 (f"{b}.attn_q.bias", (q,), "bias"),
                 (f"{b}.attn_k.bias", (kv,), "bias"),
                 (f"{b}.attn_v.bias", (kv,), "bias"),
             ]
+        if family.qk_norms:
+            specs += [
+                (f"{b}.attn_q_norm.weight", (shape.head_dim,), "norm"),
+                (f"{b}.attn_k_norm.weight", (shape.head_dim,), "norm"),
+            ]
+        specs.append((f"{b}.attn_output.weight", (shape.hidden, q), "linear"))
+        specs += [(f"{b}.{n}.weight", (shape.hidden,), "norm") for n in attention_norms[1:]]
         specs += [
-            (f"{b}.attn_output.weight", (shape.hidden, q), "linear"),
-            (f"{b}.ffn_norm.weight", (shape.hidden,), "norm"),
+            (f"{b}.{mlp_norms[0]}.weight", (shape.hidden,), "norm"),
             (f"{b}.ffn_gate.weight", (shape.ffn, shape.hidden), "linear"),
             (f"{b}.ffn_up.weight", (shape.ffn, shape.hidden), "linear"),
             (f"{b}.ffn_down.weight", (shape.hidden, shape.ffn), "linear"),
         ]
+        specs += [(f"{b}.{n}.weight", (shape.hidden,), "norm") for n in mlp_norms[1:]]
     return specs + [("output_norm.weight", (shape.hidden,), "norm")]
 
 
@@ -188,7 +267,9 @@ def _values(shape: Shape, dims: tuple[int, ...], kind: str, rng) -> np.ndarray:
 
 
 def _metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
-    """The keys llama.cpp's convert_hf_to_gguf.py writes for these architectures."""
+    """The keys llama.cpp's convert_hf_to_gguf.py writes for these architectures (and
+    rope.dimension_count, which only its Llama class writes: the head size, as llama.cpp assumes
+    without it). Norms of ones: Gemma's convert stores 1 + w, multiplied as it is."""
     a = shape.arch
     writer.add_name(f"{shape.name} (random weights)")
     writer.add_uint32(f"{a}.block_count", shape.layers)
@@ -204,6 +285,9 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", shape.rms_eps)
     writer.add_uint32(f"{a}.rope.dimension_count", shape.head_dim)
     writer.add_uint32(f"{a}.vocab_size", shape.vocab)
+    if shape.window:  # the family's windowed layers (llama.cpp knows which: Gemma 3's 5 of 6)
+        writer.add_uint32(f"{a}.attention.sliding_window", shape.window)
+        writer.add_float32(f"{a}.rope.freq_base_swa", shape.rope_theta_swa)
     writer.add_uint32("general.file_type", F16_FILE_TYPE)
 
 
@@ -604,7 +688,7 @@ def cmd_write(args) -> None:
             t = time.perf_counter()
             make()
             print(f"{path}: {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s")
-        print(f"{shape.name}: {shape.params / 1e6:.0f}M parameters (norms and biases aside)")
+        print(f"{shape.name}: {shape.params:,} parameters (published: {shape.published_params:,})")
         print(f"{q4.name}: {json.dumps(tensor_types(q4))}")
 
 

@@ -1,0 +1,92 @@
+"""benchmarks/shapes.py's files: each shape's numbers give the real model's parameter count, its
+tensors carry the names llama.cpp's converter gives its architecture, and a small file of each
+family (written as the real shapes are) is read by our loader and by llama.cpp as that family."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from constrained_spec import testing
+from constrained_spec.target import families, files
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import shapes  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(shapes.SHAPES))
+def test_each_shape_has_its_models_parameter_count(name):
+    shape = shapes.SHAPES[name]
+    assert shape.params == shape.published_params
+
+
+@pytest.mark.parametrize("name", sorted(shapes.SHAPES))
+def test_tensor_names_are_the_converters(name):
+    """Every tensor is one gguf-py (the converter's constants) lists for the architecture, and
+    every tensor our loader needs of its family is there."""
+    shape = shapes.SHAPES[name]
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == shape.arch)
+    allowed = {
+        gguf.TENSOR_NAMES[t].format(bid=i) + suffix
+        for t in gguf.MODEL_TENSORS[arch]
+        for i in range(shape.layers)
+        for suffix in (".weight", ".bias")
+    }
+    names = [name for name, _, _ in shapes.tensor_specs(shape)]
+    assert len(set(names)) == len(names)
+    assert set(names) <= allowed, sorted(set(names) - allowed)
+    needed = [gguf for gguf, _ in shape.family.norms] + list(files.LINEARS)
+    needed += ["attn_q_norm", "attn_k_norm"] if shape.family.qk_norms else []
+    for i in range(shape.layers):
+        assert {f"blk.{i}.{part}.weight" for part in needed} <= set(names)
+
+
+def small(name: str, **dims):
+    """The shape ``name`` at a few MB: its family, metadata and head size, fewer and narrower
+    layers (six: one window period)."""
+    return dataclasses.replace(
+        shapes.SHAPES[name], layers=6, hidden=256, ffn=512, vocab=512, **dims
+    )
+
+
+@pytest.fixture
+def small_tokenizer(tmp_path, monkeypatch):
+    """write_f16 copies the tokenizer of a small GGUF (write_gguf's), not the built-in model's."""
+    source = testing.write_gguf(tmp_path / "source.gguf", types="F16")
+    monkeypatch.setattr(shapes, "builtin_gguf", lambda: source)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        small("gemma3-1b", heads=2, kv_heads=1, head_dim=128, window=16),
+        small("qwen3-0.6b", heads=4, kv_heads=2, head_dim=128),
+        small("qwen2.5-0.5b", heads=4, kv_heads=2),
+        small("llama-3.2-1b", heads=4, kv_heads=2),
+    ],
+    ids=lambda s: s.arch,
+)
+def test_a_small_file_loads_as_its_family(tmp_path, small_tokenizer, shape):
+    path = shapes.write_f16(shape, tmp_path / "small.gguf")
+    reader = files.read_gguf(path)
+    assert files.check_gguf(reader, path) == shape.family
+    config = files.gguf_config(path)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert head_dim == shape.head_dim and config.num_key_value_heads == shape.kv_heads
+    assert config.rms_norm_eps == pytest.approx(shape.rms_eps)
+    block = families.block_of(config)
+    if shape.window:  # every sixth layer full, the others windowed with their own rotary base
+        assert block.windows == (shape.window,) * 5 + (0,)
+        assert config.rope_parameters[families.SLIDING]["rope_theta"] == shape.rope_theta_swa
+        assert config.rope_parameters[families.FULL]["rope_theta"] == shape.rope_theta
+    else:
+        assert set(block.windows) == {0}
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(str(path), n_ctx=64, verbose=False)  # refuses a missing tensor or key
+    every = sum(np.prod(dims) for _, dims, _ in shapes.tensor_specs(shape))
+    assert llama_cpp.llama_model_n_params(llm.model) == every
+    llm.eval([1, 5, 9])
+    assert np.isfinite(llm.scores[2]).all()
