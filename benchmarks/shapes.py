@@ -295,10 +295,18 @@ def builtin_gguf() -> Path:
     return verified_gguf(BUILTIN_MODELS[DEFAULT_MODEL], cache_dir() / DEFAULT_MODEL)
 
 
-def _tokenizer(writer: gguf.GGUFWriter, vocab: int) -> None:
-    """The built-in model's tokenizer fields, its vocabulary padded to ``vocab`` as llama.cpp's
+# Special tokens that transformers' tokenizer class of an architecture adds where the vocabulary
+# lacks them (GemmaTokenizer: <mask>, id 4 of Gemma's own vocabulary), one past the logits: the
+# padding holds them (CONTROL, as convert types them), so the tokenizer keeps the shape's width.
+CLASS_SPECIALS = {"gemma3": ("<mask>",)}
+
+
+def _tokenizer(writer: gguf.GGUFWriter, shape: Shape) -> None:
+    """The built-in model's tokenizer fields, its vocabulary padded to the shape's as llama.cpp's
     convert pads a model's (``[PAD<id>]``, type UNUSED: llama.cpp gives them no text, so no
-    grammar ever allows one)."""
+    grammar ever allows one), the first pads named CLASS_SPECIALS."""
+    vocab = shape.vocab
+    specials = CLASS_SPECIALS.get(shape.arch, ())
     reader = gguf.GGUFReader(builtin_gguf())
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
@@ -307,11 +315,14 @@ def _tokenizer(writer: gguf.GGUFWriter, vocab: int) -> None:
         kind = field.types[0]
         sub = field.types[1] if kind == gguf.GGUFValueType.ARRAY else None
         if key == "tokenizer.ggml.tokens":
-            assert len(value) <= vocab, f"{len(value)} tokens do not fit a vocabulary of {vocab}"
-            value = value + [f"[PAD{i}]" for i in range(len(value), vocab)]
+            assert len(value) + len(specials) <= vocab, f"{len(value)} tokens exceed {vocab}"
+            assert not set(specials) & set(value)
+            pads = [f"[PAD{i}]" for i in range(len(value) + len(specials), vocab)]
+            value = value + list(specials) + pads
             assert len(set(value)) == vocab  # no pad spelled like a real token
         elif key == "tokenizer.ggml.token_type":
-            value = value + [gguf.TokenType.UNUSED.value] * (vocab - len(value))
+            value = value + [gguf.TokenType.CONTROL.value] * len(specials)
+            value += [gguf.TokenType.UNUSED.value] * (vocab - len(value))
         writer.add_key_value(key, value, kind, sub_type=sub)
 
 
@@ -323,7 +334,7 @@ def write_f16(shape: Shape, path: Path, seed: int = 0) -> Path:
     partial = path.with_name(path.name + ".partial")
     writer = gguf.GGUFWriter(partial, shape.arch)
     _metadata(writer, shape)
-    _tokenizer(writer, shape.vocab)
+    _tokenizer(writer, shape)
     specs = tensor_specs(shape)
     for name, dims, kind in specs:
         dtype = np.dtype(np.float16 if kind == "linear" else np.float32)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from constrained_spec import testing
-from constrained_spec.target import families, files
+from constrained_spec.target import families, files, models
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import shapes  # noqa: E402
@@ -78,6 +78,7 @@ def test_a_small_file_loads_as_its_family(tmp_path, small_tokenizer, shape):
     assert head_dim == shape.head_dim and config.num_key_value_heads == shape.kv_heads
     assert config.rms_norm_eps == pytest.approx(shape.rms_eps)
     block = families.block_of(config)
+    assert len(models.load_tokenizer(str(path))) == shape.vocab  # the logits' width
     if shape.window:  # every sixth layer full, the others windowed with their own rotary base
         assert block.windows == (shape.window,) * 5 + (0,)
         assert config.rope_parameters[families.SLIDING]["rope_theta"] == shape.rope_theta_swa
