@@ -77,7 +77,9 @@ class Shape:
     llama3_rope: bool = False  # rope_scaling llama3: llama.cpp stores rope_freqs.weight
     states_head_dim: bool = False  # config.json has head_dim: convert writes key/value_length
     window: int = 0  # the family's windowed layers attend to this many positions (0: none)
-    rope_theta_swa: float = 0.0  # the windowed layers' rotary base
+    rope_theta_swa: float = 0.0  # the windowed layers' rotary base (0: the full layers')
+    attention_cap: float = 0.0  # Gemma 2's soft-caps: scores and logits cap·tanh(x/cap) (0: none)
+    logit_cap: float = 0.0
 
     @property
     def family(self) -> families.Family:
@@ -168,6 +170,27 @@ SHAPES = {
             states_head_dim=True,
             window=512,
             rope_theta_swa=1e4,
+        ),
+        # google/gemma-2-2b-it: four norms a layer, a 4096 window on even layers (one rotary
+        # base), soft-capped scores and logits
+        Shape(
+            "gemma2-2b",
+            "gemma2",
+            26,
+            2304,
+            9216,
+            8,
+            4,
+            256,
+            256000,
+            1e4,
+            8192,
+            1e-6,
+            2_614_341_888,
+            states_head_dim=True,
+            window=4096,
+            attention_cap=50.0,
+            logit_cap=30.0,
         ),
     )
 }
@@ -287,7 +310,12 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
     writer.add_uint32(f"{a}.vocab_size", shape.vocab)
     if shape.window:  # the family's windowed layers (llama.cpp knows which: Gemma 3's 5 of 6)
         writer.add_uint32(f"{a}.attention.sliding_window", shape.window)
+    if shape.rope_theta_swa:
         writer.add_float32(f"{a}.rope.freq_base_swa", shape.rope_theta_swa)
+    if shape.attention_cap:
+        writer.add_float32(f"{a}.attn_logit_softcapping", shape.attention_cap)
+    if shape.logit_cap:
+        writer.add_float32(f"{a}.final_logit_softcapping", shape.logit_cap)
     writer.add_uint32("general.file_type", F16_FILE_TYPE)
 
 
@@ -298,7 +326,7 @@ def builtin_gguf() -> Path:
 # Special tokens that transformers' tokenizer class of an architecture adds where the vocabulary
 # lacks them (GemmaTokenizer: <mask>, id 4 of Gemma's own vocabulary), one past the logits: the
 # padding holds them (CONTROL, as convert types them), so the tokenizer keeps the shape's width.
-CLASS_SPECIALS = {"gemma3": ("<mask>",)}
+CLASS_SPECIALS = {"gemma2": ("<mask>",), "gemma3": ("<mask>",)}
 
 
 def _tokenizer(writer: gguf.GGUFWriter, shape: Shape) -> None:

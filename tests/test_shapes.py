@@ -63,6 +63,7 @@ def small_tokenizer(tmp_path, monkeypatch):
     "shape",
     [
         small("gemma3-1b", heads=2, kv_heads=1, head_dim=128, window=16),
+        small("gemma2-2b", heads=2, kv_heads=1, head_dim=128, window=16),
         small("qwen3-0.6b", heads=4, kv_heads=2, head_dim=128),
         small("qwen2.5-0.5b", heads=4, kv_heads=2),
         small("llama-3.2-1b", heads=4, kv_heads=2),
@@ -79,10 +80,14 @@ def test_a_small_file_loads_as_its_family(tmp_path, small_tokenizer, shape):
     assert config.rms_norm_eps == pytest.approx(shape.rms_eps)
     block = families.block_of(config)
     assert len(models.load_tokenizer(str(path))) == shape.vocab  # the logits' width
-    if shape.window:  # every sixth layer full, the others windowed with their own rotary base
-        assert block.windows == (shape.window,) * 5 + (0,)
-        assert config.rope_parameters[families.SLIDING]["rope_theta"] == shape.rope_theta_swa
+    if shape.window:  # every period-th layer full, the others windowed (Gemma 3: own base)
+        period = shape.family.window_period
+        assert block.windows == tuple(0 if i % period == period - 1 else 16 for i in range(6))
+        local = config.rope_parameters[families.SLIDING]["rope_theta"]
+        assert local == (shape.rope_theta_swa or shape.rope_theta)
         assert config.rope_parameters[families.FULL]["rope_theta"] == shape.rope_theta
+        assert (config.attn_logit_softcapping or 0.0) == shape.attention_cap
+        assert (config.final_logit_softcapping or 0.0) == shape.logit_cap
     else:
         assert set(block.windows) == {0}
     llama_cpp = pytest.importorskip("llama_cpp")
