@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# shapes-families: the Qwen3-0.6B and Gemma 3 1B shapes (random weights, Q4_K_M by llama.cpp's
+# shapes-families: the Qwen3-0.6B, Gemma 3 1B and Gemma 2 2B shapes (random weights, Q4_K_M by llama.cpp's
 # quantizer) on a 2-core first-generation Zen EPYC (AVX2 and FMA), llama.cpp (llama-cpp-python
 # 0.3.36) and ours on the same files and requests. The files (3.6 GB) stay outside the repository.
 # Each command ran alone under this shared machine's lock (flock /tmp/quiet.lock), one shape at a
@@ -8,10 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 dir=${SHAPES_DIR:-/work/shapes}
 out=${SHAPES_OUT:-/work/shape-results}
-for shape in qwen3-0.6b gemma3-1b; do
+for shape in qwen3-0.6b gemma3-1b gemma2-2b; do
   python benchmarks/shapes.py write --dir "$dir" --only "$shape"
 done
-for shape in qwen3-0.6b gemma3-1b; do
+for shape in qwen3-0.6b gemma3-1b gemma2-2b; do
   python benchmarks/shapes.py llama-cpp --dir "$dir" --out "$out" --only "$shape" --requests 3 --reps 10
   python benchmarks/shapes.py ours --dir "$dir" --out "$out" --only "$shape" --requests 3 --reps 10
 done
