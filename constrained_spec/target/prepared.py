@@ -2,7 +2,9 @@
 layout, the prompts' bf16 copy, the LM head's Q8_0 blocks and bounds, the embedding's and the
 head's rows: Q8_0 ones as their blocks, kernels.Q8Rows, once where tied), its config and its
 tokenizer, stored once per model file in ONE file that later loads map instead of converting
-(``torch.load(mmap=True)``: no copy; pages come in as the first passes touch them). A GGUF's
+(``torch.load(mmap=True)``: no copy; pages come in as the first passes touch them). What is
+derived once and costly stays derived: the head's bound terms for its kernel (kernels.Q8Head),
+the tokenizer in the form it loads fastest from (target.tokenizer). A GGUF's
 conversion costs seconds to a minute (its metadata parsed in Python, every block re-laid, the
 bf16 copy computed); mapping the prepared file costs milliseconds.
 
@@ -37,7 +39,9 @@ from . import kernels, llama
 from .machine import atomic_write, cache_dir, cpu_name, say, setting
 from .tokenizer import Tokenizer
 
-FORMAT = "prepared v2"  # v2: Q8_0 embeddings and head rows as their blocks (kernels.Q8Rows)
+# v2: Q8_0 embeddings and head rows as their blocks (kernels.Q8Rows); v3: a BPE tokenizer's
+# vocabulary and merges as ids (target.tokenizer's fast form)
+FORMAT = "prepared v3"
 
 # the modules a compact model is made of, by the name the file stores
 _MODULES = {
