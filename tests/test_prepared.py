@@ -2,9 +2,11 @@
 on `tokenizers` alone, and imports that leave transformers (and torch, for the bare package) out
 until needed."""
 
+import base64
 import json
 import subprocess
 import sys
+from array import array
 
 import pytest
 import torch
@@ -13,7 +15,13 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from constrained_spec import Generator, testing
 from constrained_spec.constraints import token_vocabulary
-from constrained_spec.constraints.vocabulary import _UNICODE_TO_BYTE, _byte_level
+from constrained_spec.constraints.vocabulary import (
+    _UNICODE_TO_BYTE,
+    _byte_level,
+    _byte_level_all,
+    _sentencepiece,
+    _sentencepiece_all,
+)
 from constrained_spec.target import kernels, models, prepared
 from constrained_spec.target.tokenizer import Tokenizer
 
@@ -258,3 +266,67 @@ def test_a_schema_defers_rfc3987_syntax_until_an_iri_is_checked():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "compiled True False" in out.stdout
+
+
+@pytest.mark.parametrize("vocabulary", ["bpe", "spm"])
+def test_the_stored_tokenizer_form_gives_back_the_same_tokenizer(tmp_path, vocabulary):
+    """A BPE tokenizer stored as its pieces and merges' ids (target.tokenizer's fast form),
+    read back: the same JSON as transformers' backend, the same ids for a few strings, the same
+    bytes per token."""
+    gguf = testing.write_gguf(tmp_path / "t.gguf", "gemma3", "Q8_0", vocabulary=vocabulary)
+    theirs = models.load_tokenizer(str(gguf))
+    state = json.loads(json.dumps(Tokenizer.of(theirs).state()))
+    assert "bpe" in state, "the fast form was not taken"
+    assert len(state["backend"]) < len(theirs.backend_tokenizer.to_str())
+    ours = Tokenizer.from_state(state)
+    assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
+    for text in ["", "the yes no", "  two  spaces\n\t{}", "Zoë 東京 <bos><eos>", "the▁the"]:
+        for special in (True, False):
+            assert ours.encode(text, special) == theirs.encode(text, add_special_tokens=special)
+    assert token_vocabulary(ours).token_bytes == token_vocabulary(theirs).token_bytes
+
+
+def test_a_damaged_stored_tokenizer_is_rebuilt(gguf_file, capsys):
+    """Merges that are not base64, or name ids past the vocabulary: the prepared model is
+    rebuilt, said in one line, and tokenizes as before."""
+    _, tokenizer = models.load_model(str(gguf_file), weights="int4")
+    prepared.wait()
+    ids = tokenizer.encode("hello there")
+    header = prepared.path_for(gguf_file).with_suffix(".json")
+    good = json.loads(header.read_text())
+    for merges in ["not base64!", base64.b64encode(array("i", [10**6, 0]).tobytes()).decode()]:
+        bad = {**good, "tokenizer": {**good["tokenizer"]}}
+        bad["tokenizer"]["bpe"] = {**bad["tokenizer"]["bpe"], "merges": merges}
+        header.write_text(json.dumps(bad))
+        capsys.readouterr()
+        _, again = models.load_model(str(gguf_file), weights="int4")
+        lines = [x for x in capsys.readouterr().err.splitlines() if "Stored" not in x]
+        assert len(lines) == 1 and "does not load" in lines[0], lines
+        assert again.encode("hello there") == ids
+        prepared.wait()
+
+
+def test_a_mapped_head_keeps_the_bound_terms_its_kernel_gives(gguf_file):
+    """The stored Q8 head's bound terms are those computed for its kernel (kept, not computed
+    again at each load): the same as a head built anew from the same rows for that kernel."""
+    models.load_model(str(gguf_file), weights="int4")
+    prepared.wait()
+    mapped, _ = models.load_model(str(gguf_file), weights="int4")
+    head = mapped.lm_head
+    assert isinstance(head, kernels.Q8Head) and head.blocks.kernel == mapped.matmul
+    fresh = kernels.Q8Head(head.table)
+    fresh.use_kernel(mapped.matmul)
+    assert torch.equal(head.terms, fresh.terms)
+    if mapped.matmul != "torch":  # the terms follow another kernel
+        head.use_kernel("torch")
+        assert not torch.equal(head.terms, fresh.terms)
+
+
+def test_the_token_bytes_of_all_pieces_at_once_are_each_ones():
+    """_sentencepiece_all and _byte_level_all give each piece's bytes as the one-piece
+    functions do: byte-fallback pieces, "<0x" inside a piece, NUL inside one, none at all."""
+    pieces = ["▁the", "<0x41>", "<0x0A>", "a<0x41>", "<0x41>b", "<0x", "\x00", "", "▁▁", "東"]
+    for some in (pieces, pieces[:6], [], ["<0x41>"]):
+        assert _sentencepiece_all(list(some)) == [_sentencepiece(p) for p in some]
+    levels = ["Ġhello", "Ā", "a b", "", "ĊĊ", "x\u0144"]
+    assert _byte_level_all(levels) == [_byte_level(p) for p in levels]
