@@ -38,7 +38,8 @@ def test_tensor_names_are_the_converters(name):
     names = [name for name, _, _ in shapes.tensor_specs(shape)]
     assert len(set(names)) == len(names)
     assert set(names) <= allowed, sorted(set(names) - allowed)
-    needed = [gguf for gguf, _ in shape.family.norms] + list(files.LINEARS)
+    needed = [gguf for gguf, _ in shape.family.norms]
+    needed += [gguf for stacked in shape.family.linears for gguf, _ in stacked]
     needed += ["attn_q_norm", "attn_k_norm"] if shape.family.qk_norms else []
     for i in range(shape.layers):
         assert {f"blk.{i}.{part}.weight" for part in needed} <= set(names)
