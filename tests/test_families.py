@@ -271,12 +271,7 @@ def tiny_gemma2(window: int, layers: int = 4, seed: int = 0, **caps) -> Gemma2Fo
         max_position_embeddings=256, query_pre_attn_scalar=32, initializer_range=0.1,
         **{**dict(attn_logit_softcapping=1.0, final_logit_softcapping=2.0), **caps},
     )  # fmt: skip
-    model = Gemma2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.randn_like(p) * 0.3)
-    return model
+    return with_random_norms(Gemma2ForCausalLM(config).eval())
 
 
 def test_a_transformers_gemma2_is_computed_to_float_rounding():
@@ -334,7 +329,12 @@ def tiny_gemma3(window: int, layers: int = 7, seed: int = 0) -> Gemma3ForCausalL
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=window,
         max_position_embeddings=256, query_pre_attn_scalar=32,
     )  # fmt: skip
-    model = Gemma3ForCausalLM(config).eval()
+    return with_random_norms(Gemma3ForCausalLM(config).eval())
+
+
+def with_random_norms(model):
+    """``model`` with its norm weights random (transformers initializes Gemma's at 0: 1 + w = 1,
+    under which a norm dropped or misplaced would not show)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
