@@ -107,17 +107,183 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=_Parser
     )
+    for add_command in (  # in the order `--help` lists them
+        _add_generate_command,
+        _add_batch_command,
+        _add_grammars_command,
+        _add_cache_command,
+        _add_calibrate_command,
+        _add_serve_command,
+    ):
+        add_command(commands)
+    return parser
 
-    gen = commands.add_parser(
+
+def _add_generate_command(commands) -> None:
+    command = commands.add_parser(
         "generate",
         help="generate constrained text for a prompt",
         description="Print the generated text (JSON for a schema) on "
         "stdout; the live view, stats and errors go to stderr.",
     )
-    _add_generate_arguments(gen)
-    gen.set_defaults(run=_generate)
+    _add_request_arguments(command)
+    _add_decoding_arguments(command)
+    command.set_defaults(run=_generate)
 
-    job = commands.add_parser(
+
+def _add_request_arguments(command: argparse.ArgumentParser) -> None:
+    """What to generate, for what prompt, with which model."""
+    command.add_argument(
+        "prompt",
+        metavar="PROMPT",
+        help="the request, sent as one user chat message (see --raw-prompt)",
+    )
+    which = command.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--schema",
+        metavar="FILE",
+        help="JSON Schema file the output must satisfy (or inline JSON: an object; true: any JSON)",
+    )
+    which.add_argument(
+        "--regex", metavar="RE", help="regex the whole output must match (no ^/$ needed)"
+    )
+    which.add_argument(
+        "--grammar",
+        metavar="NAME|FILE",
+        help="a ready-made constraint shipped with the package (list: `constrained-spec "
+        "grammars`), or a grammar file: .lark, .gbnf, .regex or .json (a schema)",
+    )
+    command.add_argument(
+        "--open-objects",
+        action="store_true",
+        help="let objects that declare properties have undeclared ones too, where the schema "
+        "says nothing about them (JSON Schema's meaning; by default they are closed, so that "
+        "the model cannot invent keys)",
+    )
+    command.add_argument(
+        "--raw-prompt",
+        action="store_true",
+        help="feed PROMPT to the model as is, without the chat template",
+    )
+    command.add_argument(
+        "--system",
+        metavar="TEXT",
+        help="a system message placed before PROMPT (chat template only)",
+    )
+    command.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="NAME",
+        help=f"target model: a built-in name, a local path or a Hugging Face hub "
+        f"id (default: {DEFAULT_MODEL})",
+    )
+    command.add_argument(
+        "--draft",
+        default="auto",
+        metavar="DRAFT",
+        help="drafter: "
+        + "; ".join(f"'{k}' = {v}" for k, v in DRAFTS.items())
+        + "; or a trained head's .safetensors file, or a draft model name/path "
+        "sharing the target's tokenizer (default: auto)",
+    )
+    command.add_argument(
+        "--weights",
+        default="auto",
+        choices=list(WEIGHTS),
+        help="how the target runs: "
+        + "; ".join(f"'{k}' = {v}" for k, v in WEIGHTS.items())
+        + ". The baseline uses the same (default: auto)",
+    )
+    command.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="target weights dtype for --weights float (default: float32)",
+    )
+
+
+def _add_decoding_arguments(command: argparse.ArgumentParser) -> None:
+    """How to decode, and what to show."""
+    command.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="sampling temperature, 0 = greedy (default: 0)",
+    )
+    command.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="keep the K most likely legal tokens (default: off)",
+    )
+    command.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="nucleus sampling: keep the smallest set of legal tokens with mass P (default: off)",
+    )
+    command.add_argument(
+        "--seed", type=int, default=None, help="random seed for sampling (default: random)"
+    )
+    command.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="stop after N generated tokens (default: 256); output cut there does not "
+        "satisfy the constraint: exit code 3, stdout empty (see --partial)",
+    )
+    command.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="end the output before TEXT, where the constraint lets it end there "
+        "(repeatable, up to 4)",
+    )
+    command.add_argument(
+        "--partial",
+        action="store_true",
+        help="with exit code 3 (stopped at --max-new-tokens), still print the incomplete "
+        "text on stdout",
+    )
+    command.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=4,
+        metavar="K",
+        help="tokens drafted per round, verified by one target call (default: 4)",
+    )
+    command.add_argument(
+        "--adaptive-k",
+        action="store_true",
+        help="choose the model-drafted tokens per round (up to --num-draft-tokens) "
+        "from the measured acceptance and draft cost",
+    )
+    command.add_argument(
+        "--no-speculation",
+        action="store_true",
+        help="plain masked decoding, one target call per token (the baseline)",
+    )
+    command.add_argument(
+        "--stats",
+        action="store_true",
+        help="print target calls, tokens per call, acceptance by draft position, "
+        "TTFT, time per output token, total time and peak memory on stderr",
+    )
+    command.add_argument(
+        "--show",
+        action="store_true",
+        help="live view on stderr: accepted drafts green, rejected draft struck "
+        "through orange, the target's own token blue, forced tokens underlined",
+    )
+
+
+def _add_batch_command(commands) -> None:
+    command = commands.add_parser(
         "batch",
         help="a corpus job: JSONL prompts in, JSONL results out (resumable)",
         description='Generate for every row of a JSONL file ({"id", "prompt" or '
@@ -125,17 +291,79 @@ def build_parser() -> argparse.ArgumentParser:
         "line (id, text, value, finish_reason, stats, or error) is appended as its row "
         "finishes, and a rerun skips the ids already in --output.",
     )
-    _add_batch_arguments(job)
-    job.set_defaults(run=_batch)
+    command.add_argument("--input", required=True, metavar="FILE", help="JSONL rows")
+    command.add_argument("--output", required=True, metavar="FILE", help="JSONL results (appended)")
+    which = command.add_mutually_exclusive_group()
+    which.add_argument(
+        "--schema", metavar="FILE", help="the rows' schema (a row may bring its own)"
+    )
+    which.add_argument("--regex", metavar="RE", help="a regex every output must match")
+    which.add_argument(
+        "--grammar", metavar="NAME", help="a shipped grammar (`grammars` lists them)"
+    )
+    command.add_argument(
+        "--batch-size", type=int, default=8, metavar="B", help="rows decoded together (default: 8)"
+    )
+    command.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="NAME",
+        help=f"target model (default: {DEFAULT_MODEL})",
+    )
+    command.add_argument(
+        "--weights",
+        default="auto",
+        choices=list(WEIGHTS),
+        help="how the target runs (default: auto)",
+    )
+    command.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)"
+    )
+    command.add_argument("--top-k", type=int, default=None, metavar="K")
+    command.add_argument("--top-p", type=float, default=None, metavar="P")
+    command.add_argument(
+        "--seed", type=int, default=None, help="row seeds: this plus the row's line number"
+    )
+    command.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    command.add_argument(
+        "--no-speculation", action="store_true", help="the batched masked baseline"
+    )
+    command.add_argument(
+        "--raw-prompt", action="store_true", help='feed "prompt" as is, without the chat template'
+    )
+    _add_ray_arguments(command)
+    command.set_defaults(run=_batch)
 
-    lst = commands.add_parser(
+
+def _add_ray_arguments(command: argparse.ArgumentParser) -> None:
+    """Where a batch job runs when not in this process."""
+    command.add_argument(
+        "--ray",
+        action="store_true",
+        help="run on Ray Data, one Generator per actor (pip install -e '.[ray]')",
+    )
+    command.add_argument(
+        "--ray-actors", type=int, default=1, metavar="N", help="actors (default: 1)"
+    )
+    command.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="a running Ray cluster (default: start one on this machine)",
+    )
+
+
+def _add_grammars_command(commands) -> None:
+    command = commands.add_parser(
         "grammars",
         help="list the ready-made grammars (--grammar NAME)",
         description="List the shipped grammars with a description.",
     )
-    lst.set_defaults(run=_list_grammars)
+    command.set_defaults(run=_list_grammars)
 
-    cached = commands.add_parser(
+
+def _add_cache_command(commands) -> None:
+    command = commands.add_parser(
         "cache",
         help="list what is cached (models, prepared models, kernels, measurements), or clear it",
         description="List the cache dir's entries with their size and last use; --clear "
@@ -143,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"models take at most ${prepared.CAP_ENV} GB together (default "
         f"{prepared.DEFAULT_CAP_GB:g}); the least recently used go first.",
     )
-    cached.add_argument(
+    command.add_argument(
         "--clear",
         nargs="?",
         const=ALL,
@@ -151,9 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove every entry, or the one named (or a kind: models, prepared, kernels, "
         "measurements)",
     )
-    cached.set_defaults(run=_cache)
+    command.set_defaults(run=_cache)
 
-    cal = commands.add_parser(
+
+def _add_calibrate_command(commands) -> None:
+    command = commands.add_parser(
         "calibrate",
         help="measure this machine's kernels and pass costs again for a model, and say why",
         description="Measure again what a load chooses by measurement (the linears' kernel, "
@@ -161,36 +391,34 @@ def build_parser() -> argparse.ArgumentParser:
         "in the cache and print each choice with its timings. Run it on a quiet machine: a "
         "measurement taken while other processes kept the CPUs busy is used once and not kept.",
     )
-    cal.add_argument(
+    command.add_argument(
         "--model",
         default=DEFAULT_MODEL,
         metavar="NAME",
         help=f"a built-in name or a .gguf file (default: {DEFAULT_MODEL})",
     )
-    cal.set_defaults(run=_calibrate)
+    command.set_defaults(run=_calibrate)
 
-    srv = commands.add_parser(
+
+def _add_serve_command(commands) -> None:
+    command = commands.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server (needs the [serve] extra)",
         description="Serve POST /v1/chat/completions (response_format, tools, regex/grammar "
         "extensions, streaming), GET /v1/models and GET /health. Up to --batch-size "
         "requests decode together; the rest wait in arrival order (docs/server.md).",
     )
-    _add_serve_arguments(srv)
-    srv.set_defaults(run=_serve)
-    return parser
-
-
-def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
-    srv.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME", help="as for generate")
-    srv.add_argument("--draft", default="auto", metavar="DRAFT", help="as for generate")
-    srv.add_argument("--weights", default="auto", choices=list(WEIGHTS), help="as for generate")
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: local)")
-    srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    srv.add_argument(
+    command.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME", help="as for generate")
+    command.add_argument("--draft", default="auto", metavar="DRAFT", help="as for generate")
+    command.add_argument("--weights", default="auto", choices=list(WEIGHTS), help="as for generate")
+    command.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: local)"
+    )
+    command.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    command.add_argument(
         "--open-objects", action="store_true", help="as for generate: undeclared properties"
     )
-    srv.add_argument(
+    command.add_argument(
         "--api-key",
         default=os.environ.get("CONSTRAINED_SPEC_API_KEY"),
         metavar="KEY",
@@ -215,214 +443,10 @@ def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
             "on a busy CPU 1 can be much faster)",
         ),
     ):
-        srv.add_argument(
+        command.add_argument(
             flag, type=int, default=default, metavar="N", help=f"{what} (default: {default})"
         )
-
-
-def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
-    """What to generate, for what prompt, with which model."""
-    gen.add_argument(
-        "prompt",
-        metavar="PROMPT",
-        help="the request, sent as one user chat message (see --raw-prompt)",
-    )
-    which = gen.add_mutually_exclusive_group(required=True)
-    which.add_argument(
-        "--schema",
-        metavar="FILE",
-        help="JSON Schema file the output must satisfy (or inline JSON: an object; true: any JSON)",
-    )
-    which.add_argument(
-        "--regex", metavar="RE", help="regex the whole output must match (no ^/$ needed)"
-    )
-    which.add_argument(
-        "--grammar",
-        metavar="NAME|FILE",
-        help="a ready-made constraint shipped with the package (list: `constrained-spec "
-        "grammars`), or a grammar file: .lark, .gbnf, .regex or .json (a schema)",
-    )
-    gen.add_argument(
-        "--open-objects",
-        action="store_true",
-        help="let objects that declare properties have undeclared ones too, where the schema "
-        "says nothing about them (JSON Schema's meaning; by default they are closed, so that "
-        "the model cannot invent keys)",
-    )
-    gen.add_argument(
-        "--raw-prompt",
-        action="store_true",
-        help="feed PROMPT to the model as is, without the chat template",
-    )
-    gen.add_argument(
-        "--system",
-        metavar="TEXT",
-        help="a system message placed before PROMPT (chat template only)",
-    )
-    gen.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        metavar="NAME",
-        help=f"target model: a built-in name, a local path or a Hugging Face hub "
-        f"id (default: {DEFAULT_MODEL})",
-    )
-    gen.add_argument(
-        "--draft",
-        default="auto",
-        metavar="DRAFT",
-        help="drafter: "
-        + "; ".join(f"'{k}' = {v}" for k, v in DRAFTS.items())
-        + "; or a trained head's .safetensors file, or a draft model name/path "
-        "sharing the target's tokenizer (default: auto)",
-    )
-    gen.add_argument(
-        "--weights",
-        default="auto",
-        choices=list(WEIGHTS),
-        help="how the target runs: "
-        + "; ".join(f"'{k}' = {v}" for k, v in WEIGHTS.items())
-        + ". The baseline uses the same (default: auto)",
-    )
-    gen.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="target weights dtype for --weights float (default: float32)",
-    )
-    _add_decoding_arguments(gen)
-
-
-def _add_decoding_arguments(gen: argparse.ArgumentParser) -> None:
-    """How to decode, and what to show."""
-    gen.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        metavar="T",
-        help="sampling temperature, 0 = greedy (default: 0)",
-    )
-    gen.add_argument(
-        "--top-k",
-        type=int,
-        default=None,
-        metavar="K",
-        help="keep the K most likely legal tokens (default: off)",
-    )
-    gen.add_argument(
-        "--top-p",
-        type=float,
-        default=None,
-        metavar="P",
-        help="nucleus sampling: keep the smallest set of legal tokens with mass P (default: off)",
-    )
-    gen.add_argument(
-        "--seed", type=int, default=None, help="random seed for sampling (default: random)"
-    )
-    gen.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=256,
-        metavar="N",
-        help="stop after N generated tokens (default: 256); output cut there does not "
-        "satisfy the constraint: exit code 3, stdout empty (see --partial)",
-    )
-    gen.add_argument(
-        "--stop",
-        action="append",
-        default=None,
-        metavar="TEXT",
-        help="end the output before TEXT, where the constraint lets it end there "
-        "(repeatable, up to 4)",
-    )
-    gen.add_argument(
-        "--partial",
-        action="store_true",
-        help="with exit code 3 (stopped at --max-new-tokens), still print the incomplete "
-        "text on stdout",
-    )
-    gen.add_argument(
-        "--num-draft-tokens",
-        type=int,
-        default=4,
-        metavar="K",
-        help="tokens drafted per round, verified by one target call (default: 4)",
-    )
-    gen.add_argument(
-        "--adaptive-k",
-        action="store_true",
-        help="choose the model-drafted tokens per round (up to --num-draft-tokens) "
-        "from the measured acceptance and draft cost",
-    )
-    gen.add_argument(
-        "--no-speculation",
-        action="store_true",
-        help="plain masked decoding, one target call per token (the baseline)",
-    )
-    gen.add_argument(
-        "--stats",
-        action="store_true",
-        help="print target calls, tokens per call, acceptance by draft position, "
-        "TTFT, time per output token, total time and peak memory on stderr",
-    )
-    gen.add_argument(
-        "--show",
-        action="store_true",
-        help="live view on stderr: accepted drafts green, rejected draft struck "
-        "through orange, the target's own token blue, forced tokens underlined",
-    )
-
-
-def _add_batch_arguments(job: argparse.ArgumentParser) -> None:
-    job.add_argument("--input", required=True, metavar="FILE", help="JSONL rows")
-    job.add_argument("--output", required=True, metavar="FILE", help="JSONL results (appended)")
-    which = job.add_mutually_exclusive_group()
-    which.add_argument(
-        "--schema", metavar="FILE", help="the rows' schema (a row may bring its own)"
-    )
-    which.add_argument("--regex", metavar="RE", help="a regex every output must match")
-    which.add_argument(
-        "--grammar", metavar="NAME", help="a shipped grammar (`grammars` lists them)"
-    )
-    job.add_argument(
-        "--batch-size", type=int, default=8, metavar="B", help="rows decoded together (default: 8)"
-    )
-    job.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        metavar="NAME",
-        help=f"target model (default: {DEFAULT_MODEL})",
-    )
-    job.add_argument(
-        "--weights",
-        default="auto",
-        choices=list(WEIGHTS),
-        help="how the target runs (default: auto)",
-    )
-    job.add_argument(
-        "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)"
-    )
-    job.add_argument("--top-k", type=int, default=None, metavar="K")
-    job.add_argument("--top-p", type=float, default=None, metavar="P")
-    job.add_argument(
-        "--seed", type=int, default=None, help="row seeds: this plus the row's line number"
-    )
-    job.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
-    job.add_argument("--no-speculation", action="store_true", help="the batched masked baseline")
-    job.add_argument(
-        "--raw-prompt", action="store_true", help='feed "prompt" as is, without the chat template'
-    )
-    job.add_argument(
-        "--ray",
-        action="store_true",
-        help="run on Ray Data, one Generator per actor (pip install -e '.[ray]')",
-    )
-    job.add_argument("--ray-actors", type=int, default=1, metavar="N", help="actors (default: 1)")
-    job.add_argument(
-        "--ray-address",
-        default=None,
-        metavar="ADDR",
-        help="a running Ray cluster (default: start one on this machine)",
-    )
+    command.set_defaults(run=_serve)
 
 
 def _batch(args, out: Console, err: Console) -> int:
