@@ -127,12 +127,14 @@ def _add_generate_command(commands) -> None:
         "stdout; the live view, stats and errors go to stderr.",
     )
     _add_request_arguments(command)
-    _add_decoding_arguments(command)
+    _add_model_arguments(command)
+    _add_sampling_arguments(command)
+    _add_speculation_arguments(command)
     command.set_defaults(run=_generate)
 
 
 def _add_request_arguments(command: argparse.ArgumentParser) -> None:
-    """What to generate, for what prompt, with which model."""
+    """What to generate, for what prompt."""
     command.add_argument(
         "prompt",
         metavar="PROMPT",
@@ -170,6 +172,10 @@ def _add_request_arguments(command: argparse.ArgumentParser) -> None:
         metavar="TEXT",
         help="a system message placed before PROMPT (chat template only)",
     )
+
+
+def _add_model_arguments(command: argparse.ArgumentParser) -> None:
+    """Which model generates, drafted by what, with which weights."""
     command.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -202,8 +208,8 @@ def _add_request_arguments(command: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_decoding_arguments(command: argparse.ArgumentParser) -> None:
-    """How to decode, and what to show."""
+def _add_sampling_arguments(command: argparse.ArgumentParser) -> None:
+    """How to sample, and where to stop."""
     command.add_argument(
         "--temperature",
         type=float,
@@ -250,6 +256,10 @@ def _add_decoding_arguments(command: argparse.ArgumentParser) -> None:
         help="with exit code 3 (stopped at --max-new-tokens), still print the incomplete "
         "text on stdout",
     )
+
+
+def _add_speculation_arguments(command: argparse.ArgumentParser) -> None:
+    """How to speculate, and what to show."""
     command.add_argument(
         "--num-draft-tokens",
         type=int,
