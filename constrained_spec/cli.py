@@ -756,44 +756,68 @@ def _generate(args, out: Console, err: Console) -> int:
     request = _validate(args)  # before the model: loading it takes seconds
     t0 = time.perf_counter()
     try:  # no spinner here: the first load shows its own download / conversion progress
-        gen = Generator.from_pretrained(
+        gen = _load_generator(args, request.draft)
+    except ModelFetchError as e:  # not the user's input: no network, corrupt download
+        err.print(Text.assemble(("error: ", "bold red"), str(e)))
+        return 1
+    load_s = time.perf_counter() - t0
+    prompt = _prompt_for(gen, request.prompt, args, err)
+    result, meter, wall_s = _decode(gen, prompt, request.constraint, args, err)
+    incomplete = result.finish_reason == "length"
+    _print_output(result.text, incomplete, args, err)
+    if args.stats:
+        weights = getattr(gen, "weights_choice", gen.weights)
+        err.print(stats_table(result, meter, load_s, wall_s, args, request, weights))
+    return EXIT_INCOMPLETE if incomplete else 0
+
+
+def _load_generator(args, draft: str | None) -> Generator:
+    """The generator --model, --weights and --dtype ask for; a load that the names given
+    break (unknown name, missing path or hub id, bad files) is a UsageError."""
+    try:
+        return Generator.from_pretrained(
             args.model,
-            draft=request.draft,
+            draft=draft,
             weights=args.weights,
             dtype=getattr(torch, args.dtype),
             open_objects=args.open_objects,
         )
-    except ModelFetchError as e:  # not the user's input: no network, corrupt download
-        err.print(Text.assemble(("error: ", "bold red"), str(e)))
-        return 1
-    except (OSError, ValueError) as e:  # unknown name, missing path or hub id, bad files
+    except (OSError, ValueError) as e:
         message = _first_line(e)
         raise UsageError(
             message if args.model in message else f"cannot load model {args.model!r}: {message}"
         ) from None
-    load_s = time.perf_counter() - t0
-    prompt = request.prompt
-    if not isinstance(prompt, str) and not gen.tokenizer.chat_template:  # a base model
-        if args.system is not None:
-            raise UsageError(
-                f"--system needs a chat template, and {args.model} has none (a base model): "
-                "drop --system and put the instructions in PROMPT."
-            )
-        err.print(
-            f"note: {args.model} has no chat template (a base model): PROMPT goes in as plain "
-            "text, as with --raw-prompt.",
-            style="yellow",
-            markup=False,
-            soft_wrap=True,
-        )
-        prompt = args.prompt
 
-    meter, t1 = _Meter(), time.perf_counter()
-    view = RoundView(gen, gen.compile(**request.constraint), err) if args.show else None
+
+def _prompt_for(gen: Generator, prompt: str | list[dict], args, err: Console) -> str | list[dict]:
+    """The prompt as this model takes it: chat messages go in as plain text to a base model
+    (one without a chat template), which cannot take a --system message."""
+    if isinstance(prompt, str) or gen.tokenizer.chat_template:
+        return prompt
+    if args.system is not None:
+        raise UsageError(
+            f"--system needs a chat template, and {args.model} has none (a base model): "
+            "drop --system and put the instructions in PROMPT."
+        )
+    err.print(
+        f"note: {args.model} has no chat template (a base model): PROMPT goes in as plain "
+        "text, as with --raw-prompt.",
+        style="yellow",
+        markup=False,
+        soft_wrap=True,
+    )
+    return args.prompt
+
+
+def _decode(gen: Generator, prompt, constraint: dict, args, err: Console):
+    """Generate with the decoding flags, the live view on stderr under --show; the result,
+    its meter and the seconds it took (the view's closing not counted)."""
+    meter, t0 = _Meter(), time.perf_counter()
+    view = RoundView(gen, gen.compile(**constraint), err) if args.show else None
     try:
         result = gen.generate(
             prompt,
-            **request.constraint,
+            **constraint,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
@@ -806,12 +830,17 @@ def _generate(args, out: Console, err: Console) -> int:
             on_round=meter.chain(view),
         )
     finally:
-        wall_s = time.perf_counter() - t1
+        wall_s = time.perf_counter() - t0
         if view is not None:
             view.close()
-    incomplete = result.finish_reason == "length"
+    return result, meter, wall_s
+
+
+def _print_output(text: str, incomplete: bool, args, err: Console) -> None:
+    """The text on stdout, unless it was cut at --max-new-tokens (then only with --partial),
+    and why it was cut on stderr."""
     if not incomplete or args.partial:
-        sys.stdout.write(result.text + "\n")  # exactly the text: no markup, emoji or wrapping
+        sys.stdout.write(text + "\n")  # exactly the text: no markup, emoji or wrapping
         sys.stdout.flush()
     if incomplete:  # one line, whatever the terminal width
         shown = "it is on stdout" if args.partial else "--partial prints it"
@@ -823,19 +852,6 @@ def _generate(args, out: Console, err: Console) -> int:
             markup=False,
             soft_wrap=True,
         )
-    if args.stats:
-        err.print(
-            stats_table(
-                result,
-                meter,
-                load_s,
-                wall_s,
-                args,
-                request,
-                getattr(gen, "weights_choice", gen.weights),
-            )
-        )
-    return EXIT_INCOMPLETE if incomplete else 0
 
 
 def _serve(args, out: Console, err: Console) -> int:
