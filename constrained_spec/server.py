@@ -270,27 +270,39 @@ def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[dict, str | Non
             return _auto_constraint(functions, req.parallel_tool_calls is not False, config)
         return _tool_constraint(functions, req.tool_choice, config)
     if req.regex is not None:
-        _check_size(req.regex, config, "regex")
-        try:
-            grammar_for(regex=req.regex)  # refused before queueing
-        except ConstraintError as e:
-            raise APIError(400, str(e), "invalid_regex", "regex") from None
-        return {"regex": req.regex}, None, ""
+        return _regex_constraint(req.regex, config), None, ""
     if req.grammar is not None:
-        if req.grammar not in grammar_names():  # names only: never a path on this machine
-            raise APIError(
-                400,
-                f"unknown grammar {req.grammar!r}: this server has {', '.join(grammar_names())}.",
-                "unknown_grammar",
-                "grammar",
-            )
-        loaded = load_grammar(req.grammar)
-        if "schema" in loaded:
-            return _schema_constraint(loaded["schema"], config, "grammar"), None, ""
-        return loaded, None, ""
-    fmt = req.response_format or {"type": "text"}
+        return _grammar_constraint(req.grammar, config), None, ""
+    return _response_format_constraint(req.response_format or {"type": "text"}, config), None, ""
+
+
+def _regex_constraint(regex: str, config: ServerConfig) -> dict:
+    _check_size(regex, config, "regex")
+    try:
+        grammar_for(regex=regex)  # refused before queueing
+    except ConstraintError as e:
+        raise APIError(400, str(e), "invalid_regex", "regex") from None
+    return {"regex": regex}
+
+
+def _grammar_constraint(name: str, config: ServerConfig) -> dict:
+    if name not in grammar_names():  # names only: never a path on this machine
+        raise APIError(
+            400,
+            f"unknown grammar {name!r}: this server has {', '.join(grammar_names())}.",
+            "unknown_grammar",
+            "grammar",
+        )
+    loaded = load_grammar(name)
+    if "schema" in loaded:
+        return _schema_constraint(loaded["schema"], config, "grammar")
+    return loaded
+
+
+def _response_format_constraint(fmt: dict, config: ServerConfig) -> dict:
+    """json_object, json_schema, or free text."""
     if fmt.get("type") == "json_object":
-        return _schema_constraint({"type": "object"}, config, "response_format"), None, ""
+        return _schema_constraint({"type": "object"}, config, "response_format")
     if fmt.get("type") == "json_schema":
         schema = (fmt.get("json_schema") or {}).get("schema")
         if not isinstance(schema, dict):
@@ -301,7 +313,7 @@ def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[dict, str | Non
                 "invalid_schema",
                 "response_format",
             )
-        return _schema_constraint(schema, config, "response_format"), None, ""
+        return _schema_constraint(schema, config, "response_format")
     if fmt.get("type") != "text":
         raise APIError(
             400,
@@ -310,7 +322,7 @@ def _constraint(req: ChatRequest, config: ServerConfig) -> tuple[dict, str | Non
             "invalid",
             "response_format",
         )
-    return {"regex": FREE_TEXT}, None, ""
+    return {"regex": FREE_TEXT}
 
 
 def _functions(tools: list[dict], config: ServerConfig) -> dict[str, dict]:
