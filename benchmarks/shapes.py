@@ -80,6 +80,10 @@ class Shape:
     rope_theta_swa: float = 0.0  # the windowed layers' rotary base (0: the full layers')
     attention_cap: float = 0.0  # Gemma 2's soft-caps: scores and logits cap·tanh(x/cap) (0: none)
     logit_cap: float = 0.0
+    rotary_dims: int = 0  # partial rotary: the dimensions of a head that rotate (0: all)
+    # LongRoPE's original context (0: none): llama.cpp's convert stores rope_factors_short/long
+    # (rotary_dims/2 each) and the attention factor from context / original_context
+    longrope_context: int = 0
 
     @property
     def family(self) -> families.Family:
@@ -192,10 +196,34 @@ SHAPES = {
             attention_cap=50.0,
             logit_cap=30.0,
         ),
+        # microsoft/Phi-4-mini-instruct: fused attn_qkv and [gate | up] ffn_up, 96 of each head's
+        # 128 dimensions rotating, LongRoPE over an original 4096, GQA (24/8), 200k vocabulary;
+        # its sliding_window (262144, longer than the context) is not written: llama.cpp's phi3
+        # turns a stated window off and transformers' GGUF reader does not read it
+        Shape(
+            "phi4-mini",
+            "phi3",
+            32,
+            3072,
+            8192,
+            24,
+            8,
+            128,
+            200064,
+            1e4,
+            131072,
+            1e-5,
+            3_836_021_760,
+            rotary_dims=96,
+            longrope_context=4096,
+        ),
     )
 }
 
 LLAMA3_ROPE = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context=8192)
+# LongRoPE's per-frequency factors, in the order llama.cpp's convert writes them (rope_factors_<k>),
+# as stand-ins that rise from 1 (a step costs the same whatever they are): to 32 (long), to 2 (short)
+LONGROPE = {"long": 32.0, "short": 2.0}
 WEIGHT_STD = 0.02  # keeps the residual stream and the logits in range at every width
 CHUNK = 1 << 24  # random values drawn per chunk: a float32 chunk is 64 MiB beside the F16 tensor
 CONTEXT_TOKENS = 64  # cached before each measured pass
@@ -210,23 +238,34 @@ def tensor_specs(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
     """(llama.cpp's name, numpy shape (out, in), kind) of every tensor, in the order written;
     kind: linear (F16, random), norm (F32 ones), bias (F32, random), rope (F32 factors). What
     a layer holds beyond Llama's is its family's (families.py): q/k/v biases, each head's q/k
-    norms, a second norm after each branch (Gemma)."""
+    norms, a second norm after each branch (Gemma), linears fused into one tensor (Phi-3)."""
     family = shape.family
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     norms = [name for name, _ in family.norms]
     # each branch's norms: the first before it, Gemma's second after it
     attention_norms, mlp_norms = norms[: len(norms) // 2], norms[len(norms) // 2 :]
+    # each linear's (inputs, outputs) in family.linears' order: a tensor that fuses a linear's
+    # parts (Phi-3's attn_qkv, ffn_up: [gate | up]) holds all its outputs, a separate one its own
+    parts = {"attn_q": q, "attn_k": kv, "attn_v": kv, "ffn_gate": shape.ffn, "ffn_up": shape.ffn}
+    sizes = (
+        (shape.hidden, q + 2 * kv),
+        (q, shape.hidden),
+        (shape.hidden, 2 * shape.ffn),
+        (shape.ffn, shape.hidden),
+    )
+    qkv, output, gate_up, down = (
+        [(part, (outputs if len(group) == 1 else parts[part], inputs)) for part, _ in group]
+        for group, (inputs, outputs) in zip(family.linears, sizes)
+    )
     specs = [("token_embd.weight", (shape.vocab, shape.hidden), "linear")]
     if shape.llama3_rope:
         specs.append(("rope_freqs.weight", (shape.head_dim // 2,), "rope"))
+    if shape.longrope_context:
+        specs += [(f"rope_factors_{k}.weight", (shape.rotary_dims // 2,), "rope") for k in LONGROPE]
     for i in range(shape.layers):
         b = f"blk.{i}"
-        specs += [
-            (f"{b}.{attention_norms[0]}.weight", (shape.hidden,), "norm"),
-            (f"{b}.attn_q.weight", (q, shape.hidden), "linear"),
-            (f"{b}.attn_k.weight", (kv, shape.hidden), "linear"),
-            (f"{b}.attn_v.weight", (kv, shape.hidden), "linear"),
-        ]
+        specs.append((f"{b}.{attention_norms[0]}.weight", (shape.hidden,), "norm"))
+        specs += [(f"{b}.{part}.weight", dims, "linear") for part, dims in qkv]
         if family.qkv_bias:
             specs += [
                 (f"{b}.attn_q.bias", (q,), "bias"),
@@ -238,14 +277,10 @@ def tensor_specs(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
                 (f"{b}.attn_q_norm.weight", (shape.head_dim,), "norm"),
                 (f"{b}.attn_k_norm.weight", (shape.head_dim,), "norm"),
             ]
-        specs.append((f"{b}.attn_output.weight", (shape.hidden, q), "linear"))
+        specs += [(f"{b}.{part}.weight", dims, "linear") for part, dims in output]
         specs += [(f"{b}.{n}.weight", (shape.hidden,), "norm") for n in attention_norms[1:]]
-        specs += [
-            (f"{b}.{mlp_norms[0]}.weight", (shape.hidden,), "norm"),
-            (f"{b}.ffn_gate.weight", (shape.ffn, shape.hidden), "linear"),
-            (f"{b}.ffn_up.weight", (shape.ffn, shape.hidden), "linear"),
-            (f"{b}.ffn_down.weight", (shape.hidden, shape.ffn), "linear"),
-        ]
+        specs.append((f"{b}.{mlp_norms[0]}.weight", (shape.hidden,), "norm"))
+        specs += [(f"{b}.{part}.weight", dims, "linear") for part, dims in gate_up + down]
         specs += [(f"{b}.{n}.weight", (shape.hidden,), "norm") for n in mlp_norms[1:]]
     return specs + [("output_norm.weight", (shape.hidden,), "norm")]
 
@@ -272,13 +307,23 @@ def llama3_rope_factors(shape: Shape) -> np.ndarray:
     return factors.astype(np.float32)
 
 
-def _values(shape: Shape, dims: tuple[int, ...], kind: str, rng) -> np.ndarray:
+def longrope_attention_factor(shape: Shape) -> float:
+    """What llama.cpp's convert stores as rope.scaling.attn_factor (transformers' LongRoPE
+    computes the same): √(1 + ln(s)/ln(original)), s = context / original context."""
+    scale = shape.context / shape.longrope_context
+    return math.sqrt(1 + math.log(scale) / math.log(shape.longrope_context)) if scale > 1 else 1.0
+
+
+def _values(shape: Shape, name: str, dims: tuple[int, ...], kind: str, rng) -> np.ndarray:
     if kind == "norm":
         return np.ones(dims, np.float32)
     if kind == "bias":
         return (WEIGHT_STD * rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
-    if kind == "rope":
+    if name == "rope_freqs.weight":
         return llama3_rope_factors(shape)
+    if kind == "rope":  # rope_factors_<k>.weight
+        top = LONGROPE[name.removeprefix("rope_factors_").removesuffix(".weight")]
+        return np.geomspace(1.0, top, dims[0]).astype(np.float32)
     rows, cols = dims
     out = np.empty(dims, np.float16)
     step = max(1, CHUNK // cols)
@@ -291,8 +336,9 @@ def _values(shape: Shape, dims: tuple[int, ...], kind: str, rng) -> np.ndarray:
 
 def _metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
     """The keys llama.cpp's convert_hf_to_gguf.py writes for these architectures (and
-    rope.dimension_count, which only its Llama class writes: the head size, as llama.cpp assumes
-    without it). Norms of ones: Gemma's convert stores 1 + w, multiplied as it is."""
+    rope.dimension_count, which only its Llama and Phi-3 classes write: the head size, as
+    llama.cpp assumes without it, or the rotating part of it). Norms of ones: Gemma's convert
+    stores 1 + w, multiplied as it is."""
     a = shape.arch
     writer.add_name(f"{shape.name} (random weights)")
     writer.add_uint32(f"{a}.block_count", shape.layers)
@@ -306,7 +352,10 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
         writer.add_uint32(f"{a}.attention.value_length", shape.head_dim)
     writer.add_float32(f"{a}.rope.freq_base", shape.rope_theta)
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", shape.rms_eps)
-    writer.add_uint32(f"{a}.rope.dimension_count", shape.head_dim)
+    writer.add_uint32(f"{a}.rope.dimension_count", shape.rotary_dims or shape.head_dim)
+    if shape.longrope_context:
+        writer.add_uint32(f"{a}.rope.scaling.original_context_length", shape.longrope_context)
+        writer.add_float32(f"{a}.rope.scaling.attn_factor", longrope_attention_factor(shape))
     writer.add_uint32(f"{a}.vocab_size", shape.vocab)
     if shape.window:  # the family's windowed layers (llama.cpp knows which: Gemma 3's 5 of 6)
         writer.add_uint32(f"{a}.attention.sliding_window", shape.window)
@@ -371,8 +420,8 @@ def write_f16(shape: Shape, path: Path, seed: int = 0) -> Path:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for _, dims, kind in specs:
-        writer.write_tensor_data(_values(shape, dims, kind, rng))
+    for name, dims, kind in specs:
+        writer.write_tensor_data(_values(shape, name, dims, kind, rng))
     writer.close()
     partial.rename(path)
     return path

@@ -68,6 +68,8 @@ def small_tokenizer(tmp_path, monkeypatch):
         small("qwen3-0.6b", heads=4, kv_heads=2, head_dim=128),
         small("qwen2.5-0.5b", heads=4, kv_heads=2),
         small("llama-3.2-1b", heads=4, kv_heads=2),
+        # llama.cpp's phi3 wants q as wide as the hidden state: 4 heads of 64, 48 of them rotating
+        small("phi4-mini", heads=4, kv_heads=2, head_dim=64, rotary_dims=48),
     ],
     ids=lambda s: s.arch,
 )
@@ -91,6 +93,18 @@ def test_a_small_file_loads_as_its_family(tmp_path, small_tokenizer, shape):
         assert (config.final_logit_softcapping or 0.0) == shape.logit_cap
     else:
         assert set(block.windows) == {0}
+    # the rotating dimensions, and LongRoPE's factors, attention factor and context as written
+    assert families.rotary_dims(config) == (shape.rotary_dims or shape.head_dim)
+    rope = families.rope_of(config, families.FULL)
+    longrope = rope["rope_type"] == "longrope"
+    assert longrope == bool(shape.longrope_context)
+    if longrope:
+        assert families.context_of(config) == shape.longrope_context < shape.context
+        assert block.rotary_scale == pytest.approx(shapes.longrope_attention_factor(shape))
+        assert block.rotary_scale > 1
+        for kind, top in shapes.LONGROPE.items():
+            factors = rope[f"{kind}_factor"]
+            assert len(factors) == shape.rotary_dims // 2 and factors[-1] == pytest.approx(top)
     llama_cpp = pytest.importorskip("llama_cpp")
     llm = llama_cpp.Llama(str(path), n_ctx=64, verbose=False)  # refuses a missing tensor or key
     every = sum(np.prod(dims) for _, dims, _ in shapes.tensor_specs(shape))
