@@ -132,37 +132,43 @@ def test_a_gguf_file_computes_what_transformers_does_on_its_dequantized_weights(
     [
         ("llama", True, "Q4_K"),  # the built-in model's layout: one Q8_0 table, tied
         ("gemma3", False, {"*": "Q4_K", "output": "Q8_0"}),  # two Q8_0 tables (× √d: Gemma's)
-        ("qwen2", False, "Q4_K"),  # a Q8_0 embedding, a Q6_K head: its rows stay float32
+        ("qwen2", False, "Q4_K"),  # a Q8_0 embedding, a Q6_K head
+        ("gemma2", True, {"*": "Q4_K", "token_embd": "Q6_K"}),  # a Q4_K_M file of a tied model
     ],
-    ids=["tied", "untied-Q8_0", "untied-Q6_K"],
+    ids=["tied", "untied-Q8_0", "untied-Q6_K", "tied-Q6_K"],
 )
-def test_q8_0_tables_as_blocks_compute_what_their_float32_rows_do(
-    arch, tied, types, layers, tmp_path
-):
-    """The token embedding and the LM head's rows, where the file holds them in Q8_0, stay its
-    blocks (kernels.Q8Rows, once where tied), their rows gguf's dequantization exactly; a prompt,
-    a verify pass (narrow and wide masks) and a step give bit for bit the logits and features of
-    the same model over float32 copies of those rows."""
+def test_tables_as_blocks_compute_what_their_float32_rows_do(arch, tied, types, layers, tmp_path):
+    """The token embedding and the LM head's rows, where the file holds them in Q8_0 or Q6_K,
+    stay its blocks (kernels.BlockRows, once where tied: 1.06 and 1.25 bytes a value), their
+    rows gguf's dequantization exactly; a prompt, a verify pass (narrow and wide masks) and a
+    step give bit for bit the logits and features of the same model over float32 copies of those
+    rows."""
     path = testing.write_gguf(tmp_path / "m.gguf", arch, types, tied=tied, hidden=256, ffn=256)
     model = compact(path, layers)
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
-    assert isinstance(model.embed, kernels.Q8Rows)
-    assert torch.equal(model.embed(slice(None)), files._float(tensors["token_embd.weight"]))
-    head = tensors["token_embd.weight" if tied else "output.weight"]
+    embed, head = (
+        tensors["token_embd.weight"],
+        tensors["token_embd.weight" if tied else "output.weight"],
+    )
+    assert torch.equal(model.embed(slice(None)), files._float(embed))
     assert torch.equal(model.lm_head.dequantized(), files._float(head))
     assert (model.lm_head.table is model.embed) == tied
-    assert isinstance(model.lm_head.table, kernels.Q8Rows) == (head.tensor_type.name == "Q8_0")
+    for table, tensor in [(model.embed, embed), (model.lm_head.table, head)]:
+        assert isinstance(table, kernels.BlockRows)
+        group, size = {"Q8_0": (32, 34 / 32), "Q6_K": (16, 1.25)}[tensor.tensor_type.name]
+        assert table.group == group
+        assert (table.q.nbytes + table.scales.nbytes) / table.q.numel() == size
 
-    reference = compact(path, "python")  # the same, its Q8_0 tables as float32 rows
+    reference = compact(path, "python")  # the same, its tables as float32 rows
     floats = {}
     for owner, name in [(reference, "embed"), (reference.lm_head, "table")]:
         table = getattr(owner, name)
-        if isinstance(table, kernels.Q8Rows):
+        if isinstance(table, kernels.BlockRows):
             rows = floats.setdefault(
                 id(table), torch.nn.Embedding.from_pretrained(table(slice(None)))
             )
             setattr(owner, name, rows)
-    assert floats, "no Q8_0 table to compare"
+    assert len(floats) == 2 - tied, "a table left out of the comparison"
     reference.use_layers(layers)  # the fused layers' arguments: the float32 embedding
     vocab, ids = model.vocab_size, torch.tensor(IDS)
     masks = torch.ones(5, vocab, dtype=torch.bool)

@@ -1155,25 +1155,57 @@ def test_q8_head_is_float32_at_the_top_and_within_its_bound_elsewhere(seed, matm
         assert torch.equal(head(x[i : i + 1], legal[i : i + 1])[0], head(x, legal)[i])
 
 
-@pytest.mark.parametrize("vocab", [1024, 1000])  # the table's blocks screen as they are, or padded
+def test_q6_k_rows_are_ggufs_dequantization_bit_for_bit():
+    """Q6_K blocks split into q (int8 in [−32, 31]) and float32 scales d·sc per sub-block of 16
+    (kernels.BlockRows) dequantize to gguf's float32 values bit for bit: over every bit pattern
+    of ql, qh and the int8 scales, and d of every size (subnormal fp16 ones, zeros, negatives)."""
+    rng = np.random.default_rng(6)
+    raw = rng.integers(0, 256, (300, 4, 210), dtype=np.uint8)
+    d = rng.standard_normal((300, 4)) * 10.0 ** rng.uniform(-9, 3, (300, 4))
+    raw[..., 208:210] = d.astype(np.float16)[..., None].view(np.uint8)
+    raw = raw.reshape(300, -1)  # (rows, 4 blocks of 256 values)
+    rows = kernels.BlockRows(*kernels.split_q6_k(torch.from_numpy(raw)))
+    assert rows.group == 16 and rows.q.min() == -32 and rows.q.max() == 31
+    theirs = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K))
+    assert torch.equal(rows(slice(None)), theirs)
+    ids = torch.tensor([[299, 0], [7, 7]])
+    assert torch.equal(rows(ids), theirs[ids])
+    assert (rows.q.nbytes + rows.scales.nbytes) / rows.q.numel() == 1.25  # float32: 4
+
+
+def _table(kind: str, vocab: int, width: int) -> kernels.BlockRows:
+    """A random table of rows as a file's ``kind`` blocks (Q8_0, Q6_K)."""
+    raw = testing.gguf_blocks(kind, vocab, width, np.random.default_rng(vocab))
+    split = {"Q8_0": kernels.split_q8_0, "Q6_K": kernels.split_q6_k}[kind]
+    q, scales = split(torch.from_numpy(raw))
+    rows = (
+        kernels.BlockRows.from_q8_0(q, scales) if kind == "Q8_0" else kernels.BlockRows(q, scales)
+    )
+    theirs = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])
+    assert torch.equal(rows(slice(None)), torch.from_numpy(theirs))  # the file's values
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K"])
+@pytest.mark.parametrize("vocab", [1024, 1000])  # Q8_0's blocks screen as they are, or padded
 @pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_fused), False])
-def test_q8_head_rows_kept_as_blocks_give_the_float32_rows_logits(vocab, fused):
-    """A Q8_0 head keeps its rows as their blocks (kernels.Q8Rows) and dequantizes the rows it
-    recomputes: its logits are bit for bit those of the same head over a float32 copy of the
-    rows, whole or masked, as one compiled call and as torch ops. Float32 rows that are Q8_0
-    values are kept as blocks; others stay float32."""
+def test_q8_head_rows_kept_as_blocks_give_the_float32_rows_logits(kind, vocab, fused):
+    """A head keeps a file's Q8_0 or Q6_K rows as their blocks (kernels.BlockRows; Q6_K's screen
+    runs on their Q8_0 rounding) and dequantizes the rows it recomputes: its logits are bit for
+    bit those of the same head over a float32 copy of the rows, whole or masked, as one compiled
+    call and as torch ops. Float32 rows that are Q8_0 values are kept as blocks; others stay
+    float32."""
     torch.manual_seed(vocab)
-    q, d = kernels.quantize_q8_0(torch.randn(vocab, 128) * 0.05)
-    rows = kernels.Q8Rows(q, d)
-    floats = kernels.dequantize_q8_0(q, d)
-    assert torch.equal(rows(slice(None)), floats)
+    rows = _table(kind, vocab, 256)
+    floats = rows(slice(None))
     ids = torch.tensor([[5, 0], [vocab - 1, 7]])
     assert torch.equal(rows(ids), floats[ids])  # any shape of ids, as nn.Embedding takes
     head = kernels.Q8Head(rows)
+    assert head.table is rows  # not a float32 copy
     head.fused = fused
     reference = copy.deepcopy(head)
-    reference.table = torch.nn.Embedding.from_pretrained(floats)  # today's float32 copy
-    x = torch.randn(16, 128) * torch.logspace(-1, 1.5, 16)[:, None]
+    reference.table = torch.nn.Embedding.from_pretrained(floats)  # a float32 copy
+    x = torch.randn(16, 256) * torch.logspace(-1, 1.5, 16)[:, None] / floats.norm(dim=1).mean()
     legal = torch.rand(16, vocab) < torch.linspace(0.01, 1, 16)[:, None]
     legal[:, 0] = True
     for mask in (None, legal):
@@ -1182,9 +1214,13 @@ def test_q8_head_rows_kept_as_blocks_give_the_float32_rows_logits(vocab, fused):
         assert torch.equal(logits, reference(x, mask))
     assert torch.equal(head.rows(ids[0]), floats[ids[0]])
     assert torch.equal(head.dequantized(), floats)
-    assert isinstance(kernels.Q8Head(floats).table, kernels.Q8Rows)  # Q8_0 values: as blocks
-    other = floats + 1e-3  # not Q8_0 values: kept as float32 rows
-    assert torch.equal(kernels.Q8Head(other).rows(ids[0]), other[ids[0]])
+    if kind == "Q8_0":
+        assert isinstance(kernels.Q8Head(floats).table, kernels.BlockRows)  # Q8_0 values: blocks
+        other = floats + 1e-3  # not Q8_0 values: kept as float32 rows
+        assert torch.equal(kernels.Q8Head(other).rows(ids[0]), other[ids[0]])
+    else:  # its screen: the Q8_0 rounding of its values, as a float32 table's would be
+        screen = kernels.Q8Head(floats).blocks
+        assert torch.equal(head.blocks.dequantized(), screen.dequantized())
 
 
 def test_speculation_takes_the_narrow_head_and_still_equals_the_baseline(

@@ -74,18 +74,21 @@ def test_a_prepared_model_maps_to_the_model_it_was_converted_to(gguf_file):
     assert again.token_ids == first_text.token_ids
 
 
-def test_a_q8_0_embedding_is_stored_once_as_its_blocks(gguf_file):
-    """The file's Q8_0 token embedding, tied to the LM head, is stored once as its blocks
-    (int8 rows and fp16 scales: kernels.Q8Rows), with no float32 (V, d) copy; loaded twice, the
-    mapped models compute bit for bit the converted model's logits, their embedding and head
-    rows one mapped storage."""
+@pytest.mark.parametrize("kind, scales", [("Q8_0", torch.float16), ("Q6_K", torch.float32)])
+def test_a_tied_embedding_is_stored_once_as_its_blocks(kind, scales, tmp_path):
+    """The file's Q8_0 or Q6_K token embedding, tied to the LM head, is stored once as its
+    blocks (int8 rows and fp16 or float32 scales: kernels.BlockRows), with no float32 (V, d)
+    copy; loaded twice, the mapped models compute bit for bit the converted model's logits,
+    their embedding and head rows one mapped storage."""
+    types = {"*": "Q4_K", "token_embd": kind}
+    gguf_file = testing.write_gguf(tmp_path / "qwen2.gguf", "qwen2", types, seed=3)
     model, tokenizer = models.load_model(str(gguf_file), weights="int4")
     prepared.wait()
     assert model.lm_head.table is model.embed  # tied: one table
     vocab, width = model.embed.shape
     state = torch.load(prepared.path_for(gguf_file), mmap=True, weights_only=True)
     tables = [t for t in prepared._tensors(state) if t.shape[0] == vocab and t.dim() == 2]
-    assert {t.dtype for t in tables} >= {torch.int8, torch.float16}, "no Q8_0 blocks stored"
+    assert {t.dtype for t in tables} >= {torch.int8, scales}, f"no {kind} blocks stored"
     assert not [t for t in tables if t.dtype == torch.float32 and t.shape[1] == width]
     q = {t.untyped_storage().data_ptr() for t in tables if t.dtype == torch.int8}
     assert len(q) == 1, "the embedding and the head's rows stored twice"
@@ -94,8 +97,8 @@ def test_a_q8_0_embedding_is_stored_once_as_its_blocks(gguf_file):
     for _ in range(2):
         mapped, _ = models.load_model(str(gguf_file), weights="int4")
         embed, table = mapped.embed, mapped.lm_head.table
-        assert isinstance(embed, kernels.Q8Rows) and embed.q.data_ptr() == table.q.data_ptr()
-        assert embed.scales.data_ptr() == table.scales.data_ptr()
+        assert isinstance(embed, kernels.BlockRows) and embed.q.data_ptr() == table.q.data_ptr()
+        assert embed.scales.dtype == scales and embed.scales.data_ptr() == table.scales.data_ptr()
         assert torch.equal(_logits(mapped, ids), first)
 
 

@@ -263,7 +263,7 @@ def vocabulary_positions(vocab: torch.Tensor, proposals: list[list[int]]) -> tor
 
 def pair_embeddings(embed, tokens: list[int], proposals: list[list[int]]) -> torch.Tensor:
     """(n, (1 + len(COPY_NGRAMS)) d): each token's embedding and its copy proposals' (0: none)."""
-    device = next(itertools.chain(embed.parameters(), embed.buffers())).device  # or Q8Rows' q
+    device = next(itertools.chain(embed.parameters(), embed.buffers())).device  # or BlockRows' q
     ids = torch.tensor(tokens, dtype=torch.long, device=device)
     copies = torch.tensor(proposals, dtype=torch.long, device=device).reshape(len(tokens), -1)
     found = (copies >= 0).unsqueeze(-1)

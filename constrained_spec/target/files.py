@@ -9,9 +9,9 @@ input twice (EIGHT_BITS). Their only change is the scales' rounding to bf16 (WEI
 that are not such a grid (REQUANTIZED: Q6_K's sub-blocks of 16, float tensors) are re-quantized
 to Q8_0 blocks, the error stated there and measured by the tests; ``CompactLlama.tensor_types``
 and ``describe`` say which ran how. The token embedding and the LM head's rows (those it
-recomputes in float32) are the file's values exactly: Q8_0 ones kept as the file's blocks and
-dequantized a row at a time (kernels.Q8Rows), others as gguf dequantizes them, in float32; norms,
-biases and rotary factors are float32.
+recomputes in float32) are the file's values exactly: Q8_0 and Q6_K ones kept as the file's
+blocks and dequantized a row at a time (kernels.BlockRows), others as gguf dequantizes them, in
+float32; norms, biases and rotary factors are float32.
 """
 
 from __future__ import annotations
@@ -429,13 +429,17 @@ def _group_scales(raw: np.ndarray, kind: str):
     return d[..., None] * sc, -f16(2)[..., None] * mn
 
 
-def _rows(tensor) -> torch.Tensor | kernels.Q8Rows:
-    """A table of rows (the token embedding, the LM head's): a Q8_0 tensor's blocks as they are
-    (kernels.Q8Rows: the head's 8-bit screen runs on them too), else float32 rows (_float)."""
-    if tensor.tensor_type != GGMLQuantizationType.Q8_0:
+def _rows(tensor) -> torch.Tensor | kernels.BlockRows:
+    """A table of rows (the token embedding, the LM head's): a Q8_0 or Q6_K tensor's blocks as
+    they are (kernels.BlockRows; the head's 8-bit screen runs on Q8_0's too), else float32 rows
+    (_float)."""
+    kind = tensor.tensor_type
+    if kind not in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K):
         return _float(tensor)
-    q, d = kernels.split_q8_0(torch.from_numpy(np.array(tensor.data)))
-    return kernels.Q8Rows(q, d)
+    raw = torch.from_numpy(np.array(tensor.data))
+    if kind == GGMLQuantizationType.Q8_0:
+        return kernels.BlockRows.from_q8_0(*kernels.split_q8_0(raw))
+    return kernels.BlockRows(*kernels.split_q6_k(raw))
 
 
 def _float(tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 Q4_1 (w = d·q + m, q in 0..15, per block of 32 input weights) is exactly torch's int4 weight-only
 format with group 32: scale d, zero m + 8d, since torch dequantizes as (q − 8)·scale + zero.
-Q8_0 (w = d·q, q int8) is exact in float32: a table of Q8_0 rows (the token embedding, the LM
-head's) keeps its blocks and dequantizes the rows it is asked for (Q8Rows).
+Q8_0 (w = d·q, q int8) and Q6_K (w = d·sc·q per sub-block of 16) are exact in float32: a table of
+such rows (the token embedding, the LM head's) keeps its blocks and dequantizes the rows it is
+asked for (BlockRows).
 """
 
 from __future__ import annotations
@@ -97,19 +98,56 @@ def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return (blocks * d[..., None]).reshape(q.shape)  # exact: |q| ≤ 127 times an fp16 value
 
 
-class Q8Rows(nn.Module):
-    """A table of rows (V, d) whose values are Q8_0 (w = d·q per block of 32, q int8, d fp16),
-    kept as its blocks: q (V, d) int8 and the scales (V, d/32) fp16, 1.06 bytes a value where
-    float32 rows take 4 (Gemma 3's 262,144 × 640 embedding: 178 MB against 671 MB). Only the
-    rows asked for are dequantized, to exactly the float32 values a float32 copy would hold
-    (|q| ≤ 127 times an fp16 value is exact in float32). Called as an nn.Embedding is: the token
+def split_q6_k(raw: torch.Tensor):
+    """GGUF Q6_K rows (N, blocks·210 bytes) → q (N, K) int8 in [−32, 31] and scales (N, K/16)
+    float32, one a sub-block of 16: d·sc, exact (an fp16 d times an int8 sc). A block of 256 is
+    ql (128 bytes: low nibbles), qh (64: 2-bit highs), sc (16 int8), d (fp16); element
+    128h + 64s + j has ql[64h + j]'s nibble s, and 128h + 32s + j qh[32h + j]'s bits 2s, 2s + 1
+    (gguf's dequantize_blocks). A slice of rows at a time (Gemma 2's embedding: 0.6 G values)."""
+    rows, width = raw.shape[0], raw.shape[1] // 210 * 256
+    q, scales = torch.empty(rows, width, dtype=torch.int8), torch.empty(rows, width // 16)
+    nibbles = torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    pairs = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    for start in range(0, rows, 4096):
+        part = slice(start, min(start + 4096, rows))
+        blocks = raw[part].reshape(-1, width // 256, 210)  # (n, K/256, 210)
+        n = blocks.shape[0]
+        low = (blocks[..., :128].reshape(n, -1, 2, 1, 64) >> nibbles) & 0x0F  # (n, K/256, 2, 2, 64)
+        high = (blocks[..., 128:192].reshape(n, -1, 2, 1, 32) >> pairs) & 0x03  # (.., 2, 4, 32)
+        q[part] = (low.reshape(n, -1) | (high.reshape(n, -1) << 4)).view(torch.int8) - 32
+        sc = blocks[..., 192:208].contiguous().view(torch.int8).float()  # (n, K/256, 16)
+        d = blocks[..., 208:210].contiguous().view(torch.float16).float()  # (n, K/256, 1)
+        scales[part] = (d * sc).reshape(n, -1)
+    return q, scales
+
+
+class BlockRows(nn.Module):
+    """A table of rows (V, d) whose values are s·q per group of columns, q int8, kept as its
+    blocks: q (V, d) int8 and the scales (V, d/group). Two forms, the group read from the
+    scales' shape: Q8_0 (groups of 32, fp16 scales d: 1.06 bytes a value) and Q6_K (sub-blocks of
+    16, float32 scales d·sc, q in [−32, 31]: 1.25 bytes a value), where float32 rows take 4
+    (Gemma 3's 262,144 × 640 Q8_0 embedding: 178 MB against 671 MB; Gemma 2's 256,000 × 2304
+    Q6_K one: 0.74 GB against 2.4). Only the rows asked for are dequantized, to exactly the
+    float32 values gguf's dequantization gives (|q| ≤ 127 times an fp16 value, or |q| ≤ 32 times
+    an fp16 value times an int8, is exact in float32). Called as an nn.Embedding is: the token
     embedding, and the rows a Q8Head recomputes its top logits from (one table where tied)."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor):
         super().__init__()
-        assert q.dtype == torch.int8 and scales.shape == (q.shape[0], q.shape[1] // GROUP)
+        rows, width = q.shape
+        assert q.dtype == torch.int8 and scales.dtype in (torch.float16, torch.float32)
+        assert scales.shape[0] == rows and width % scales.shape[1] == 0, (q.shape, scales.shape)
         self.register_buffer("q", q.contiguous())  # (V, d)
-        self.register_buffer("scales", scales.to(torch.float16).contiguous())  # (V, d/32): exact
+        self.register_buffer("scales", scales.contiguous())  # (V, d/group)
+
+    @classmethod
+    def from_q8_0(cls, q: torch.Tensor, d: torch.Tensor) -> BlockRows:
+        """Q8_0's q (V, d) int8 and d (V, d/32), fp16 values (split_q8_0's, quantize_q8_0's)."""
+        return cls(q, d.to(torch.float16))
+
+    @property
+    def group(self) -> int:  # columns a scale: 32 (Q8_0) or 16 (Q6_K)
+        return self.q.shape[1] // self.scales.shape[1]
 
     @property
     def shape(self) -> torch.Size:
@@ -125,8 +163,9 @@ class Q8Rows(nn.Module):
 
     def forward(self, ids) -> torch.Tensor:
         """The rows ``ids`` (a tensor of any shape, or a slice) → (*ids.shape, d) float32."""
-        q, scales = self.q[ids], self.scales[ids]  # (..., d) int8, (..., d/32) fp16
-        return (q.float().unflatten(-1, (-1, GROUP)) * scales.float()[..., None]).flatten(-2)
+        q, scales = self.q[ids], self.scales[ids]  # (..., d) int8, (..., d/group)
+        groups = q.float().unflatten(-1, (-1, self.group))  # (..., d/group, group)
+        return (groups * scales.float()[..., None]).flatten(-2)
 
 
 _NO_SCALES = torch.empty(0, dtype=torch.float16)
@@ -134,9 +173,9 @@ _NO_SCALES = torch.empty(0, dtype=torch.float16)
 
 def table_tensors(table: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """What csrc/fused_layers.cpp reads of a table of rows (an embedding, the rows a Q8Head
-    recomputes from): a Q8Rows' q (V, d) int8 and scales (V, d/32) fp16, or an nn.Embedding's
-    float32 rows (V, d) and no scales."""
-    if isinstance(table, Q8Rows):
+    recomputes from): a BlockRows' q (V, d) int8 and scales (V, d/group) fp16 or float32, or an
+    nn.Embedding's float32 rows (V, d) and no scales."""
+    if isinstance(table, BlockRows):
         return table.q, table.scales
     return table.weight, _NO_SCALES
 
@@ -488,26 +527,27 @@ class Q8Head(nn.Module):
     bf16 roundoff. The terms are one (n, 4) × (4, V) product (``terms``). Tests check the bound
     on random and real features, on both kernels."""
 
-    def __init__(self, weight: torch.Tensor | Q8Rows):
-        """``weight`` (V, d): a Q8Rows (a file's Q8_0 blocks: the screen's blocks too), or float32
-        rows, kept as a Q8Rows where they are Q8_0 values (the blocks quantized from them give
-        them back exactly), else as they are (Q6_K's, F16's: the screen then runs on their Q8_0
-        rounding)."""
+    def __init__(self, weight: torch.Tensor | BlockRows):
+        """``weight`` (V, d): a BlockRows (a file's Q8_0 blocks: the screen's blocks too; its
+        Q6_K blocks: the screen then runs on their Q8_0 rounding), or float32 rows, kept as a
+        BlockRows where they are Q8_0 values (the blocks quantized from them give them back
+        exactly), else as they are (F16's: the screen on their Q8_0 rounding)."""
         super().__init__()
         vocab, k = weight.shape
-        if isinstance(weight, Q8Rows) and vocab % 16 == 0:
+        q8_0 = isinstance(weight, BlockRows) and weight.scales.dtype == torch.float16
+        if q8_0 and weight.group == GROUP and vocab % 16 == 0:
             blocks = weight.q, weight.scales.float()
         else:  # quantized from the rows, padded: the kernel packs 16 rows at once
-            values = weight(slice(None)) if isinstance(weight, Q8Rows) else weight.float()
-            blocks = quantize_q8_0(F.pad(values, (0, 0, 0, -vocab % 16)))
-            if not isinstance(weight, Q8Rows):
+            blocks = _padded_q8_0(weight, vocab + -vocab % 16)
+            if not isinstance(weight, BlockRows):
+                values = weight.float()
                 q, d = blocks[0][:vocab].clone(), blocks[1][:vocab]  # q: not a view of the pad
                 if torch.equal(dequantize_q8_0(q, d), values):
-                    weight = Q8Rows(q, d)
+                    weight = BlockRows.from_q8_0(q, d)
                 else:  # the caller's storage (a tied embedding's too)
                     weight = nn.Embedding.from_pretrained(values.contiguous())
-            del values
-        self.table = weight  # the rows recomputed in float32: a Q8Rows, or an nn.Embedding's
+                del values
+        self.table = weight  # the rows recomputed in float32: a BlockRows, or an nn.Embedding's
         self.blocks = Int4Linear.from_q8_0(*blocks)
         gamma, slack, norms = 2 * k * 2.0**-24, [], []
         for start in range(0, vocab, 4096):  # in slices: the whole would take ~1 GB at once
@@ -529,7 +569,7 @@ class Q8Head(nn.Module):
         return self.table.num_embeddings
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The head's float32 rows ``ids`` (n, d), dequantized where it keeps Q8_0 blocks."""
+        """The head's float32 rows ``ids`` (n, d), dequantized where it keeps blocks."""
         return self.table(ids)
 
     def dequantized(self) -> torch.Tensor:
@@ -601,6 +641,19 @@ class Q8Head(nn.Module):
             ids = row.nonzero().squeeze(1)
             approx[i, ids] = self.rows(ids) @ x[i]
         return approx
+
+
+def _padded_q8_0(table: torch.Tensor | BlockRows, rows: int):
+    """Q8_0 blocks of a table's rows (V, d), zero rows after them up to ``rows``: q (rows, d)
+    int8, d (rows, d/32) float32. A slice at a time: Gemma 2's 256,000 × 2304 table is 2.4 GB
+    in float32."""
+    vocab, k = table.shape
+    q, d = torch.zeros(rows, k, dtype=torch.int8), torch.zeros(rows, k // GROUP)
+    for start in range(0, vocab, 4096):
+        part = slice(start, min(start + 4096, vocab))
+        values = table(part) if isinstance(table, BlockRows) else table[part].float()
+        q[part], d[part] = quantize_q8_0(values)
+    return q, d
 
 
 def _blocks_group_error(blocks: Int4Linear) -> torch.Tensor:

@@ -99,7 +99,7 @@ def context_of(model) -> int:
 def head_rows(model, ids: torch.Tensor) -> torch.Tensor:
     """The LM head's rows ``ids`` (n, d) in float32, ÷ the model's logit divisor (Granite's
     logits_scaling), so that features · rows are the logits its forward gives: a compact model's
-    head dequantizes only those where it keeps Q8_0 blocks (kernels.Q8Rows); a transformers
+    head dequantizes only those where it keeps blocks (kernels.BlockRows); a transformers
     model's are its weight's."""
     if isinstance(model, CompactLlama):
         rows, divisor = model.lm_head.rows(ids), model.block.logit_scale

@@ -3,7 +3,7 @@
 The built-in model ships as a GGUF of 210 Q4_1 tensors (w = d·q + m per block of 32 weights, d and
 m in fp16) and one Q8_0 token embedding (w = d·q, q int8) tied to the LM head. Here every Q4_1
 tensor stays 4-bit and runs through a weight-only kernel (`kernels.py`); the Q8_0 tensor stays
-in its blocks, once (``kernels.Q8Rows``): the embedding dequantizes the rows of the ids fed,
+in its blocks, once (``kernels.BlockRows``): the embedding dequantizes the rows of the ids fed,
 exactly (d·q is exact in float32), and the LM head runs through its 8-bit blocks with the top
 logits recomputed in float32 from their rows (``kernels.Q8Head``;
 positions with few legal tokens get only theirs: ``CompactLlama.head``); norms, rotary,
@@ -315,7 +315,7 @@ class CompactLlama(nn.Module):
         rope: torch.Tensor | None = None,
     ):
         """``embed``: the token embedding (V, d): float32 rows, or a table of them (a
-        kernels.Q8Rows of Q8_0 blocks; a tied model's: its Q8Head's table, one copy); ``norms``:
+        kernels.BlockRows of Q8_0 or Q6_K blocks; a tied model's: its Q8Head's table, one copy); ``norms``:
         per layer its block's RMSNorm weights (families.Block.norms of them, in the order they
         apply), then the final one; ``biases``: per layer the q/k/v matmul's bias (width,)
         (Qwen2); ``qk_norms``: per layer the query and the key heads' RMSNorm weights (hd,)
@@ -826,7 +826,7 @@ def from_transformers(model, weights: str = "int4") -> CompactLlama:
     tied = lm_head.data_ptr() == embed.data_ptr()
     if weights == "float":
         head = kernels.DenseLinear(lm_head)  # the same storage as the embedding where tied
-    else:  # Q8_0 values, which the head keeps as their blocks (kernels.Q8Rows)
+    else:  # Q8_0 values, which the head keeps as their blocks (kernels.BlockRows)
         head = kernels.Q8Head(kernels.dequantize_q8_0(*kernels.quantize_q8_0(lm_head)))
         embed = head.table if tied else embed
 

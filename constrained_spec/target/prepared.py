@@ -1,7 +1,7 @@
 """Prepared models: a compact model as its kernels run it (4-bit blocks in the chosen kernel's
 layout, the prompts' bf16 copy, the LM head's Q8_0 blocks and bounds, the embedding's and the
-head's rows: Q8_0 ones as their blocks, kernels.Q8Rows, once where tied), its config and its
-tokenizer, stored once per model file in ONE file that later loads map instead of converting
+head's rows: Q8_0 and Q6_K ones as their blocks, kernels.BlockRows, once where tied), its config
+and its tokenizer, stored once per model file in ONE file that later loads map instead of converting
 (``torch.load(mmap=True)``: no copy; pages come in as the first passes touch them). What is
 derived once and costly stays derived: the head's bound terms for its kernel (kernels.Q8Head),
 the tokenizer in the form it loads fastest from (target.tokenizer). A GGUF's
@@ -40,8 +40,9 @@ from .machine import atomic_write, cache_dir, cpu_name, say, setting
 from .tokenizer import Tokenizer
 
 # v2: Q8_0 embeddings and head rows as their blocks (kernels.Q8Rows); v3: a BPE tokenizer's
-# vocabulary and merges as ids (target.tokenizer's fast form)
-FORMAT = "prepared v3"
+# vocabulary and merges as ids (target.tokenizer's fast form); v4: Q6_K ones too, as their
+# blocks (kernels.BlockRows, Q8Rows' successor: Gemma 2 2B's embedding 0.74 GB, was 2.4 in float32)
+FORMAT = "prepared v4"
 
 # the modules a compact model is made of, by the name the file stores
 _MODULES = {
@@ -50,7 +51,7 @@ _MODULES = {
         llama.CompactLlama,
         kernels.Int4Linear,
         kernels.Q8Head,
-        kernels.Q8Rows,
+        kernels.BlockRows,
         kernels.DenseLinear,
     )
 }

@@ -91,37 +91,49 @@ float dot(const float* a, const float* b, int64_t n) {
   return partial[0];
 }
 
-// A table of rows (V, d): float32 rows, or Q8_0's q (V, d) int8 with its scales (V, d/32) fp16
-// (kernels.Q8Rows, the token embedding and the LM head's rows: a row is dequantized where it is
-// read, to the float32 values a float32 copy would hold, since |q| ≤ 127 times an fp16 value is
-// exact in float32). `scales` empty: float32 rows (kernels.table_tensors).
+// A table of rows (V, d): float32 rows, or q (V, d) int8 with scales (V, d/group), one a group of
+// columns (kernels.BlockRows, the token embedding and the LM head's rows): Q8_0's, groups of 32
+// with fp16 scales, or Q6_K's, sub-blocks of 16 with float32 scales d·sc. A row is dequantized
+// where it is read, to the float32 values a float32 copy would hold (|q| ≤ 127 times an fp16
+// value, or |q| ≤ 32 times an fp16 value times an int8, is exact in float32). `scales` empty:
+// float32 rows (kernels.table_tensors).
 struct Rows {
   const float* values = nullptr;
   const int8_t* q = nullptr;
-  const at::Half* scales = nullptr;
-  int64_t count, d;
+  const at::Half* half_scales = nullptr;  // Q8_0's d
+  const float* float_scales = nullptr;    // Q6_K's d·sc
+  int64_t count, d, group = 0;
 
   Rows(const Tensor& table, const Tensor& table_scales) : count(table.size(0)), d(table.size(1)) {
     TORCH_CHECK(table.dim() == 2 && table.is_contiguous() && d % 32 == 0, "a table: (V, d) contiguous");
     if (table_scales.numel() == 0) {
       TORCH_CHECK(table.scalar_type() == at::kFloat, "a table without scales: float32 rows");
       values = table.data_ptr<float>();
-    } else {
-      TORCH_CHECK(table.scalar_type() == at::kChar && table_scales.scalar_type() == at::kHalf &&
-                      table_scales.is_contiguous() && table_scales.size(0) == count &&
-                      table_scales.size(1) == d / 32,
-                  "a table of Q8_0 rows: q (V, d) int8, scales (V, d/32) fp16");
-      q = table.data_ptr<int8_t>();
-      scales = table_scales.data_ptr<at::Half>();
+      return;
     }
+    const auto kind = table_scales.scalar_type();
+    TORCH_CHECK(table.scalar_type() == at::kChar && (kind == at::kHalf || kind == at::kFloat) &&
+                    table_scales.dim() == 2 && table_scales.is_contiguous() &&
+                    table_scales.size(0) == count && d % table_scales.size(1) == 0,
+                "a table of blocks: q (V, d) int8, scales (V, d/group) fp16 or float32");
+    q = table.data_ptr<int8_t>();
+    group = d / table_scales.size(1);
+    if (kind == at::kHalf)
+      half_scales = table_scales.data_ptr<at::Half>();
+    else
+      float_scales = table_scales.data_ptr<float>();
   }
 
   // row t in float32: the table's own, or dequantized into `scratch` (d floats) and returned
   const float* row(int64_t t, float* scratch) const {
     if (values != nullptr) return values + t * d;
-    for (int64_t g = 0; g < d / 32; ++g) {
-      const float scale = static_cast<float>(scales[t * (d / 32) + g]);
-      for (int64_t j = 0; j < 32; ++j) scratch[32 * g + j] = scale * static_cast<float>(q[t * d + 32 * g + j]);
+    const int64_t groups = d / group;
+    const int8_t* row_q = q + t * d;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float scale = half_scales != nullptr ? static_cast<float>(half_scales[t * groups + g])
+                                                 : float_scales[t * groups + g];
+      for (int64_t j = 0; j < group; ++j)
+        scratch[group * g + j] = scale * static_cast<float>(row_q[group * g + j]);
     }
     return scratch;
   }
