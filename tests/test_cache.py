@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from constrained_spec import cli, testing
 from constrained_spec.errors import SettingError
@@ -105,6 +106,23 @@ def test_prepared_models_keep_within_the_cap(cache, capfd, ggufs, monkeypatch):
     said = capfd.readouterr().err
     assert "Not storing the prepared model" in said and prepared.CAP_ENV in said
     assert not first.exists() and second.exists()  # nothing removed for a file not stored
+
+
+def test_a_tied_table_counts_once_against_the_cap(cache, capfd, ggufs, monkeypatch):
+    """The tied embedding is in the model's state twice (the embedding, the head's rows) and in
+    the file once: a cap between the file's size and that double count still stores it."""
+    first = _prepare(ggufs[0])
+    state = torch.load(first, mmap=True, weights_only=True)
+    assert prepared._stored_bytes(state) <= first.stat().st_size  # at most what the file holds
+    model, _ = models.load_model(str(ggufs[0]), weights="int4")
+    assert model.lm_head.table.q.data_ptr() == model.embed.q.data_ptr()  # tied: one storage
+    table = model.embed.q.nbytes + model.embed.scales.nbytes
+    cap = prepared._stored_bytes(state) + table // 2
+    assert sum(t.nbytes for t in prepared._tensors(state)) > cap  # each tensor counted: refused
+    first.unlink()  # prepared again
+    monkeypatch.setenv(prepared.CAP_ENV, str(cap / 1e9))
+    assert _prepare(ggufs[0]).exists()
+    assert "Stored" in capfd.readouterr().err
 
 
 def test_the_least_recently_used_goes_first(cache, capfd, ggufs, monkeypatch):
