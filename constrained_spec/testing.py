@@ -128,6 +128,15 @@ GGUF_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# write_gguf's values of the fields a family's files state for us alone (Family.gguf_fields), by
+# transformers' name: Granite's four scales, each far from Llama's (granite-3.1-2b's: 12, 1/64,
+# 0.22, 8), so that dropping any one moves the logits
+GGUF_FIELDS = dict(
+    embedding_multiplier=6.0,
+    attention_multiplier=0.12,
+    residual_multiplier=0.45,
+    logits_scaling=2.5,
+)
 # Scales of the K-quant blocks built directly (gguf quantizes the simple types only): weights of
 # magnitude ~0.05, as a real model's.
 K_SCALES = {"Q4_K": (2e-4, 1.5e-3), "Q5_K": (1e-4, 1.5e-3), "Q6_K": (5e-5, 0.0)}
@@ -181,7 +190,8 @@ def write_gguf(
     """A small GGUF of ``arch`` (one of families.FAMILIES: "llama", "qwen2": q/k/v biases,
     "qwen3": q/k norms, "gemma3": four norms a layer, q/k norms, a sliding ``window`` on all but
     every 6th layer, "gemma2": four norms, a window on even layers, the soft-caps llama.cpp
-    assumes stated, "phi3": fused attn_qkv and [gate | up] ffn_up) over _gguf_header's
+    assumes stated, "phi3": fused attn_qkv and [gate | up] ffn_up, "granite": GGUF_FIELDS'
+    scales, "smollm3") over _gguf_header's
     vocabulary, random weights in the tensor types ``types`` (one for every linear, or
     {"attn_q": ..., ..., "*": default, "token_embd": ...}); norms, biases, ``rope_factors``
     (Llama 3's rope_freqs) and ``float_tensors`` ({name: values}: LongRoPE's
@@ -321,6 +331,8 @@ def _gguf_header(w, family, layers, hidden, ffn, heads, kv_heads, hd, chat_templ
         w.add_float32(f"{family.name}.attn_logit_softcapping", family.attention_cap)
     if family.logit_cap:
         w.add_float32(f"{family.name}.final_logit_softcapping", family.logit_cap)
+    for key, field in family.gguf_fields:  # as llama.cpp's converter writes Granite's
+        w.add_float32(f"{family.name}.{key}", GGUF_FIELDS[field])
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
     w.add_token_types([3] * len(GGUF_SPECIALS) + [1] * (vocab - len(GGUF_SPECIALS) - 1) + [5])

@@ -2,7 +2,8 @@
 small file per architecture over one graph builder: ``src/models/<arch>.cpp``): a block's norms
 and where they sit, per-head q/k norms, q/k/v biases, the MLP's activation, the embedding's
 scale, the rotary layout of its GGUF files, which layers attend through a sliding window,
-Granite's residual and logit scales, and Gemma 2's soft-caps on attention scores and logits.
+Granite's residual and logit scales, Gemma 2's soft-caps on attention scores and logits, and
+how its GGUF files' config is read where transformers reads none (Granite, SmolLM3).
 
 ``block_of(config)`` is a family's declaration with one model's numbers (``Block``): the Python
 layers (llama.py) and the fused C++ layers (csrc/fused_layers.cpp) both run from it, so adding
@@ -22,6 +23,7 @@ from ..errors import WeightsError
 
 __all__ = [
     "FAMILIES",
+    "GRANITE_FIELDS",
     "Block",
     "Family",
     "block_of",
@@ -94,8 +96,14 @@ class Family:
     # no rotary on layers where (il + 1) % nope_period == 0 (SmolLM3: 4; the GGUF does not say it,
     # llama.cpp hard-codes it; a checkpoint's config.no_rope_layers says it per layer); 0: none
     nope_period: int = 0
-    # its GGUF files run (False: transformers' GGUF reader has no config for them; checkpoints do)
-    gguf: bool = True
+    # transformers reads no config of the family from a GGUF file (Granite, SmolLM3): we read it,
+    # its shape under the keys transformers maps for this architecture (llama.cpp's converters
+    # for these families are Llama's, which names them alike); None: transformers reads it
+    gguf_config_as: str | None = None
+    # config fields transformers' GGUF reader has no key for, each as (llama.cpp's key under
+    # ``{arch}.``, transformers' config field): read by us, each required (llama.cpp refuses a
+    # file without one)
+    gguf_fields: tuple[tuple[str, str], ...] = ()
     # layer counts whose scores are scaled by 1/√(hidden/heads), not 1/√head_dim (llama.cpp:
     # Gemma 3 27B, whose query_pre_attn_scalar is 168 with heads of 128)
     query_scalar_hidden_at: tuple[int, ...] = ()
@@ -116,13 +124,31 @@ class Family:
     partial_rotary: bool = False
 
 
+# Granite's four scalars (Family.multipliers) as llama.cpp's converter writes them (its
+# _multiplier fields renamed _scale): (the GGUF key under ``granite.``, transformers' field)
+GRANITE_FIELDS = (
+    ("embedding_scale", "embedding_multiplier"),
+    ("attention.scale", "attention_multiplier"),
+    ("residual_scale", "residual_multiplier"),
+    ("logit_scale", "logits_scaling"),
+)
+
 FAMILIES = (
     Family("llama", ("llama", "mistral"), permuted_qk=True),  # Llama 2/3.x, Mistral, SmolLM
     Family("qwen2", ("qwen2",), qkv_bias=True),
     Family("qwen3", ("qwen3",), qk_norms=True),
-    Family("smollm3", ("smollm3",), nope_period=4, gguf=False),  # SmolLM3-3B checkpoints
-    # Granite 3.x dense checkpoints (llama.cpp's src/models/granite.cpp)
-    Family("granite", ("granite",), permuted_qk=True, gguf=False, multipliers=True),
+    # SmolLM3-3B (llama.cpp's src/models/smollm3.cpp: Llama's converter and rotary pairs, no
+    # rotary on every 4th layer)
+    Family("smollm3", ("smollm3",), permuted_qk=True, nope_period=4, gguf_config_as="llama"),
+    # Granite 3.x dense (llama.cpp's src/models/granite.cpp: Llama's converter and rotary pairs)
+    Family(
+        "granite",
+        ("granite",),
+        permuted_qk=True,
+        multipliers=True,
+        gguf_config_as="llama",
+        gguf_fields=GRANITE_FIELDS,
+    ),
     # Gemma 3 (270M, 1B text; FunctionGemma): llama.cpp's src/models/gemma3.cpp
     Family(
         "gemma3",
@@ -159,7 +185,7 @@ FAMILIES = (
         partial_rotary=True,
     ),
 )
-ARCHITECTURES = tuple(f.name for f in FAMILIES if f.gguf)  # of GGUF files
+ARCHITECTURES = tuple(f.name for f in FAMILIES)  # of GGUF files
 MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "REQUANTIZED",
     "check_gguf",
     "from_gguf",
+    "gguf_family",
     "read_gguf",
     "unused_token_ids",
 ]
@@ -122,7 +123,7 @@ def check_gguf(reader: GGUFReader, path: str | Path) -> families.Family:
     missing tensor, a metadata key out of range), before any weight is read."""
     name = Path(path).name
     arch = _field(reader, "general.architecture", "?")
-    family = next((f for f in families.FAMILIES if f.name == arch and f.gguf), None)
+    family = gguf_family(reader)
     if family is None:
         raise WeightsError(
             f"{name}: the {arch!r} architecture is not supported (GGUF files of "
@@ -140,6 +141,7 @@ def check_gguf(reader: GGUFReader, path: str | Path) -> families.Family:
             f"{name}: tensor {missing[0]} is missing ({len(missing)} of {len(needed)} expected "
             f"ones): the file is incomplete or not a {arch} model."
         )
+    stated_fields(reader, family, name)
     if family.window_period:
         _check_window(reader, name, arch)
     key = f"{arch}.rope.scaling.original_context_length"
@@ -161,6 +163,27 @@ def check_gguf(reader: GGUFReader, path: str | Path) -> families.Family:
     return family
 
 
+def gguf_family(reader: GGUFReader) -> families.Family | None:
+    """The family of the file's general.architecture, or None where none is declared."""
+    arch = _field(reader, "general.architecture")
+    return next((f for f in families.FAMILIES if f.name == arch), None)
+
+
+def stated_fields(reader: GGUFReader, family: families.Family, name: str) -> dict[str, float]:
+    """The family's config fields that only we read from the file (Family.gguf_fields: Granite's
+    scales), or a WeightsError naming the first key the file lacks."""
+    values = {}
+    for key, field in family.gguf_fields:
+        value = _field(reader, f"{family.name}.{key}")
+        if value is None:
+            raise WeightsError(
+                f"{name}: {family.name}.{key} is missing: a {family.name} model needs it (its "
+                f"config's {field}; llama.cpp refuses the file too)."
+            )
+        values[field] = float(value)
+    return values
+
+
 def _check_window(reader: GGUFReader, name: str, arch: str) -> None:
     """A windowed family's window: stated, at least 1, no larger than the context."""
     key, context = f"{arch}.attention.sliding_window", _field(reader, f"{arch}.context_length")
@@ -175,10 +198,11 @@ def _check_window(reader: GGUFReader, name: str, arch: str) -> None:
 
 
 def gguf_config(path: str | Path):
-    """The transformers config of a GGUF file (transformers reads its metadata), with the head
-    size the file states (transformers' reading of qwen3 files keeps Qwen3's default of 128)
-    and, for a windowed family, each layer's kind, window, rotary base and scaling and the
-    attention scale as llama.cpp reads them (_windows).
+    """The transformers config of a GGUF file (transformers reads its metadata; we do for the
+    families it has no GGUF config for, _own_config), with the head size the file states
+    (transformers' reading of qwen3 files keeps Qwen3's default of 128), the fields only we read
+    (Family.gguf_fields) and, for a windowed family, each layer's kind, window, rotary base and
+    scaling and the attention scale as llama.cpp reads them (_windows).
     Read once per file version (a 150k vocabulary's metadata: ~8 s a reading; a load asks for
     it to choose the weights, to describe them and to build the model): a copy each call."""
     path = Path(path).expanduser().resolve()
@@ -190,13 +214,18 @@ def gguf_config(path: str | Path):
 def _config(path: Path, size: int, mtime_ns: int):
     from transformers import AutoConfig
 
-    with shared_reader(path):
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     reader = read_gguf(path)
-    arch = _field(reader, "general.architecture")
+    arch, family = _field(reader, "general.architecture"), gguf_family(reader)
+    if family is not None and family.gguf_config_as:
+        config = _own_config(reader, family)
+    else:
+        with shared_reader(path):
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     if (head_dim := _field(reader, f"{arch}.attention.key_length")) is not None:
         config.head_dim = int(head_dim)
-    family = next((f for f in families.FAMILIES if f.name == arch), None)
+    if family is not None:
+        for field, value in stated_fields(reader, family, path.name).items():
+            setattr(config, field, value)
     if family is not None and family.window_period:
         _windows(config, reader, arch, family)
     else:
@@ -208,6 +237,32 @@ def _config(path: Path, size: int, mtime_ns: int):
         if family.logit_cap:
             key = f"{arch}.final_logit_softcapping"
             config.final_logit_softcapping = float(_field(reader, key, family.logit_cap))
+    return config
+
+
+def _own_config(reader: GGUFReader, family: families.Family):
+    """The config of a family whose GGUF files transformers' reader has no config for, as that
+    reader builds one: the shape under the keys it maps for family.gguf_config_as, the
+    vocabulary's size where the file states none, embeddings tied where the file has no
+    output.weight; the special tokens' ids the file states (None for others, not the config
+    class's defaults: SmolLM3's 128000...); the layers without rotary as llama.cpp decides them (every nope_period-th:
+    the file does not say)."""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    fields = {
+        field: _field(reader, f"{family.name}.{key}")
+        for key, field in GGUF_CONFIG_MAPPING[family.gguf_config_as].items()
+        if field is not None and f"{family.name}.{key}" in reader.fields
+    }
+    fields.setdefault("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
+    for key, field in GGUF_CONFIG_MAPPING["tokenizer"].items():  # the file's, not the class's
+        fields[field] = _field(reader, f"tokenizer.{key}")
+    fields["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+    config = AutoConfig.for_model(family.model_types[0], **fields)
+    if period := family.nope_period:
+        layers = config.num_hidden_layers
+        config.no_rope_layers = [int((il + 1) % period != 0) for il in range(layers)]
     return config
 
 

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..errors import WeightsError
-from . import kernels, llama, prepared
+from . import families, kernels, llama, prepared
 from .machine import CACHE_ENV, cache_dir, remembered, say
 from .tokenizer import Tokenizer
 
@@ -126,6 +126,11 @@ def load_model(
         files.check_gguf(files.read_gguf(gguf), gguf)  # before any weight is read
     if weights == "auto":  # a float dtype other than float32 asks for the float path
         weights = choose_weights(name_or_path) if dtype == torch.float32 else "float"
+    if gguf and weights == "float" and (family := _gguf_only(gguf)):
+        raise WeightsError(
+            f"weights='float' reads a GGUF file through transformers, which reads no "
+            f"{family} files: use weights='int4' (or 'auto'), the compact forward over its blocks."
+        )
     if weights in ("int4", "int8"):
         if missing := kernels.int4_missing():
             raise WeightsError(
@@ -233,6 +238,8 @@ def auto_weights(name_or_path: str) -> tuple[str, str]:
     c = calibration(config)
     if kernels.int4_missing():
         return "float", f"auto: the 4-bit kernels cannot run here ({kernels.int4_missing()})"
+    if gguf and (family := families.family_of(config)).gguf_config_as:
+        return choice, f"auto: transformers reads no {family.name} GGUF files (float cannot run it)"
     faster = c[f"{choice}_ms"] < c["float_ms"]
     return (choice if faster else "float"), (
         f"auto: linears {c[f'{choice}_ms']:.1f} ms in {choice} vs {c['float_ms']:.1f} ms in "
@@ -496,12 +503,33 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         with files.shared_reader(path):
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            tokenizer = _gguf_tokenizer_class(path).from_pretrained(
+                path.parent, gguf_file=path.name
+            )
         if not tokenizer.chat_template:
             tokenizer.chat_template = _gguf_chat_template(path)
         tokenizer.unused_token_ids = files.unused_token_ids(files.read_gguf(path))
         return tokenizer
     return AutoTokenizer.from_pretrained(name_or_path)
+
+
+def _gguf_only(path: Path) -> str | None:
+    """The family of a GGUF file that only the compact forward runs (transformers reads no
+    config of it: Family.gguf_config_as), else None."""
+    from . import files
+
+    family = files.gguf_family(files.read_gguf(path))
+    return family.name if family is not None and family.gguf_config_as else None
+
+
+def _gguf_tokenizer_class(path: Path):
+    """AutoTokenizer, which reads the file's config to choose a class, or where transformers
+    reads no config of its family (Family.gguf_config_as) the class AutoTokenizer chooses for
+    Llama's files: transformers builds a GGUF's tokenizer by ``tokenizer.ggml.model`` (byte-level
+    BPE for "gpt2": Granite's, SmolLM3's), not by the architecture."""
+    from transformers import AutoTokenizer, TokenizersBackend
+
+    return TokenizersBackend if _gguf_only(path) else AutoTokenizer
 
 
 def _unknown_model(name: str, detail: str) -> str:
