@@ -84,10 +84,13 @@ class Shape:
     # LongRoPE's original context (0: none): llama.cpp's convert stores rope_factors_short/long
     # (rotary_dims/2 each) and the attention factor from context / original_context
     longrope_context: int = 0
+    # the config's values of the fields its family's files state for us (Family.gguf_fields:
+    # Granite's four scales), as (transformers' field, value)
+    fields: tuple[tuple[str, float], ...] = ()
 
     @property
     def family(self) -> families.Family:
-        return next(f for f in families.FAMILIES if f.name == self.arch and f.gguf)
+        return next(f for f in families.FAMILIES if f.name == self.arch)
 
     @property
     def params(self) -> int:
@@ -216,6 +219,45 @@ SHAPES = {
             3_836_021_760,
             rotary_dims=96,
             longrope_context=4096,
+        ),
+        # ibm-granite/granite-3.1-2b-instruct: Llama's layers with four scales; its vocabulary
+        # (49155) is SmolLM2's tokenizer and 3 pads
+        Shape(
+            "granite-3.1-2b",
+            "granite",
+            40,
+            2048,
+            8192,
+            32,
+            8,
+            64,
+            49155,
+            5e6,
+            131072,
+            1e-5,
+            2_533_531_648,
+            fields=(
+                ("embedding_multiplier", 12.0),
+                ("attention_multiplier", 0.015625),
+                ("residual_multiplier", 0.22),
+                ("logits_scaling", 8.0),
+            ),
+        ),
+        # HuggingFaceTB/SmolLM3-3B: Llama's layers, no rotary on every 4th
+        Shape(
+            "smollm3-3b",
+            "smollm3",
+            36,
+            2048,
+            11008,
+            16,
+            4,
+            128,
+            128256,
+            5e6,
+            65536,
+            1e-6,
+            3_075_098_624,
         ),
     )
 }
@@ -365,6 +407,9 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
         writer.add_float32(f"{a}.attn_logit_softcapping", shape.attention_cap)
     if shape.logit_cap:
         writer.add_float32(f"{a}.final_logit_softcapping", shape.logit_cap)
+    values = dict(shape.fields)
+    for key, field in shape.family.gguf_fields:  # Granite's scales, as its convert names them
+        writer.add_float32(f"{a}.{key}", values[field])
     writer.add_uint32("general.file_type", F16_FILE_TYPE)
 
 

@@ -5,7 +5,9 @@ to matter (Gemma 2's soft-caps too), the sliding window's boundary exactly trans
 verify passes, prompts and batch rows bit for bit alike through a window (and a soft-cap); greedy
 identity and the chi-square test on a windowed target; a SentencePiece vocabulary's exact bytes;
 base models in the CLI; bad files refused by name before any weight is read. Granite checkpoints
-against transformers' GraniteForCausalLM, each of its four scales shown to matter.
+against transformers' GraniteForCausalLM, each of its four scales shown to matter; Granite and
+SmolLM3 files (whose config we read: transformers reads none) against transformers'
+GraniteForCausalLM / SmolLM3ForCausalLM and against llama.cpp's reading of the same files.
 Phi-3: tiny phi3 GGUFs (fused attn_qkv and [gate | up] ffn_up, partial rotary, LongRoPE's
 factors) and a Phi3ForCausalLM against transformers' Phi3, each rotary part shown to matter, the
 context capped at LongRoPE's original one."""
@@ -421,13 +423,8 @@ def test_smollm3s_layers_without_rotary(weights):
 
 
 # Granite's four scalars (families.Family.multipliers), each far from 1 (granite-3.1-2b's: 12,
-# 0.015625 = 1/64, 0.22, 8), so that dropping any one of them moves the logits
-GRANITE_SCALES = dict(
-    embedding_multiplier=6.0,
-    attention_multiplier=0.12,
-    residual_multiplier=0.45,
-    logits_scaling=2.5,
-)
+# 0.015625 = 1/64, 0.22, 8), so that dropping any one of them moves the logits: write_gguf's
+GRANITE_SCALES = testing.GGUF_FIELDS
 # (weights, layers, bound): the compact forward against transformers' float32 logits, relative at
 # the worst position (float32: measured 0 on the Python layers; 8-bit weights 0.012)
 GRANITE_WAYS = [
@@ -982,14 +979,6 @@ def test_a_gemma2_file_runs_from_the_generator(tmp_path, monkeypatch):
     )
 
 
-def test_a_smollm3_gguf_is_refused_by_name_before_its_weights(tmp_path, monkeypatch):
-    """SmolLM3 runs from checkpoints only (transformers reads no config from its GGUF files)."""
-    path = testing.write_gguf(tmp_path / "smollm3.gguf", "smollm3", "Q8_0", hidden=64, ffn=128)
-    monkeypatch.setattr(files, "dequantize", explode)
-    with pytest.raises(WeightsError, match="'smollm3' architecture is not supported.*gemma3"):
-        files.check_gguf(files.read_gguf(path), path)
-
-
 def test_a_granite_logit_divisor_not_positive_is_refused():
     """CompactLlama.head divides after the Q8_0 head chose its rows by their order, which only a
     positive divisor keeps."""
@@ -1000,16 +989,177 @@ def test_a_granite_logit_divisor_not_positive_is_refused():
         families.check(GraniteConfig(logits_scaling=-1.0), "int8")
 
 
-def test_a_granite_gguf_is_refused_by_name_before_its_weights(tmp_path, monkeypatch):
-    """Granite runs from checkpoints only (transformers reads no config from its GGUF files)."""
-    path = testing.write_gguf(tmp_path / "granite.gguf", "granite", "Q8_0", hidden=64, ffn=128)
+# --- Granite and SmolLM3 files (transformers reads no config of them: Family.gguf_config_as) -----
+
+# four layers (SmolLM3's 4th without rotary), heads of 64, q/k rows in llama.cpp's converter's order
+LLAMA_LIKE = dict(layers=4, heads=4, kv_heads=2)
+LLAMA_LIKE_BLOCKS = {
+    "granite": families.Block(
+        "granite", 2, "silu", 6.0, pytest.approx(0.12), (0,) * 4, (0,) * 4,
+        residual_scale=pytest.approx(0.45), logit_scale=2.5,
+    ),
+    "smollm3": families.Block("smollm3", 2, "silu", 1.0, 64**-0.5, (0,) * 4, (0, 0, 0, 2)),
+}  # fmt: skip
+
+
+def llama_like_config(arch: str):
+    """transformers' config of write_gguf's ``arch`` file, stated here (not read from the file):
+    granite with testing.GGUF_FIELDS' scales, smollm3 with its own NoPE layers (the 4th)."""
+    shape = dict(
+        vocab_size=262, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=2, pad_token_id=None,
+    )  # fmt: skip
+    if arch == "granite":
+        return transformers.GraniteConfig(**shape, **testing.GGUF_FIELDS)
+    return transformers.SmolLM3Config(**shape)
+
+
+def llama_like_reference(path, arch: str) -> torch.Tensor:
+    """transformers' float32 logits over IDS: GraniteForCausalLM / SmolLM3ForCausalLM of
+    llama_like_config with gguf's dequantization of the file's tensors, the q and k rows put
+    back by transformers' own GGUF reader's code for Llama's files (LlamaTensorProcessor)."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    config = llama_like_config(arch)
+    family = families.family_of(config)
+    unpermute = LlamaTensorProcessor({"num_attention_heads": 4, "num_key_value_heads": 2})
+    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"}
+    for i in range(config.num_hidden_layers):
+        for part, module in family.norms + tuple(t for group in family.linears for t in group):
+            names[f"blk.{i}.{part}"] = f"model.layers.{i}.{module}"
+    state = {}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        values = unpermute.process(values, tensor.name).weights
+        state[f"{names[tensor.name.removesuffix('.weight')]}.weight"] = torch.tensor(values)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected, (missing, unexpected)  # tied
+    with torch.no_grad():
+        return model(torch.tensor([IDS])).logits[0]
+
+
+@pytest.mark.parametrize("layers", LAYERS)
+@pytest.mark.parametrize("types, bound", [("Q8_0", 0.03), (Q4_K_M, 0.06)], ids=["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("arch", ["granite", "smollm3"])
+def test_a_granite_or_smollm3_file_computes_what_transformers_does(
+    arch, types, bound, layers, tmp_path
+):
+    """Our reading of the file's config (its shape, Granite's four scales, SmolLM3's 4th layer
+    without rotary) and its q/k rows un-permuted: our logits within ``bound`` of transformers'
+    over the same file's weights (relative, worst position; measured Q8_0 0.008 granite, 0.013
+    smollm3; Q4_K_M 0.016, 0.029), the same top token at >= 95% of positions."""
+    path = testing.write_gguf(tmp_path / f"{arch}.gguf", arch, types, **LLAMA_LIKE)
+    model = compact(path, layers)
+    assert model.block == LLAMA_LIKE_BLOCKS[arch]
+    ours = kv.forward(model, model.new_cache(), IDS, "cpu")
+    theirs = llama_like_reference(path, arch)
+    error = relative_error(ours, theirs)
+    assert float(error.max()) < bound and float(error.median()) < 0.03, error
+    agree = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
+    assert agree >= 0.95, f"top-1 agreement {agree:.3f}"
+
+
+@pytest.mark.parametrize("arch", ["granite", "smollm3"])
+def test_llama_cpp_computes_the_same_granite_and_smollm3_models(arch, tmp_path):
+    """The tiny files are ones llama.cpp accepts, and it computes from them the model
+    transformers computes (relative error measured 0.016 granite, 0.028 smollm3: its 8-bit
+    activations): so the q/k rows are in the order its granite and smollm3 rotary pairs (the
+    converter's Llama permutation), its scales and NoPE layers are the ones we read."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = testing.write_gguf(tmp_path / f"{arch}.gguf", arch, "Q8_0", **LLAMA_LIKE)
+    llm = llama_cpp.Llama(str(path), n_ctx=256, logits_all=True, verbose=False)
+    llm.eval(IDS)
+    theirs = llama_like_reference(path, arch)
+    cpp = torch.tensor(llm.scores[: len(IDS)])
+    assert float(relative_error(cpp, theirs).max()) < 0.05
+    assert float((cpp.argmax(-1) == theirs.argmax(-1)).float().mean()) >= 0.95
+
+
+def test_each_part_of_a_granite_and_a_smollm3_file_matters(tmp_path, monkeypatch):
+    """The comparison above sees each part of the GGUF path: each of Granite's scales set back
+    to Llama's, or written otherwise in the file (so the file's value is the one read);
+    SmolLM3's 4th layer rotated; either family's q/k rows left in the file's order: each moves
+    the logits far past the bound."""
+    theirs, moved = {}, {}
+    for arch in ("granite", "smollm3"):
+        path = testing.write_gguf(tmp_path / f"{arch}.gguf", arch, "Q8_0", **LLAMA_LIKE)
+        theirs[arch] = llama_like_reference(path, arch)
+        model = compact(path)
+        block = model.block
+        llamas = dict(embed_scale=1.0, attention_scale=64**-0.5, residual_scale=1.0)
+        changes = {"rotary": (0,) * 4} if arch == "smollm3" else llamas | {"logit_scale": 1.0}
+        for what, value in changes.items():
+            model.block = dataclasses.replace(block, **{what: value})
+            moved[arch, what] = kv.forward(model, model.new_cache(), IDS, "cpu")
+    for key, field in families.GRANITE_FIELDS:
+        doubled = {f"granite.{key}": 2 * testing.GGUF_FIELDS[field]}
+        path = testing.write_gguf(
+            tmp_path / f"{field}.gguf", "granite", "Q8_0", **LLAMA_LIKE, metadata=doubled
+        )
+        model = compact(path)
+        moved["granite", f"the file's {key}"] = kv.forward(model, model.new_cache(), IDS, "cpu")
+    as_stored = [dataclasses.replace(f, permuted_qk=False) for f in families.FAMILIES]
+    monkeypatch.setattr(families, "FAMILIES", tuple(as_stored))
+    for arch in ("granite", "smollm3"):
+        model = compact(tmp_path / f"{arch}.gguf")
+        moved[arch, "q/k rows as stored"] = kv.forward(model, model.new_cache(), IDS, "cpu")
+    assert len(moved) == 11
+    for (arch, what), logits in moved.items():
+        assert float(relative_error(logits, theirs[arch]).max()) > 0.1, (arch, what)
+
+
+@pytest.mark.parametrize("arch", ["granite", "smollm3"])
+def test_a_granite_or_smollm3_file_runs_from_the_generator(arch, tmp_path, monkeypatch):
+    """A Q4_K file from Generator.from_pretrained to a regex's text (its byte-level tokenizer
+    built from the file), greedy and sampled; then mapped from its prepared file, bit for bit
+    the same; weights='float' (transformers' reader) refused by name, 'auto' runs it compact."""
+    path = testing.write_gguf(tmp_path / f"{arch}.gguf", arch, "Q4_K", **LLAMA_LIKE)
+    gen = Generator.from_pretrained(str(path))
+    assert gen.weights == "int4" and gen.target.block == LLAMA_LIKE_BLOCKS[arch]
+    assert gen.tokenizer.decode(gen.tokenizer.encode("the tooth")) == "the tooth"
+    regex = "(yes|no), (ab|ba){2,3}!"
+    for seed, temperature in [(0, 0.0), (1, 1.0)]:
+        result = gen.generate(
+            "the", regex=regex, max_new_tokens=30, seed=seed, temperature=temperature
+        )
+        assert re.fullmatch(regex, result.text) and result.finish_reason == "stop", result
+    prepared.wait()
+    monkeypatch.setattr(files, "read_gguf", explode)
+    mapped, _ = models.load_model(str(path), weights="int4")
+    assert mapped.block == gen.target.block
+    ids = torch.tensor(IDS[:20])
+    assert torch.equal(
+        mapped(ids, mapped.new_cache())[0], gen.target(ids, gen.target.new_cache())[0]
+    )
+    monkeypatch.undo()
+    with pytest.raises(WeightsError, match=f"reads no {arch} files: use weights='int4'"):
+        models.load_model(str(path), weights="float")
+    assert models.auto_weights(str(path)) == (
+        "int4",
+        f"auto: transformers reads no {arch} GGUF files (float cannot run it)",
+    )
+
+
+def test_a_granite_file_without_a_scale_is_named(tmp_path, monkeypatch):
+    """A granite file lacking one of its four scales (llama.cpp requires each): a WeightsError
+    naming the key before any weight is read, and llama.cpp refuses the file too."""
+    path = testing.write_gguf(
+        tmp_path / "bad.gguf", "granite", "Q8_0", **LLAMA_LIKE,
+        metadata={"granite.residual_scale": None},
+    )  # fmt: skip
     monkeypatch.setattr(files, "dequantize", explode)
-    with pytest.raises(WeightsError, match="'granite' architecture is not supported.*gemma3"):
-        files.check_gguf(files.read_gguf(path), path)
     monkeypatch.setattr(files, "_float", explode)
-    with pytest.raises(WeightsError, match="'granite' architecture is not supported"):
+    with pytest.raises(WeightsError, match=r"bad\.gguf: granite\.residual_scale is missing"):
         models.load_model(str(path), weights="int4")
-    assert models.auto_weights(str(path))[0] == "float"
+    weights, why = models.auto_weights(str(path))
+    assert weights == "float" and "granite.residual_scale is missing" in why
+    llama_cpp = pytest.importorskip("llama_cpp")
+    with pytest.raises(ValueError):
+        llama_cpp.Llama(str(path), n_ctx=64, verbose=False)
 
 
 # --- the real file, where it is on disk (never downloaded by the tests) ---------------------------

@@ -70,6 +70,8 @@ def small_tokenizer(tmp_path, monkeypatch):
         small("llama-3.2-1b", heads=4, kv_heads=2),
         # llama.cpp's phi3 wants q as wide as the hidden state: 4 heads of 64, 48 of them rotating
         small("phi4-mini", heads=4, kv_heads=2, head_dim=64, rotary_dims=48),
+        small("granite-3.1-2b", heads=4, kv_heads=2),
+        small("smollm3-3b", heads=2, kv_heads=1),
     ],
     ids=lambda s: s.arch,
 )
@@ -105,6 +107,10 @@ def test_a_small_file_loads_as_its_family(tmp_path, small_tokenizer, shape):
         for kind, top in shapes.LONGROPE.items():
             factors = rope[f"{kind}_factor"]
             assert len(factors) == shape.rotary_dims // 2 and factors[-1] == pytest.approx(top)
+    for field, value in shape.fields:  # Granite's scales, read by us
+        assert getattr(config, field) == pytest.approx(value)
+    if period := shape.family.nope_period:  # SmolLM3's every 4th layer unrotated: llama.cpp's rule
+        assert block.rotary == tuple(2 * ((i + 1) % period == 0) for i in range(6))
     llama_cpp = pytest.importorskip("llama_cpp")
     llm = llama_cpp.Llama(str(path), n_ctx=64, verbose=False)  # refuses a missing tensor or key
     every = sum(np.prod(dims) for _, dims, _ in shapes.tensor_specs(shape))
