@@ -130,10 +130,11 @@ GGUF_TEMPLATE = (
 )
 # write_gguf's values of the fields a family's files state for us alone (Family.gguf_fields), by
 # transformers' name: Granite's four scales, each far from Llama's (granite-3.1-2b's: 12, 1/64,
-# 0.22, 8), so that dropping any one moves the logits
+# 0.22, 8; the score scale 0.05 at least 2.5x below 1/√head_dim for heads of 16 or 64), so that
+# dropping any one moves the logits
 GGUF_FIELDS = dict(
     embedding_multiplier=6.0,
-    attention_multiplier=0.12,
+    attention_multiplier=0.05,
     residual_multiplier=0.45,
     logits_scaling=2.5,
 )

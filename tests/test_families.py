@@ -461,7 +461,7 @@ def test_granites_four_scales_each_matter(weights, layers, bound):
     compact = llama.from_transformers(model, weights)
     compact.use_layers(layers)
     assert compact.block == families.Block(
-        "granite", 2, "silu", 6.0, 0.12, (0,) * 3, (0,) * 3, residual_scale=0.45, logit_scale=2.5
+        "granite", 2, "silu", 6.0, 0.05, (0,) * 3, (0,) * 3, residual_scale=0.45, logit_scale=2.5
     )
     ours = kv.forward(compact, compact.new_cache(), ids, "cpu")
     assert float(relative_error(ours, theirs).max()) < bound
@@ -995,7 +995,7 @@ def test_a_granite_logit_divisor_not_positive_is_refused():
 LLAMA_LIKE = dict(layers=4, heads=4, kv_heads=2)
 LLAMA_LIKE_BLOCKS = {
     "granite": families.Block(
-        "granite", 2, "silu", 6.0, pytest.approx(0.12), (0,) * 4, (0,) * 4,
+        "granite", 2, "silu", 6.0, pytest.approx(0.05), (0,) * 4, (0,) * 4,
         residual_scale=pytest.approx(0.45), logit_scale=2.5,
     ),
     "smollm3": families.Block("smollm3", 2, "silu", 1.0, 64**-0.5, (0,) * 4, (0, 0, 0, 2)),
@@ -1083,7 +1083,7 @@ def test_each_part_of_a_granite_and_a_smollm3_file_matters(tmp_path, monkeypatch
     """The comparison above sees each part of the GGUF path: each of Granite's scales set back
     to Llama's, or written otherwise in the file (so the file's value is the one read);
     SmolLM3's 4th layer rotated; either family's q/k rows left in the file's order: each moves
-    the logits far past the bound."""
+    the logits far past the Q8_0 bound (0.03)."""
     theirs, moved = {}, {}
     for arch in ("granite", "smollm3"):
         path = testing.write_gguf(tmp_path / f"{arch}.gguf", arch, "Q8_0", **LLAMA_LIKE)
@@ -1107,9 +1107,9 @@ def test_each_part_of_a_granite_and_a_smollm3_file_matters(tmp_path, monkeypatch
     for arch in ("granite", "smollm3"):
         model = compact(tmp_path / f"{arch}.gguf")
         moved[arch, "q/k rows as stored"] = kv.forward(model, model.new_cache(), IDS, "cpu")
-    assert len(moved) == 11
+    assert len(moved) == 11  # each > 0.1 but SmolLM3's last layer rotated: 0.077 (Q8_0's 0.013)
     for (arch, what), logits in moved.items():
-        assert float(relative_error(logits, theirs[arch]).max()) > 0.1, (arch, what)
+        assert float(relative_error(logits, theirs[arch]).max()) > 0.05, (arch, what)
 
 
 @pytest.mark.parametrize("arch", ["granite", "smollm3"])
@@ -1145,8 +1145,9 @@ def test_a_granite_or_smollm3_file_runs_from_the_generator(arch, tmp_path, monke
 
 
 def test_a_granite_file_without_a_scale_is_named(tmp_path, monkeypatch):
-    """A granite file lacking one of its four scales (llama.cpp requires each): a WeightsError
-    naming the key before any weight is read, and llama.cpp refuses the file too."""
+    """A granite file lacking one of its four scales (its converter writes all four; llama.cpp
+    0.3.36 would run it without that scale: another model): a WeightsError naming the key
+    before any weight is read."""
     path = testing.write_gguf(
         tmp_path / "bad.gguf", "granite", "Q8_0", **LLAMA_LIKE,
         metadata={"granite.residual_scale": None},
@@ -1157,9 +1158,6 @@ def test_a_granite_file_without_a_scale_is_named(tmp_path, monkeypatch):
         models.load_model(str(path), weights="int4")
     weights, why = models.auto_weights(str(path))
     assert weights == "float" and "granite.residual_scale is missing" in why
-    llama_cpp = pytest.importorskip("llama_cpp")
-    with pytest.raises(ValueError):
-        llama_cpp.Llama(str(path), n_ctx=64, verbose=False)
 
 
 # --- the real file, where it is on disk (never downloaded by the tests) ---------------------------

@@ -101,8 +101,8 @@ class Family:
     # for these families are Llama's, which names them alike); None: transformers reads it
     gguf_config_as: str | None = None
     # config fields transformers' GGUF reader has no key for, each as (llama.cpp's key under
-    # ``{arch}.``, transformers' config field): read by us, each required (llama.cpp refuses a
-    # file without one)
+    # ``{arch}.``, transformers' config field): read by us, each required (a file without one is
+    # not what the family's converter writes)
     gguf_fields: tuple[tuple[str, str], ...] = ()
     # layer counts whose scores are scaled by 1/√(hidden/heads), not 1/√head_dim (llama.cpp:
     # Gemma 3 27B, whose query_pre_attn_scalar is 168 with heads of 128)

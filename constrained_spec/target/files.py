@@ -178,7 +178,7 @@ def stated_fields(reader: GGUFReader, family: families.Family, name: str) -> dic
         if value is None:
             raise WeightsError(
                 f"{name}: {family.name}.{key} is missing: a {family.name} model needs it (its "
-                f"config's {field}; llama.cpp refuses the file too)."
+                f"config's {field}, which its converter writes)."
             )
         values[field] = float(value)
     return values
