@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# shapes-families: the Qwen3-0.6B, Gemma 3 1B, Gemma 2 2B and Phi-4-mini shapes (random weights,
+# shapes-families: the Qwen3-0.6B, Gemma 3 1B, Gemma 2 2B, Phi-4-mini and Granite 3.1 2B shapes (random weights,
 # Q4_K_M by llama.cpp's quantizer) on a 2-core first-generation Zen EPYC (AVX2 and FMA), llama.cpp
 # (llama-cpp-python 0.3.36) and ours on the same files and requests. The files (F16 and Q4_K_M:
 # 21.5 GB) stay outside the repository. Phi-4-mini's prepared model (6.1 GB stored; a first load
@@ -11,10 +11,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 dir=${SHAPES_DIR:-/work/shapes}
 out=${SHAPES_OUT:-/work/shape-results}
-for shape in qwen3-0.6b gemma3-1b gemma2-2b phi4-mini; do
+for shape in qwen3-0.6b gemma3-1b gemma2-2b phi4-mini granite-3.1-2b; do
   python benchmarks/shapes.py write --dir "$dir" --only "$shape"
 done
-for shape in qwen3-0.6b gemma3-1b gemma2-2b phi4-mini; do
+for shape in qwen3-0.6b gemma3-1b gemma2-2b phi4-mini granite-3.1-2b; do
   python benchmarks/shapes.py llama-cpp --dir "$dir" --out "$out" --only "$shape" --requests 3 --reps 10
   CONSTRAINED_SPEC_CACHE_GB=${CONSTRAINED_SPEC_CACHE_GB:-10} \
     python benchmarks/shapes.py ours --dir "$dir" --out "$out" --only "$shape" --requests 3 --reps 10
