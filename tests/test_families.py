@@ -914,6 +914,26 @@ def explode(*args, **kwargs):
     raise AssertionError("weights read before the file was checked")
 
 
+def assert_runs_and_reloads(gen, path, monkeypatch, draws) -> None:
+    """A Generator on a file: a regex's text for each (seed, temperature) of ``draws``, ending
+    by the regex; then the model mapped from its prepared file (the file itself never read
+    again) holds the same Block and gives the same logits, bit for bit."""
+    regex = "(yes|no), (ab|ba){2,3}!"
+    for seed, temperature in draws:
+        result = gen.generate(
+            "the", regex=regex, max_new_tokens=30, seed=seed, temperature=temperature
+        )
+        assert re.fullmatch(regex, result.text) and result.finish_reason == "stop", result
+    prepared.wait()
+    monkeypatch.setattr(files, "read_gguf", explode)
+    mapped, _ = models.load_model(str(path), weights="int4")
+    assert mapped.block == gen.target.block
+    ids = torch.tensor(IDS[:20])
+    assert torch.equal(
+        mapped(ids, mapped.new_cache())[0], gen.target(ids, gen.target.new_cache())[0]
+    )
+
+
 @pytest.mark.parametrize(
     "change, words",
     [
@@ -962,21 +982,8 @@ def test_a_gemma2_file_runs_from_the_generator(tmp_path, monkeypatch):
     gen = Generator.from_pretrained(str(path))
     block = gen.target.block
     assert gen.weights == "int4" and (block.attention_cap, block.logit_cap) == (50.0, 30.0)
-    regex = "(yes|no), (ab|ba){2,3}!"
-    for seed, temperature in [(0, 0.0), (1, 1.0), (2, 1.0)]:
-        result = gen.generate(
-            "the", regex=regex, max_new_tokens=30, seed=seed, temperature=temperature
-        )
-        assert re.fullmatch(regex, result.text) and result.finish_reason == "stop", result
-    # its prepared file keeps the caps (it stores the config, which the Block comes from)
-    prepared.wait()
-    monkeypatch.setattr(files, "read_gguf", explode)
-    mapped, _ = models.load_model(str(path), weights="int4")
-    assert mapped.block == block
-    ids = torch.tensor(IDS[:20])
-    assert torch.equal(
-        mapped(ids, mapped.new_cache())[0], gen.target(ids, gen.target.new_cache())[0]
-    )
+    assert_runs_and_reloads(gen, path, monkeypatch, [(0, 0.0), (1, 1.0), (2, 1.0)])
+    # (its prepared file keeps the caps: it stores the config, which the Block comes from)
 
 
 def test_a_granite_logit_divisor_not_positive_is_refused():
@@ -1121,20 +1128,7 @@ def test_a_granite_or_smollm3_file_runs_from_the_generator(arch, tmp_path, monke
     gen = Generator.from_pretrained(str(path))
     assert gen.weights == "int4" and gen.target.block == LLAMA_LIKE_BLOCKS[arch]
     assert gen.tokenizer.decode(gen.tokenizer.encode("the tooth")) == "the tooth"
-    regex = "(yes|no), (ab|ba){2,3}!"
-    for seed, temperature in [(0, 0.0), (1, 1.0)]:
-        result = gen.generate(
-            "the", regex=regex, max_new_tokens=30, seed=seed, temperature=temperature
-        )
-        assert re.fullmatch(regex, result.text) and result.finish_reason == "stop", result
-    prepared.wait()
-    monkeypatch.setattr(files, "read_gguf", explode)
-    mapped, _ = models.load_model(str(path), weights="int4")
-    assert mapped.block == gen.target.block
-    ids = torch.tensor(IDS[:20])
-    assert torch.equal(
-        mapped(ids, mapped.new_cache())[0], gen.target(ids, gen.target.new_cache())[0]
-    )
+    assert_runs_and_reloads(gen, path, monkeypatch, [(0, 0.0), (1, 1.0)])
     monkeypatch.undo()
     with pytest.raises(WeightsError, match=f"reads no {arch} files: use weights='int4'"):
         models.load_model(str(path), weights="float")
