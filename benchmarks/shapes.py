@@ -278,52 +278,19 @@ F16_FILE_TYPE = 1  # LLAMA_FTYPE_MOSTLY_F16
 
 def tensor_specs(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
     """(llama.cpp's name, numpy shape (out, in), kind) of every tensor, in the order written;
-    kind: linear (F16, random), norm (F32 ones), bias (F32, random), rope (F32 factors). What
-    a layer holds beyond Llama's is its family's (families.py): q/k/v biases, each head's q/k
-    norms, a second norm after each branch (Gemma), linears fused into one tensor (Phi-3)."""
-    family = shape.family
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    norms = [name for name, _ in family.norms]
-    # each branch's norms: the first before it, Gemma's second after it
-    attention_norms, mlp_norms = norms[: len(norms) // 2], norms[len(norms) // 2 :]
-    # each linear's (inputs, outputs) in family.linears' order: a tensor that fuses a linear's
-    # parts (Phi-3's attn_qkv, ffn_up: [gate | up]) holds all its outputs, a separate one its own
-    parts = {"attn_q": q, "attn_k": kv, "attn_v": kv, "ffn_gate": shape.ffn, "ffn_up": shape.ffn}
-    sizes = (
-        (shape.hidden, q + 2 * kv),
-        (q, shape.hidden),
-        (shape.hidden, 2 * shape.ffn),
-        (shape.ffn, shape.hidden),
-    )
-    qkv, output, gate_up, down = (
-        [(part, (outputs if len(group) == 1 else parts[part], inputs)) for part, _ in group]
-        for group, (inputs, outputs) in zip(family.linears, sizes)
-    )
+    kind: linear (F16, random), norm (F32 ones), bias (F32, random), rope (F32 factors). A
+    layer's tensors are its family's (families.layer_tensors)."""
     specs = [("token_embd.weight", (shape.vocab, shape.hidden), "linear")]
     if shape.llama3_rope:
         specs.append(("rope_freqs.weight", (shape.head_dim // 2,), "rope"))
     if shape.longrope_context:
         specs += [(f"rope_factors_{k}.weight", (shape.rotary_dims // 2,), "rope") for k in LONGROPE]
-    for i in range(shape.layers):
-        b = f"blk.{i}"
-        specs.append((f"{b}.{attention_norms[0]}.weight", (shape.hidden,), "norm"))
-        specs += [(f"{b}.{part}.weight", dims, "linear") for part, dims in qkv]
-        if family.qkv_bias:
-            specs += [
-                (f"{b}.attn_q.bias", (q,), "bias"),
-                (f"{b}.attn_k.bias", (kv,), "bias"),
-                (f"{b}.attn_v.bias", (kv,), "bias"),
-            ]
-        if family.qk_norms:
-            specs += [
-                (f"{b}.attn_q_norm.weight", (shape.head_dim,), "norm"),
-                (f"{b}.attn_k_norm.weight", (shape.head_dim,), "norm"),
-            ]
-        specs += [(f"{b}.{part}.weight", dims, "linear") for part, dims in output]
-        specs += [(f"{b}.{n}.weight", (shape.hidden,), "norm") for n in attention_norms[1:]]
-        specs.append((f"{b}.{mlp_norms[0]}.weight", (shape.hidden,), "norm"))
-        specs += [(f"{b}.{part}.weight", dims, "linear") for part, dims in gate_up + down]
-        specs += [(f"{b}.{n}.weight", (shape.hidden,), "norm") for n in mlp_norms[1:]]
+    layer = families.layer_tensors(
+        shape.family, shape.hidden, shape.ffn, shape.heads, shape.kv_heads, shape.head_dim
+    )
+    specs += [
+        (f"blk.{i}.{name}", dims, kind) for i in range(shape.layers) for name, dims, kind in layer
+    ]
     return specs + [("output_norm.weight", (shape.hidden,), "norm")]
 
 

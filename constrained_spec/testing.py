@@ -240,22 +240,22 @@ def write_gguf(
         add_float("rope_freqs.weight", rope_factors)
     for name, values in (float_tensors or {}).items():
         add_float(name, np.asarray(values))
-    q, kv = heads * hd, kv_heads * hd
-    rows = {"attn_q": q, "attn_k": kv, "attn_v": kv, "ffn_gate": ffn, "ffn_up": ffn}
-    # each linear's (inputs, outputs): a fused tensor holds all its linear's outputs
-    shapes = ((hidden, q + 2 * kv), (q, hidden), (hidden, 2 * ffn), (ffn, hidden))
+    layer = families.layer_tensors(family, hidden, ffn, heads, kv_heads, hd)
+    layer_norms = {f"{name}.weight" for name, _ in family.norms}
+    # written in the order these files always had (their seeded values follow it): each bias
+    # after its weight, the layer's norms last
+    stem = lambda t: t[0].split(".")[0]  # a bias's and its weight's: attn_q
+    first = {stem(t): n for n, t in reversed(list(enumerate(layer)))}
+    layer.sort(key=lambda t: (t[0] in layer_norms, first[stem(t)]))
     for i in range(layers):
-        for n, (group, (k, outputs)) in enumerate(zip(family.linears, shapes)):
-            for part, _ in group:
-                width = outputs if len(group) == 1 else rows[part]
-                add(f"blk.{i}.{part}.weight", width, k, kind_of(part))
-                if family.qkv_bias and n == 0:
-                    add_float(f"blk.{i}.{part}.bias", 0.1 * rng.standard_normal(width))
-            if family.qk_norms and n == 0:
-                add_float(f"blk.{i}.attn_q_norm.weight", 1 + 0.2 * rng.standard_normal(hd))
-                add_float(f"blk.{i}.attn_k_norm.weight", 1 + 0.2 * rng.standard_normal(hd))
-        for norm, _ in family.norms:  # as llama.cpp stores them (Gemma's with its 1 + w)
-            add_float(f"blk.{i}.{norm}.weight", 1 + 0.1 * rng.standard_normal(hidden))
+        for name, dims, kind in layer:
+            if kind == "linear":
+                add(f"blk.{i}.{name}", *dims, kind_of(name.removesuffix(".weight")))
+            elif kind == "bias":
+                add_float(f"blk.{i}.{name}", 0.1 * rng.standard_normal(dims))
+            else:  # as llama.cpp stores norms (Gemma's with its 1 + w)
+                spread = 0.1 if name in layer_norms else 0.2  # the layer's, each head's q/k
+                add_float(f"blk.{i}.{name}", 1 + spread * rng.standard_normal(dims))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -338,6 +338,26 @@ def test_a_truncated_file_is_named_with_what_is_wrong(tmp_path):
         models.load_model(str(garbage), weights="int4")
 
 
+@pytest.mark.parametrize(
+    "arch, tensor, have, implied", [("llama", "ffn_gate", 512, 768), ("phi3", "ffn_up", 1024, 1536)]
+)
+def test_a_linear_whose_shape_contradicts_the_metadata_is_named(
+    arch, tensor, have, implied, tmp_path, monkeypatch
+):
+    # tensors of an MLP 512 wide under metadata that says 768: the first linear whose shape is
+    # not the family's (families.layer_tensors; phi3's fused [gate | up] twice as wide) named
+    odd = {f"{arch}.feed_forward_length": 768}
+    path = testing.write_gguf(tmp_path / "odd.gguf", arch, "Q4_0", metadata=odd)
+    monkeypatch.setattr(files, "dequantize", explode)
+    monkeypatch.setattr(files, "_float", explode)
+    message = (
+        rf"odd.gguf: tensor blk.0.{tensor}.weight is \(256, {have}\), "
+        rf"its metadata implies \(256, {implied}\)"
+    )
+    with pytest.raises(WeightsError, match=message):
+        models.load_model(str(path), weights="int4")
+
+
 @pytest.mark.skipif(
     all(kernels.int4_kernel_missing(k) for k in kernels.DENSE_KERNELS),
     reason="no dense prompt kernel runs here",

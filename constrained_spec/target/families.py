@@ -31,6 +31,7 @@ __all__ = [
     "context_of",
     "family_of",
     "head_size",
+    "layer_tensors",
     "qkv_row_order",
     "rotary_frequencies",
 ]
@@ -187,6 +188,40 @@ FAMILIES = (
 )
 ARCHITECTURES = tuple(f.name for f in FAMILIES)  # of GGUF files
 MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
+
+
+def layer_tensors(
+    family: Family, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """The tensors of one layer of a ``family`` GGUF file, in the order llama.cpp's converters
+    write them: (the name after ``blk.i.``, numpy shape (outputs, inputs), kind: "linear",
+    "bias" or "norm"). Each branch's first norm comes before it, Gemma's second after it; a
+    tensor that fuses a linear's parts (Phi-3's attn_qkv, ffn_up: [gate | up]) holds all its
+    outputs, a separate one its own."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    norms = [name for name, _ in family.norms]
+    attention_norms, mlp_norms = norms[: len(norms) // 2], norms[len(norms) // 2 :]
+    parts = {"attn_q": q, "attn_k": kv, "attn_v": kv, "ffn_gate": ffn, "ffn_up": ffn}
+    # each linear's (inputs, outputs), in family.linears' order
+    sizes = ((hidden, q + 2 * kv), (q, hidden), (hidden, 2 * ffn), (ffn, hidden))
+    qkv, output, gate_up, down = (
+        [
+            (f"{part}.weight", (outputs if len(group) == 1 else parts[part], inputs), "linear")
+            for part, _ in group
+        ]
+        for group, (inputs, outputs) in zip(family.linears, sizes)
+    )
+    norm = lambda name, width: (f"{name}.weight", (width,), "norm")
+    specs = [norm(attention_norms[0], hidden), *qkv]
+    if family.qkv_bias:
+        specs += [
+            (f"{name.removesuffix('.weight')}.bias", dims[:1], "bias") for name, dims, _ in qkv
+        ]
+    if family.qk_norms:
+        specs += [norm("attn_q_norm", head_dim), norm("attn_k_norm", head_dim)]
+    specs += output + [norm(n, hidden) for n in attention_norms[1:]]
+    specs += [norm(mlp_norms[0], hidden), *gate_up, *down]
+    return specs + [norm(n, hidden) for n in mlp_norms[1:]]
 
 
 def family_of(config) -> Family:

@@ -364,17 +364,15 @@ def from_gguf(path: str | Path, config) -> llama.CompactLlama:
 
 def _check_shapes(tensors: dict, s, config, family: families.Family, path) -> None:
     """A WeightsError naming the first tensor whose shape is not the one the metadata implies."""
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    i, d = config.intermediate_size, s.hidden
+    d = s.hidden
     expected = {"token_embd.weight": (d, config.vocab_size), "output_norm.weight": (d,)}
-    rows = {"attn_q": q, "attn_k": kv, "attn_v": kv, "ffn_gate": i, "ffn_up": i}
-    # each linear's (inputs, outputs); a fused tensor holds all its linear's outputs
-    shapes = ((d, q + 2 * kv), (q, d), (d, 2 * i), (i, d))
+    layer = families.layer_tensors(
+        family, d, config.intermediate_size, s.heads, s.kv_heads, s.head_dim
+    )
     for n in range(s.layers):
-        for group, (inputs, outputs) in zip(family.linears, shapes):
-            for part, _ in group:
-                width = outputs if len(group) == 1 else rows[part]
-                expected[f"blk.{n}.{part}.weight"] = (inputs, width)
+        for name, dims, kind in layer:
+            if kind == "linear":
+                expected[f"blk.{n}.{name}"] = dims[::-1]  # numpy's (out, in) as GGUF's (in, out)
     for name, shape in expected.items():
         have = tuple(int(x) for x in tensors[name].shape)  # GGUF order: inputs first
         if have != shape:
