@@ -15,10 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +23,7 @@ from pathlib import Path
 
 import jsonschema
 import openai
+from report import run_metadata  # benchmarks/report.py: the script's folder is on sys.path
 
 from constrained_spec.testing import server_process
 
@@ -168,21 +166,6 @@ def report(levels: list[dict], args, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def metadata(argv: list[str], start: float) -> dict:
-    def sh(*cmd):
-        return subprocess.run(cmd, capture_output=True, text=True).stdout.strip()
-
-    return {
-        "command": shlex.join(["python", "benchmarks/load.py", *argv]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)),
-        "minutes": (time.time() - start) / 60,
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "commit": sh("git", "rev-parse", "--short=10", "HEAD")
-        + (" (dirty)" if sh("git", "status", "--porcelain", "--untracked-files=no") else ""),
-        "load_end": f"{os.getloadavg()[0]:.2f}",
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -207,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"mixed up {lv['mixed_up']}",
                 flush=True,
             )
-    meta = {**metadata(argv, start), "load_start": load_start}
+    meta = {**run_metadata("benchmarks/load.py", argv, start), "load_start": load_start}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "levels": levels}, indent=1))
     (args.out / "report.md").write_text(report(levels, args, meta))

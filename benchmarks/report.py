@@ -9,7 +9,12 @@ from chat messages in to token ids out.
 from __future__ import annotations
 
 import json
+import os
+import platform
+import shlex
 import statistics
+import subprocess
+import time
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,6 +23,25 @@ PHASES = ("setup", "prefill", "draft", "verify", "other")
 # The speed goals the project set (greedy and sampled, over the masked baseline): the report says
 # how far the best configuration is from them and what closing the gap would take.
 GOALS = {"greedy": 3.0, "sampled": 2.0}
+
+
+def run_metadata(script: str, argv: list[str], start: float) -> dict:
+    """What a server benchmark's results.json says of its run (load.py, soak.py): the command,
+    when and how long, the machine, the commit (dirty: tracked files changed) and the load
+    average at its end."""
+
+    def sh(*cmd):
+        return subprocess.run(cmd, capture_output=True, text=True).stdout.strip()
+
+    return {
+        "command": shlex.join(["python", script, *argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)),
+        "minutes": (time.time() - start) / 60,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "commit": sh("git", "rev-parse", "--short=10", "HEAD")
+        + (" (dirty)" if sh("git", "status", "--porcelain", "--untracked-files=no") else ""),
+        "load_end": f"{os.getloadavg()[0]:.2f}",
+    }
 
 
 def baseline_for(temperature: float) -> str:

@@ -19,9 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -30,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import jsonschema
+from report import run_metadata  # benchmarks/report.py: the script's folder is on sys.path
 
 from constrained_spec.testing import server_process
 
@@ -242,19 +240,6 @@ def report(v: dict, result: dict, args, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def metadata(argv: list[str], start: float) -> dict:
-    def sh(*cmd):
-        return subprocess.run(cmd, capture_output=True, text=True).stdout.strip()
-
-    return {
-        "command": shlex.join(["python", "benchmarks/soak.py", *argv]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "commit": sh("git", "rev-parse", "--short=10", "HEAD")
-        + (" (dirty)" if sh("git", "status", "--porcelain", "--untracked-files=no") else ""),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -271,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             one_request(client, 0, 4)
         deadline = time.perf_counter() + 60 * args.minutes
         result = soak(url, args.requests, args.clients, args.max_tokens, deadline)
-    v, meta = verdict(result, args.requests), metadata(argv, start)
+    v, meta = verdict(result, args.requests), run_metadata("benchmarks/soak.py", argv, start)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(
         json.dumps({"meta": meta, "verdict": v, "samples": result["samples"]}, indent=1)
