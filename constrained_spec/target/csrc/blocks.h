@@ -158,6 +158,17 @@ inline void store8(uint16_t* out, __m256 v) {  // round to nearest even, as to_b
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
 }
 
+// Each group's loop asks for its tile's bytes (and scales) this many groups ahead: on a Zen 1 core
+// a one-token pass, its multiplies waiting on memory, read 4-bit tiles at 14.7 GB/s on the hardware
+// prefetchers alone, 15.9 with 4 groups asked ahead (0.5 KB a tile: the pair's two streams), and
+// 8-bit ones at 16.2 against 21.2 GB/s 8 groups ahead (2 KB); passes of 4 rows, bound by the
+// multiplies, ran the same. A prefetch does not fault: one past the weight's end is dropped.
+constexpr int64_t AHEAD_UNSIGNED = 4, AHEAD_8 = 8;
+
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(static_cast<const char*>(p) + line, _MM_HINT_T0);
+}
+
 // The group's epilogue for R rows: int32 sums a[r] of Σ q·qx (8 lanes: the tile's rows).
 template <int R, int ZEROS, int BIAS>
 inline void add_group(const __m256i* a, const uint16_t* sc, const Acts& x, int64_t r0, int64_t g,
@@ -199,6 +210,10 @@ void tile_unsigned(const uint32_t* tile, const uint16_t* sc, const Acts& x, int6
   for (auto& row : acc)
     for (auto& a : row) a = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    for (int t = 0; t < T; ++t) {
+      prefetch(tile + t * tile_lanes + (g + AHEAD_UNSIGNED) * BITS * LANES, BITS * LANES * 4);
+      prefetch(sc + t * tile_scales + (g + AHEAD_UNSIGNED) * (1 + ZEROS) * LANES, 1);
+    }
     __m256i p[T][R], a[T][R];
     for (int t = 0; t < T; ++t)
       for (int r = 0; r < R; ++r) p[t][r] = a[t][r] = _mm256_setzero_si256();
@@ -251,6 +266,8 @@ void tile8(const uint32_t* tile, const uint16_t* sc, const Acts& x, int64_t r0, 
   __m256 acc[R];
   for (auto& a : acc) a = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    prefetch(tile + (g + AHEAD_8) * 8 * LANES, 8 * LANES * 4);
+    prefetch(sc + (g + AHEAD_8) * (1 + ZEROS) * LANES, 1);
     __m256i a[R];
     for (auto& v : a) v = _mm256_setzero_si256();
     for (int64_t c = 0; c < 8; ++c) {
