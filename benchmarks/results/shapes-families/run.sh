@@ -8,7 +8,8 @@
 # else every load converts it again. Each command ran alone under this shared machine's lock
 # (flock /tmp/quiet.lock), one shape at a time; about an hour and a half in all, most of it the
 # measurements (Phi-4-mini: write 6 min, llama.cpp 5.5, ours 14; SmolLM3-3B: write 4 min, ours
-# 16.5, 5 of them its first load's conversion at 14.9 GB resident at the peak).
+# 16.5, 5 of them its first load's conversion at 14.9 GB resident at the peak). Granite 3.1 2B's
+# rows in the report were measured again at 7dade11 (the AVX2 tiles' prefetch), the others before.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 dir=${SHAPES_DIR:-/work/shapes}
