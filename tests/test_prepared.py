@@ -66,8 +66,8 @@ def test_a_prepared_model_maps_to_the_model_it_was_converted_to(gguf_file):
         [*mapped.linears, mapped.lm_head.blocks], [*model.linears, model.lm_head.blocks]
     ):
         left_out = ours.kernel != "torch"  # rebuilt from our kernel's tiles when read
-        assert (ours.nibbles is None) == left_out
-        assert torch.equal(ours.stored_nibbles(), theirs.nibbles)
+        assert (ours.nibbles is None) == (theirs.nibbles is None) == left_out
+        assert torch.equal(ours.stored_nibbles(), theirs.stored_nibbles())
         assert torch.equal(ours.dequantized(), theirs.dequantized())
     assert torch.equal(_logits(mapped, ids), first)
     again = Generator(mapped, mapped_tokenizer).generate(ids, schema=SCHEMA, max_new_tokens=30)
@@ -225,6 +225,70 @@ def test_our_kernels_tiles_give_back_the_nibbles(kernel):
         linear.nibbles = None
         assert torch.equal(linear.stored_nibbles(), original)
         assert torch.equal(linear.dequantized_nibbles(), q.to(torch.uint8))
+
+
+RUNNABLE_KERNELS = [k for k in kernels.INT4_KERNELS if kernels.int4_kernel_missing(k) is None]
+
+
+def _held_bytes(value, seen=None) -> int:
+    """The bytes of every storage a module's attributes reach (buffers, parameters, lists of
+    tensors, submodules), each storage once."""
+    seen = {} if seen is None else seen
+    if isinstance(value, torch.Tensor):
+        seen[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    elif isinstance(value, torch.nn.Module):
+        for v in vars(value).values():
+            _held_bytes(v, seen)
+    elif isinstance(value, (dict, list, tuple)):
+        for v in value.values() if isinstance(value, dict) else value:
+            _held_bytes(v, seen)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("kernel", RUNNABLE_KERNELS)
+def test_a_linear_holds_its_weights_in_one_layout_laid_a_slice_at_a_time(kernel, monkeypatch):
+    """Once its kernel is chosen a 4-bit linear holds its weights once, what a prepared file
+    stores of it: our kernels' tiles alone (the nibbles dropped, rebuilt from the tiles when
+    asked), torch's pack beside its nibbles (no inverse). Laid out PACK_ROWS rows at a time, the
+    same tensors as laid out whole: a two-halves linear whose high halves are 0 or 1 in every
+    slice but the last has 8-bit tiles (the whole weight's form), not 5-bit ones."""
+    g = torch.Generator().manual_seed(0)
+    n, k = 2 * kernels.PACK_ROWS + 32, 64
+    for copies in (1, 2):
+        q = torch.randint(0, 16, (n, copies * k), generator=g)
+        if copies == 2:
+            q[:-16, :k] = torch.randint(0, 2, (n - 16, k), generator=g)  # hi 0 or 1 but at the end
+        scale = torch.rand(n, copies * k // 32, generator=g)
+        if copies == 2:
+            scale[:, : k // 32] = 16 * scale[:, k // 32 :]  # blocks.h's halves: 16s and s
+        zero = torch.rand(n, copies * k // 32, generator=g)
+        sliced = kernels.Int4Linear(q, scale, zero, copies=copies)
+        original = sliced.nibbles.clone()
+        sliced.use_kernel(kernel)
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "PACK_ROWS", n)
+            whole = kernels.Int4Linear(q, scale, zero, copies=copies)
+            whole.use_kernel(kernel)
+        assert torch.equal(sliced.packed, whole.packed), (kernel, copies)
+        assert torch.equal(sliced.scale_zero, whole.scale_zero), (kernel, copies)
+        assert (sliced.nibbles is None) == (kernel != "torch")
+        assert _held_bytes(sliced) == prepared._stored_bytes(prepared._state(sliced))
+        assert torch.equal(sliced.stored_nibbles(), original)
+        for other in RUNNABLE_KERNELS:  # and back: the same weights whatever the way
+            sliced.use_kernel(other)
+            assert torch.equal(sliced.stored_nibbles(), original)
+            assert _held_bytes(sliced) == prepared._stored_bytes(prepared._state(sliced))
+
+
+def test_a_first_load_holds_what_its_prepared_file_stores(gguf_file):
+    """A GGUF's first load (converted, its kernels chosen) ends holding its tensors once, what
+    the prepared file stores: no layout left from the kernels measured, no plain nibbles beside
+    our kernel's tiles."""
+    model, _ = models.load_model(str(gguf_file), weights="int4")
+    prepared.wait()
+    stored = prepared._stored_bytes(prepared._state(model))
+    assert _held_bytes(model) == stored
+    assert prepared.path_for(gguf_file).stat().st_size >= stored
 
 
 # a vocabulary of the 256 bytes and EOS: compiling over it needs no tokenizer (nor its imports)

@@ -216,14 +216,16 @@ class Int4Linear(nn.Module):
         assert k % GROUP == 0, f"int4 groups need inputs in multiples of {GROUP}, got {k}"
         self.copies = copies  # the input is repeated this many times along K (see from_q8_0)
         self.kernel = "torch"  # which of INT4_KERNELS multiplies (use_kernel)
-        self.register_buffer("packed", _torch_pack(q))  # (N, K/2) uint8: the kernel's weights
+        # q in plain nibble order (re-laid for each kernel, and W = q·scale + (zero − 8·scale)
+        # dequantized from them), then torch's pack of them: the kernel's weights
+        (nibbles,) = _by_rows(lambda rows, q: (_paired(q.to(torch.uint8)),), n, q)
+        self.register_buffer("nibbles", nibbles)  # (N, K/2) uint8
+        (packed,) = _by_rows(lambda rows, nibbles: (_torch_pack(_unpaired(nibbles)),), n, nibbles)
+        self.register_buffer("packed", packed)  # (N, K/2) uint8
         scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1)  # (K/32, N, 2)
         self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
-        # for the bf16 prefill kernel: q in plain nibble order, and W = q·scale + (zero − 8·scale)
         self.dense = None  # the bf16 copy the prefill kernel multiplies, where it is chosen
         self.dense_amx = False  # whether ours multiplies it on AMX tiles (else AVX-512 BF16)
-        q = q.to(torch.uint8)
-        self.register_buffer("nibbles", q[:, 0::2] | (q[:, 1::2] << 4))
         self.register_buffer("scale_rows", scale.to(torch.bfloat16))  # (N, K/32)
         self.register_buffer("offset_rows", (zero - 8 * scale).to(torch.bfloat16))
 
@@ -237,14 +239,15 @@ class Int4Linear(nn.Module):
         """Q8_0 as two 4-bit halves of u = q + 128 = 16·high + low, the input fed twice:
         d·q = 16d·(high − 8) + d·(low − 8) + 8d. Its 8 bits and block scales survive (bf16
         scales)."""
-        u = q.to(torch.int32).add_(128)  # (N, K) 0..255
-        halves = u.new_empty(u.shape[0], 2 * u.shape[1])  # written in place: a vocabulary's
-        torch.bitwise_right_shift(u, 4, out=halves[:, : u.shape[1]])  # head is large
-        torch.bitwise_and(u, 15, out=halves[:, u.shape[1] :])
-        del u
+        assert q.dtype == torch.int8, q.dtype
+
+        def halves(rows, q):  # u = q + 128: two's complement with its sign bit flipped
+            u = q.view(torch.uint8) ^ 128
+            return (torch.cat((u >> 4, u & 15), 1),)
+
         zero = torch.zeros_like(d)
         return cls(
-            halves,
+            _by_rows(halves, q.shape[0], q)[0],  # (N, 2K) uint8, a vocabulary's head in slices
             torch.cat((16 * d, d), 1),
             torch.cat((zero, 8 * d), 1),
             copies=2,
@@ -272,41 +275,51 @@ class Int4Linear(nn.Module):
     def use_kernel(self, kernel: str) -> None:
         """Which of INT4_KERNELS multiplies: ``packed`` and ``scale_zero`` are rebuilt from the
         nibbles and scales in that kernel's layout (the same bf16 scales and zeros either way),
-        the other layout dropped."""
+        the other layout dropped. The weights are then held once: our kernels' tiles give the
+        nibbles back (stored_nibbles), so ``nibbles`` is dropped; torch's pack does not, so
+        they stay beside it."""
         assert kernel in INT4_KERNELS, kernel
         if kernel == self.kernel:
             return
         if why := int4_kernel_missing(kernel):
             raise WeightsError(f"the {kernel!r} 4-bit kernel cannot run here: {why}")
-        q = self.dequantized_nibbles()
+        nibbles, n, copies = self.stored_nibbles(), self.scale_rows.shape[0], self.copies
         scale, zero = self.scale_and_zero()
         if kernel in BLOCK_KERNELS:  # csrc/blocks.h: 4-bit tiles, or the halves as 8-bit ones
-            self.packed, self.scale_zero = _blocks_pack(q, scale, zero, self.copies)
+            form = _blocks_form(nibbles, zero, copies)  # the whole weight's, for every slice
+
+            def lay(rows, nibbles, scale, zero):
+                return _blocks_pack(_unpaired(nibbles), scale, zero, copies, *form)
+
+            self.packed, self.scale_zero = _by_rows(lay, n, nibbles, scale, zero)
         elif kernel != "torch":  # ours: the tiles' shape names the instructions (csrc int4_mm)
-            self.packed, self.scale_zero = _tile_pack(q, scale, zero)
+            lay = lambda rows, nibbles, scale, zero: _tile_pack(_unpaired(nibbles), scale, zero)
+            self.packed, self.scale_zero = _by_rows(lay, n, nibbles, scale, zero)
             if kernel == "amx-bf16":
                 self.packed = self.packed.view(self.packed.shape[0], -1, 4, 16)
         else:
-            self.packed = _torch_pack(q)
+            lay = lambda rows, nibbles: (_torch_pack(_unpaired(nibbles)),)
+            (self.packed,) = _by_rows(lay, n, nibbles)
             self.scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+        self.nibbles = nibbles if kernel == "torch" else None
         self.kernel = kernel
 
     def dequantized_nibbles(self) -> torch.Tensor:
         """q (N, copies·K) uint8 in 0..15."""
-        nibbles = self.stored_nibbles()
-        return torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).view(nibbles.shape[0], -1)
+        return _unpaired(self.stored_nibbles())
 
     def stored_nibbles(self) -> torch.Tensor:
-        """``nibbles``, rebuilt from our kernel's tiles where a prepared model left them out
-        (target.prepared: only re-laying or dequantizing the weights reads them)."""
-        if self.nibbles is None:
-            n = self.scale_rows.shape[0]
-            if self.kernel in BLOCK_KERNELS:
-                groups = self.scale_rows.shape[1] // self.copies
-                self.nibbles = _blocks_nibbles(self.packed, n, groups, self.copies)
-            else:
-                self.nibbles = _tile_nibbles(self.packed, n)
-        return self.nibbles
+        """``nibbles``, or where our kernel runs (use_kernel drops them, a prepared model leaves
+        them out) a copy rebuilt from its tiles and not kept: only re-laying or dequantizing
+        the weights reads them."""
+        if self.nibbles is not None:
+            return self.nibbles
+        n, groups, copies = self.scale_rows.shape[0], self.scale_rows.shape[1], self.copies
+        if self.kernel in BLOCK_KERNELS:
+            lay = lambda rows, tiles: (_blocks_nibbles(tiles, rows, groups // copies, copies),)
+        else:
+            lay = lambda rows, tiles: (_tile_nibbles(tiles, rows),)
+        return _by_rows(lay, n, self.packed)[0]
 
     def scale_and_zero(self):
         """The kernels' scale and zero (N, copies·K/32) bf16, w = (q − 8)·scale + zero, read
@@ -358,6 +371,36 @@ class Int4Linear(nn.Module):
         return w.view(n, -1)
 
 
+# Rows re-laid at once (a multiple of every layout's rows a unit: 8, 16, torch's 64): a large
+# vocabulary's LM head re-laid whole took GBs of temporaries (int16 and int32 copies of it).
+PACK_ROWS = 4096
+
+
+def _by_rows(lay, n: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """lay(rows, *slices) → tensors, over PACK_ROWS of a weight's n rows at a time, written
+    into outputs allocated once. Every tensor in and out holds the rows in order, a fixed
+    number per leading index (1, or a tile's 8 or 16), so a slice of rows is a slice of each."""
+    outs = []
+    for start in range(0, n, PACK_ROWS):
+        stop = min(start + PACK_ROWS, n)
+        parts = lay(stop - start, *(t[start * len(t) // n : stop * len(t) // n] for t in tensors))
+        if not outs:
+            outs = [p.new_empty((n * len(p) // (stop - start), *p.shape[1:])) for p in parts]
+        for out, part in zip(outs, parts):
+            out[start * len(out) // n : stop * len(out) // n] = part
+    return tuple(outs)
+
+
+def _paired(q: torch.Tensor) -> torch.Tensor:
+    """q (n, K) uint8 in 0..15 → nibbles (n, K/2), two inputs a byte, the first in the low half."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def _unpaired(nibbles: torch.Tensor) -> torch.Tensor:
+    """_paired's inverse: q (n, K) uint8."""
+    return torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).view(nibbles.shape[0], -1)
+
+
 def _torch_pack(q: torch.Tensor) -> torch.Tensor:
     """q (N, K) in 0..15 → torch's int4 pack (N, K/2) uint8."""
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 8)
@@ -379,26 +422,38 @@ def _tile_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
     return tiles, scales.permute(1, 3, 0, 2).contiguous()
 
 
-def _blocks_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, copies: int):
+def _blocks_form(nibbles: torch.Tensor, zero: torch.Tensor, copies: int) -> tuple[int, bool]:
+    """The bits of csrc/blocks.h's tiles of a whole weight (its nibbles (N, copies·K/2)) and
+    whether they keep the high halves' zeros (_blocks_pack): 4 for one copy; for two, 5 where
+    every high half is 0 or 1, else 8, the high zeros dropped where all are 0 (Q8_0's)."""
+    if copies == 1:
+        return 4, True
+    high = nibbles[:, : nibbles.shape[1] // 2]  # the high halves, two a byte
+    bits = 8 if (high & 0xEE).any() else 5  # a bit above the lowest: a high half over 1
+    return bits, bits == 5 or bool(zero[:, : zero.shape[1] // 2].any())
+
+
+def _blocks_pack(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, copies: int, bits: int, high: bool
+):
     """q (N, copies·K) in 0..15 and bf16 scale, zero (N, copies·K/32) → csrc/blocks.h's tiles
-    (N/8, K·bits/32, 8) int32 and scales (N/8, K/32, 1 + zeros, 8) bf16. One copy: 4-bit tiles,
-    the scale and the zero. Two (the halves hi, lo of a wider q, scales 16s and s): 5-bit tiles
-    of 16·hi + lo where every hi is 0 or 1 (Q5 blocks), else 8-bit ones of the signed byte
-    16·hi + lo − 128; s and both zeros (the low half's alone where the high halves have none,
-    as Q8_0's), so that the weights are the halves' exactly."""
+    (N/8, K·bits/32, 8) int32 and scales (N/8, K/32, 1 + zeros, 8) bf16, ``bits`` and ``high``
+    (whether the high halves' zeros are kept) the whole weight's (_blocks_form). One copy:
+    4-bit tiles, the scale and the zero. Two (the halves hi, lo of a wider q, scales 16s and
+    s): 5-bit tiles of 16·hi + lo where every hi is 0 or 1 (Q5 blocks), else 8-bit ones of the
+    signed byte 16·hi + lo − 128; s and both zeros (the low half's alone where the high halves
+    have none, as Q8_0's), so that the weights are the halves' exactly."""
     n, k = q.shape[0], q.shape[1] // copies
     groups = k // GROUP
     if copies == 1:
-        bits, planes = 4, (scale, zero)
+        planes = (scale, zero)
     else:
         assert copies == 2, copies
         if not torch.equal(scale[:, :groups], 16 * scale[:, groups:]):
             raise WeightsError("8-bit tiles need the high half's scales at 16× the low half's")
-        hi = q[:, :k]
-        bits = 5 if hi.max() <= 1 else 8
-        q = 16 * hi.to(torch.int16) + q[:, k:]
+        q = 16 * q[:, :k].to(torch.int16) + q[:, k:]
         planes = (scale[:, groups:], zero[:, :groups], zero[:, groups:])
-        if bits == 8 and not zero[:, :groups].any():  # Q8_0's: its high halves have no zero
+        if not high:  # Q8_0's: its high halves have no zero
             planes = (planes[0], planes[2])
     if bits == 8:  # vector c of a group: inputs 4c..4c+3, a byte each
         vectors = (q - 128).to(torch.int8).view(n // 8, 8, groups, 8, 4)

@@ -426,6 +426,7 @@ class CompactLlama(nn.Module):
         assert kernel in kernels.INT4_KERNELS, kernel
         if not all(isinstance(m, kernels.Int4Linear) for m in self.linears):
             raise WeightsError("a 4-bit kernel runs 4-bit linears only: these are float")
+        self._fused = self.prompt_cache = None  # its old packs: each freed once re-laid
         for linear in self.linears:
             linear.use_kernel(kernel)
         if isinstance(self.lm_head, kernels.Q8Head):  # its blocks too, the bound following
