@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import Q4_K, dequantize
 
 from ..errors import WeightsError
-from . import families, kernels, llama
+from . import families, kernels, llama, machine
 
 __all__ = [
     "AFFINE_BITS",
@@ -348,6 +348,7 @@ def from_gguf(path: str | Path, config) -> llama.CompactLlama:
         if family.qk_norms:
             qk_norms += [_float(tensors[f"blk.{i}.attn_{x}_norm.weight"]) for x in "qk"]
     norms.append(_float(tensors["output_norm.weight"]))
+    machine.release_freed_memory()  # the layers' temporaries, before the head's
     output = tensors.get("output.weight")  # tied unless the file has its own
     head = kernels.Q8Head(_rows(tensors["token_embd.weight"] if output is None else output))
     embed = head.table if output is None else _rows(tensors["token_embd.weight"])

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..errors import WeightsError
 from . import families, kernels, llama, prepared
-from .machine import CACHE_ENV, cache_dir, remembered, say
+from .machine import CACHE_ENV, cache_dir, release_freed_memory, remembered, say
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -411,6 +411,8 @@ def _load_prepared(name_or_path: str):
     kernel = prefill_kernel(measured, model.matmul, model.layer_kernel == "fused")
     model.use_prefill(kernel if dense_copy_fits(model) else "int4")
     model.use_head(measured["head"])
+    if loaded is None:
+        release_freed_memory()  # the conversion's and the kernel choice's temporaries
     if loaded is None or _kernel_choices(model) != before:  # new, or re-laid for this machine
         prepared.save_later(model_file(name_or_path), model, tokenizer)  # now on disk
     return model, tokenizer
