@@ -789,21 +789,31 @@ def measure_head(vocab: int, hidden: int, rows: tuple[int, ...] = (1, 4), repeat
     """Milliseconds of an LM head (vocab, hidden) of Q8_0 values, summed over inputs of ``rows``
     rows: as a Q8Head ("q8", on the faster of INT4_KERNELS: the linears' kernel, which the head
     shares, is chosen the same way) and in float32 ("float"). Inputs close to one token's row,
-    as real features are: a few logits to recompute, not thousands."""
+    as real features are: a few logits to recompute, not thousands. One head at a time beside
+    the Q8_0 table they share (Gemma 2's 256k vocabulary: all at once, from float32 rows, took
+    11 GB)."""
     if int4_missing():
         return {"q8": float("inf"), "float": 0.0}
-    weight = dequantize_q8_0(*quantize_q8_0(torch.randn(vocab, hidden) * 0.05))
-    heads = {"float": DenseLinear(weight)}
-    for kernel in INT4_KERNELS:
-        if not int4_kernel_missing(kernel):
-            heads[kernel] = Q8Head(weight)
-            heads[kernel].use_kernel(kernel)
-    result = dict.fromkeys(heads, 0.0)
+    q, d = torch.empty(vocab, hidden, dtype=torch.int8), torch.empty(vocab, hidden // GROUP)
+    for start in range(0, vocab, PACK_ROWS):  # a 256k vocabulary's float32 rows: 2.4 GB, and
+        part = slice(start, min(start + PACK_ROWS, vocab))  # quantized whole, 4 times that
+        q[part], d[part] = quantize_q8_0(torch.randn(part.stop - start, hidden) * 0.05)
+    table = BlockRows.from_q8_0(q, d)  # the rows each head recomputes from, shared
+    xs = {}
     for m in rows:
-        x = weight[torch.randint(vocab, (m,))]
-        x = 20 * x / x.norm(dim=1, keepdim=True)
-        for name, head in heads.items():
-            result[name] += best_ms(functools.partial(head, x), repeats)
+        x = table(torch.randint(vocab, (m,)))
+        xs[m] = 20 * x / x.norm(dim=1, keepdim=True)
+    result = {}
+    for name in ("float", *INT4_KERNELS):  # one head at a time beside the table
+        if name != "float" and int4_kernel_missing(name):
+            continue
+        if name == "float":
+            head = DenseLinear(table(slice(None)))
+        else:
+            head = Q8Head(table)
+            head.use_kernel(name)
+        result[name] = sum(best_ms(functools.partial(head, xs[m]), repeats) for m in rows)
+        del head
     return {"q8": min(v for k, v in result.items() if k != "float"), "float": result["float"]}
 
 
