@@ -604,6 +604,7 @@ class Q8Head(nn.Module):
                 del values
         self.table = weight  # the rows recomputed in float32: a BlockRows, or an nn.Embedding's
         self.blocks = Int4Linear.from_q8_0(*blocks)
+        del blocks  # padded ones: their own copy (a 256k vocabulary's: 0.6 GB)
         gamma, slack, norms = 2 * k * 2.0**-24, [], []
         for start in range(0, vocab, 4096):  # in slices: the whole would take ~1 GB at once
             rows = slice(start, min(start + 4096, vocab))
