@@ -406,11 +406,11 @@ def _load_prepared(name_or_path: str):
     loaded = prepared.load(source) if source else None
     model, tokenizer = loaded or _load_gguf_int4(name_or_path)
     before = _kernel_choices(model)
-    if loaded is None:
-        release_freed_memory()  # the conversion's temporaries
     # the layers chosen first: a first measurement of the kernels then runs beside the model's
-    # one layout, not beside torch's and the nibbles it is converted to
+    # one layout (not torch's and the nibbles it is converted to), its temporaries trimmed
     choose_layers(model_key(name_or_path, model), model)
+    if loaded is None:
+        release_freed_memory()
     measured = calibration(model.config)
     kernel = prefill_kernel(measured, model.matmul, model.layer_kernel == "fused")
     model.use_prefill(kernel if dense_copy_fits(model) else "int4")
