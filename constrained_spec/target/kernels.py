@@ -808,8 +808,12 @@ def measure_head(vocab: int, hidden: int, rows: tuple[int, ...] = (1, 4), repeat
     for name in ("float", *INT4_KERNELS):  # one head at a time beside the table
         if name != "float" and int4_kernel_missing(name):
             continue
-        if name == "float":
-            head = DenseLinear(table(slice(None)))
+        if name == "float":  # its float32 rows a slice at a time (whole: twice their size more)
+            weight = torch.empty(vocab, hidden)
+            for start in range(0, vocab, PACK_ROWS):
+                weight[start : start + PACK_ROWS] = table(slice(start, start + PACK_ROWS))
+            head = DenseLinear(weight)
+            del weight
         else:
             head = Q8Head(table)
             head.use_kernel(name)
