@@ -195,5 +195,5 @@ def release_freed_memory() -> None:
     ``malloc_trim`` returns their pages. Nothing where the C library has no malloc_trim."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator's own policy
+    except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl; Windows: no CDLL(None))
         pass
