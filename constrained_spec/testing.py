@@ -212,14 +212,7 @@ def write_gguf(
         vocab = _spm_vocabulary(w, *SPM_CONTROLS.get(arch, ("<bos>", "<eos>")))
     if family.window_period:
         w.add_sliding_window(window)
-    for key, value in (metadata or {}).items():  # replacing or leaving out the header's
-        w.kv_data[0].pop(key, None)
-        if isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        elif value is not None:
-            w.add_uint32(key, value)
+    _override_metadata(w, metadata or {})
 
     def add(name: str, rows: int, k: int, kind: str) -> None:
         if kind in ("F32", "F16"):
@@ -240,13 +233,10 @@ def write_gguf(
         add_float("rope_freqs.weight", rope_factors)
     for name, values in (float_tensors or {}).items():
         add_float(name, np.asarray(values))
-    layer = families.layer_tensors(family, hidden, ffn, heads, kv_heads, hd)
     layer_norms = {f"{name}.weight" for name, _ in family.norms}
-    # written in the order these files always had (their seeded values follow it): each bias
-    # after its weight, the layer's norms last
-    stem = lambda t: t[0].split(".")[0]  # a bias's and its weight's: attn_q
-    first = {stem(t): n for n, t in reversed(list(enumerate(layer)))}
-    layer.sort(key=lambda t: (t[0] in layer_norms, first[stem(t)]))
+    layer = _in_written_order(
+        families.layer_tensors(family, hidden, ffn, heads, kv_heads, hd), layer_norms
+    )
     for i in range(layers):
         for name, dims, kind in layer:
             if kind == "linear":
@@ -261,6 +251,26 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _override_metadata(w: gguf.GGUFWriter, metadata: dict) -> None:
+    """Each key of ``metadata`` replacing the header's, or leaving it out where None."""
+    for key, value in metadata.items():
+        w.kv_data[0].pop(key, None)
+        if isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif value is not None:
+            w.add_uint32(key, value)
+
+
+def _in_written_order(layer: list, layer_norms: set) -> list:
+    """A layer's tensors in the order these files always had (their seeded values follow it):
+    each bias after its weight, the layer's norms last."""
+    stem = lambda t: t[0].split(".")[0]  # a bias's and its weight's: attn_q
+    first = {stem(t): n for n, t in reversed(list(enumerate(layer)))}
+    return sorted(layer, key=lambda t: (t[0] in layer_norms, first[stem(t)]))
 
 
 WHEEL_MEMBER = "fake_model/tiny.gguf"  # where fake_builtin's wheel holds the GGUF
