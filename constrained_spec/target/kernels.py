@@ -795,10 +795,8 @@ def measure_head(vocab: int, hidden: int, rows: tuple[int, ...] = (1, 4), repeat
     11 GB)."""
     if int4_missing():
         return {"q8": float("inf"), "float": 0.0}
-    q, d = torch.empty(vocab, hidden, dtype=torch.int8), torch.empty(vocab, hidden // GROUP)
-    for start in range(0, vocab, PACK_ROWS):  # a 256k vocabulary's float32 rows: 2.4 GB, and
-        part = slice(start, min(start + PACK_ROWS, vocab))  # quantized whole, 4 times that
-        q[part], d[part] = quantize_q8_0(torch.randn(part.stop - start, hidden) * 0.05)
+    # a slice of rows at a time (a 256k vocabulary's float32 rows: 2.4 GB, quantized whole 4x that)
+    q, d = _by_rows(lambda rows: quantize_q8_0(torch.randn(rows, hidden) * 0.05), vocab)
     table = BlockRows.from_q8_0(q, d)  # the rows each head recomputes from, shared
     xs = {}
     for m in rows:
@@ -809,9 +807,7 @@ def measure_head(vocab: int, hidden: int, rows: tuple[int, ...] = (1, 4), repeat
         if name != "float" and int4_kernel_missing(name):
             continue
         if name == "float":  # its float32 rows a slice at a time (whole: twice their size more)
-            weight = torch.empty(vocab, hidden)
-            for start in range(0, vocab, PACK_ROWS):
-                weight[start : start + PACK_ROWS] = table(slice(start, start + PACK_ROWS))
+            (weight,) = _by_rows(lambda rows, ids: (table(ids),), vocab, torch.arange(vocab))
             head = DenseLinear(weight)
             del weight
         else:
