@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import codecs
 import functools
-import math
 import os
 import re
 import sys
@@ -46,7 +45,6 @@ from .target import (
     ModelFetchError,
     cache_dir,
     disk,
-    kernels,
     llama,
     load_model,
     machine,
@@ -395,11 +393,12 @@ def _add_cache_command(commands) -> None:
 def _add_calibrate_command(commands) -> None:
     command = commands.add_parser(
         "calibrate",
-        help="measure this machine's kernels and pass costs again for a model, and say why",
-        description="Measure again what a load chooses by measurement (the linears' kernel, "
-        "how the layers run, the LM head, the prompts' kernel, the pass-cost table), store it "
-        "in the cache and print each choice with its timings. Run it on a quiet machine: a "
-        "measurement taken while other processes kept the CPUs busy is used once and not kept.",
+        help="measure this machine's pass costs again for a model, and say what runs",
+        description="Name the kernels a load runs (fixed by this CPU's features: the 4-bit "
+        "matmul, how the layers run, the prompts' kernel, the LM head), measure the pass-cost "
+        "table that speculation plans with again, store it in the cache and print it. Run it on "
+        "a quiet machine: a measurement taken while other processes kept the CPUs busy is used "
+        "once and not kept.",
     )
     command.add_argument(
         "--model",
@@ -693,31 +692,19 @@ def _calibrate(args, out: Console, err: Console) -> int:
 
 
 def _calibration_lines(name: str, model, t0: float) -> list[str]:
-    """What ``constrained-spec calibrate`` prints: each choice a load makes by measurement,
-    with the timings behind it, one line each."""
-    c = models.calibration(model.config)
-    int4 = {k: c[f"matmul_{k}_ms"] for k in kernels.INT4_KERNELS}
+    """What ``constrained-spec calibrate`` prints: what the load runs and why, then the
+    pass-cost table measured again, one line each."""
     lines = [
         f"model: {name} ({models.shape_key(model.config)}), weights "
         f"{getattr(model, 'weights', 'float')} ({models.auto_weights(name)[1]})",
-        f"{c['measured']}: {_ms({**int4, 'int8': c['int8_ms'], 'float': c['float_ms']})}"
-        f" -> {c['choice']}" + (f" on {min(int4, key=int4.get)}" if c["choice"] == "int4" else ""),
     ]
     if not isinstance(model, llama.CompactLlama):
-        return [*lines, "transformers' forward runs it: no layer, head or pass-cost choices"]
-    layers = models.layer_calibration(models.model_key(name, model), model)
-    timings = {k[len("layers_") : -3]: v for k, v in layers.items() if k.startswith("layers_")}
-    lines.append(f"layers (a step and a 5-token verify pass): {_ms(timings)} -> {layers['layers']}")
-    head = {"q8": c["head_q8_ms"], "float": c["head_float_ms"]}
-    lines.append(f"LM head (1 + 4 rows): {_ms(head)} -> {c['head']}")
-    fastest = models.prefill_kernel(c, model.matmul, model.layer_kernel == "fused")
-    why = "the fastest" if model.prefill == fastest else "no room for the bf16 copy"
-    prefill = {
-        f"int4 ({model.matmul})": c[f"prefill_{model.matmul}_ms"],
-        "bf16": c["prefill_bf16_ms"],
-    }
-    prefill |= {k: c.get(f"prefill_dense-{k}_ms", math.inf) for k in kernels.DENSE_KERNELS}
-    lines.append(f"prompts (128 rows, 2 layers): {_ms(prefill)} -> {model.prefill} ({why})")
+        return [*lines, "transformers' forward runs it: no kernel or pass-cost choices"]
+    lines.append(
+        f"kernels (this CPU's features; no timing decides them): 4-bit matmuls {model.matmul}, "
+        f"layers {model.layer_kernel}, prompts {model.prefill}, LM head "
+        f"{type(model.lm_head).__name__}"
+    )
     table = cost.pass_cost(model)
     for rows, points in table.grid.items():
         fed = ", ".join(f"{n} fed {t:.1f}" for n, t in points)
@@ -737,12 +724,6 @@ def _calibration_lines(name: str, model, t0: float) -> list[str]:
         )
     )
     return lines
-
-
-def _ms(timings: dict[str, float]) -> str:
-    """Timings, fastest first; kernels that cannot run here (inf) left out."""
-    ran = sorted((v, k) for k, v in timings.items() if math.isfinite(v))
-    return ", ".join(f"{k} {v:.2f} ms" for v, k in ran)
 
 
 def _size(size: int) -> str:

@@ -45,7 +45,8 @@ def test_the_listing_names_every_entry_with_its_size(cache, capsys, ggufs, tmp_p
     spec, _ = testing.fake_builtin(monkeypatch, "tiny-test", builtin)
     (cache / "tiny-test").mkdir(parents=True)
     models.verified_gguf(spec, cache / "tiny-test")  # the built-in model's download
-    stored = _prepare(ggufs[0])  # and its measurements
+    stored = _prepare(ggufs[0])
+    machine.remembered("a pass-cost table", lambda: {"ms": 1.0})  # the measurements
     (cache / "kernels" / "Some-CPU-torch-2.0").mkdir(parents=True)
     (cache / "kernels" / "Some-CPU-torch-2.0" / "constrained_spec_fused.so").write_bytes(
         b"x" * 3000

@@ -102,23 +102,18 @@ def test_a_damaged_pass_cost_table_is_measured_again(
     assert len(said(capfd)) == (how != "missing")
 
 
-@pytest.mark.parametrize(
-    "how",
-    DAMAGES,
-)
-def test_a_damaged_calibration_does_not_stop_a_load(cache, capfd, gguf, how):
-    """Every measurement a load reads (kernel timings, the layers' way, pass costs) damaged."""
-    model, tokenizer = models.load_model(str(gguf), weights="int4")
+def test_a_load_measures_nothing(cache, gguf, monkeypatch):
+    """The kernels follow the CPU's features: a load times nothing and writes no measurement,
+    its first as its tenth (pass costs are measured by decoding, test above)."""
+
+    def timed(*args):
+        raise AssertionError("a load timed something")
+
+    monkeypatch.setattr(kernels, "best_ms", timed)
+    models.load_model(str(gguf), weights="int4")
     prepared.wait()
-    path = cache / "calibration.json"
-    keys = set(json.loads(path.read_text()))
-    damage(path, how, json.dumps(dict.fromkeys(keys, {"int4_ms": 1.0})).encode())
-    said(capfd)
-    again, _ = models.load_model(str(gguf), weights="int4")
-    ids = tokenizer.encode("hello there")  # (measured again, the kernels may differ: not equal)
-    assert _logits(again, ids).shape == _logits(model, ids).shape
-    assert len(said(capfd)) <= 1
-    assert set(json.loads(path.read_text())) == keys  # each measured again
+    models.load_model(str(gguf), weights="int4")
+    assert not (cache / "calibration.json").exists()
 
 
 # --- the fused layers: the build stamp and the compiled module --------------------------------

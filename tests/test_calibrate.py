@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from constrained_spec import cli, testing
-from constrained_spec.target import kernels, llama, machine, prepared
+from constrained_spec.decoding import cost
+from constrained_spec.target import kernels, machine, models, prepared
 
 
 @pytest.fixture
@@ -35,7 +36,16 @@ def ours(capfd) -> list[str]:
     return [x for x in capfd.readouterr().err.splitlines() if x.startswith("constrained_spec:")]
 
 
-def test_a_measurement_under_load_is_used_once_and_measured_again_when_quiet(
+def an_hour_ago(cache: Path) -> None:
+    """Every provisional entry of the cache as if measured an hour earlier."""
+    path = cache / "calibration.json"
+    entries = json.loads(path.read_text())
+    for entry in entries.values():
+        entry[machine.MEASURED_AT] -= machine.REMEASURE_S
+    path.write_text(json.dumps(entries))
+
+
+def test_a_measurement_under_load_is_used_for_an_hour_and_measured_again_when_quiet(
     cache, capfd, monkeypatch
 ):
     calls = []
@@ -54,10 +64,17 @@ def test_a_measurement_under_load_is_used_once_and_measured_again_when_quiet(
     assert machine.remembered("layers", measure) == {"ms": 40.0}  # this process: kept
     assert len(calls) == 1, "measured twice in one process"
 
-    new_process(monkeypatch)  # still loaded: measured again, and not kept either
+    new_process(monkeypatch)  # within the hour: the provisional one, not measured again
+    assert machine.remembered("layers", measure) == {"ms": 40.0} and len(calls) == 1
+    assert ours(capfd) == []
+    an_hour_ago(cache)
+    new_process(monkeypatch)  # an hour on, still loaded: measured again, and not kept either
     assert machine.remembered("layers", measure) == {"ms": 40.0} and len(calls) == 2
     assert "measured under load" in ours(capfd)[0]
+    new_process(monkeypatch)  # that one's hour has not passed: not measured again
+    assert machine.remembered("layers", measure) == {"ms": 40.0} and len(calls) == 2
 
+    an_hour_ago(cache)
     new_process(monkeypatch)
     load = 0.01  # quiet
     assert machine.remembered("layers", measure) == {"ms": 20.0} and len(calls) == 3
@@ -108,24 +125,21 @@ def gguf(tmp_path_factory):
 def test_calibrate_measures_again_and_names_each_choice(cache, capsys, gguf, monkeypatch):
     monkeypatch.setattr(machine, "others_share", lambda before, after: 0.0)  # quiet, then busy
     timed = []
-    real = llama.measure_layers
-    monkeypatch.setattr(llama, "measure_layers", lambda m: timed.append(1) or real(m, repeats=1))
+    real = cost.measure
+    monkeypatch.setattr(cost, "measure", lambda m: timed.append(1) or real(m))
     assert cli.main(["calibrate", "--model", str(gguf)]) == 0
     prepared.wait()
     lines = capsys.readouterr().out.splitlines()
     text = "\n".join(lines)
-    stored = json.loads((cache / "calibration.json").read_text())
-    (layers,) = [v["layers"] for v in stored.values() if "layers" in v]
-    (measured,) = [v for v in stored.values() if "choice" in v]
-    assert lines[0].startswith(f"model: {gguf}") and "weights int4 (auto: linears" in lines[0]
-    assert f"-> {measured['choice']}" in lines[1] and "float" in lines[1]
-    assert f"layers (a step and a 5-token verify pass): {layers.split('/')[0]}" in text
-    assert text.count(f"-> {layers}") == 1
-    assert "LM head (1 + 4 rows): " in text and f"-> {measured['head']}" in text
-    assert "prompts (128 rows, 2 layers): " in text and "(the fastest)" in text
+    assert lines[0].startswith(f"model: {gguf}") and "weights int4 (auto: the 4-bit" in lines[0]
+    model = models.load_model(str(gguf), weights="int4")[0]
+    assert lines[1] == (
+        f"kernels (this CPU's features; no timing decides them): 4-bit matmuls {model.matmul}, "
+        f"layers {model.layer_kernel}, prompts {model.prefill}, LM head Q8Head"
+    )
     assert "pass cost, 1 row (ms): 1 fed " in text and "pass cost, 16 rows (ms): " in text
     assert "acceptance rule per position: sampled " in text
-    assert "3 measurements in" in lines[-1] and "all on a quiet machine" in lines[-1]
+    assert "1 measurements in" in lines[-1] and "all on a quiet machine" in lines[-1]
     assert len(timed) == 1
 
     new_process(monkeypatch)  # cached now; calibrate measures again all the same
@@ -133,7 +147,7 @@ def test_calibrate_measures_again_and_names_each_choice(cache, capsys, gguf, mon
     assert cli.main(["calibrate", "--model", str(gguf)]) == 0
     assert len(timed) == 2
     last = capsys.readouterr().out.splitlines()[-1]
-    assert "3 under load: used once, not kept (run calibrate on a quiet machine)" in last
+    assert "1 under load: used once, not kept (run calibrate on a quiet machine)" in last
     marked = json.loads((cache / "calibration.json").read_text()).values()
     assert all(machine.PROVISIONAL in v for v in marked)
 

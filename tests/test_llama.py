@@ -3,7 +3,6 @@ int4 kernels, each against an independent reference (transformers' forward, the 
 quantizer, a plain float matmul, llama.cpp's permutation written out here)."""
 
 import copy
-import json
 import time
 from pathlib import Path
 
@@ -648,7 +647,7 @@ def explode(*args, **kwargs):
 
 
 def test_unknown_weights_fail_before_loading(monkeypatch):
-    for name in ("_load_float", "_load_gguf_int4", "_converted_copy", "calibration"):
+    for name in ("_load_float", "_load_gguf_int4", "_converted_copy", "use_kernels"):
         monkeypatch.setattr(models, name, explode)
     start = time.perf_counter()
     with pytest.raises(WeightsError, match="int3.*auto, int4, int8, float"):
@@ -753,84 +752,43 @@ def test_int8_draft_of_a_compact_target_is_refused(tiny_target, tiny_tokenizer, 
             Generator.from_pretrained("tiny", draft=draft, weights="int4")
 
 
-# --- the cached kernel measurement behind weights="auto" ------------------------------------------
+# --- the kernels: fixed by the CPU, never by a timing ----------------------------------------------
 
 
-def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch, tiny_target):
-    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(models, "_converted_copy", lambda name, spec: tmp_path / "converted")
-    monkeypatch.setattr(AutoConfig, "from_pretrained", lambda *a, **k: tiny_target.config)
-    calls = []
+def test_the_kernels_follow_the_cpu_and_no_timing(monkeypatch, tiny_target):
+    """Which kernels run is a function of what this CPU and build run: the first of
+    MATMUL_ORDER, the fused layers where they load (never around torch's kernel), the prompts'
+    bf16 copy on AMX or AVX-512 BF16 where they run, the Q8 head wherever 4-bit kernels run.
+    weights="auto" reads no config and times nothing for the built-in model."""
+    runs = set()
     monkeypatch.setattr(
-        kernels,
-        "measure_linears",
-        lambda shapes: (
-            calls.append(shapes)
-            or {
-                **{"float": 2.0, "avx512-bf16": 1.0, "amx-bf16": 1.2, "avx2": 1.3},
-                **{"neon": float("inf"), "torch": 1.5, "int8": 1.8},
-            }
-        ),
+        kernels, "int4_kernel_missing", lambda k: None if k in runs or k == "torch" else "no"
     )
-    monkeypatch.setattr(
-        kernels,
-        "measure_prefill",
-        lambda shapes: {
-            **{"bf16": 3.0, "avx512-bf16": 2.5, "amx-bf16": 2.0, "avx2": 3.5},
-            **{"neon": float("inf"), "torch": 4.0},
-        },
+    monkeypatch.setattr(kernels, "fused_missing", lambda: None)
+    monkeypatch.setattr(kernels, "best_ms", explode)
+    for ours, matmul, prefill in [
+        ({"amx-bf16", "avx512-bf16", "avx2"}, "amx-bf16", "amx-bf16"),
+        ({"avx512-bf16", "avx2"}, "avx512-bf16", "avx512-bf16"),
+        ({"avx2"}, "avx2", "int4"),
+        ({"neon"}, "neon", "int4"),
+        (set(), "torch", "int4"),
+    ]:
+        runs.clear()
+        runs.update(ours)
+        assert models.matmul_kernel() == matmul
+        layers = models.layer_kernel(matmul)
+        assert layers == ("python" if matmul == "torch" else "fused")
+        assert models.prefill_kernel(matmul, layers) == prefill
+        assert models.head_kernel() == "q8"
+    for name in ("load_config", "builtin_gguf", "_converted_copy"):
+        monkeypatch.setattr(models, name, explode)
+    assert models.auto_weights(models.DEFAULT_MODEL) == (
+        "int4",
+        "auto: the 4-bit kernels run on this CPU (torch)",
     )
-    monkeypatch.setattr(kernels, "measure_head", lambda vocab, d: {"q8": 1.5, "float": 2.5})
-    name, path = models.DEFAULT_MODEL, tmp_path / "calibration.json"
-
-    assert models.choose_weights(name) == "int4"
-    layer = [(64, 32), (32, 32), (128, 32), (32, 64)]  # the tiny config's qkv, o, gate_up, down
-    assert calls == [layer * 4]
-    (stored,) = json.loads(path.read_text()).values()
-    assert stored == {
-        "int4_ms": 1.0,  # the faster 4-bit kernel's
-        "int8_ms": 1.8,
-        "float_ms": 2.0,
-        "choice": "int4",
-        "matmul_avx512-bf16_ms": 1.0,
-        "matmul_amx-bf16_ms": 1.2,
-        "matmul_avx2_ms": 1.3,
-        "matmul_neon_ms": float("inf"),
-        "matmul_torch_ms": 1.5,
-        "measured": "linears of 4 layers, 1 + 5 rows",
-        "prefill_bf16_ms": 3.0,
-        "prefill_avx512-bf16_ms": 2.5,
-        "prefill_amx-bf16_ms": 2.0,
-        "prefill_avx2_ms": 3.5,
-        "prefill_neon_ms": float("inf"),
-        "prefill_torch_ms": 4.0,
-        "head_q8_ms": 1.5,
-        "head_float_ms": 2.5,
-        "head": "q8",
-    }
-    config = AutoConfig.from_pretrained(models._converted_copy(name, models.BUILTIN_MODELS[name]))
-    assert models.calibration(config) == stored and models.choose_weights(name) == "int4"
-    # a prompt's prefill: the bf16 copy only where it beats the 4-bit kernel the linears run
-    assert models.prefill_kernel(stored, "avx512-bf16") == "int4"
-    assert models.prefill_kernel(stored, "torch") == "bf16"
-    dense = {**stored, "prefill_dense-amx-bf16_ms": 1.5}  # ours on the copy: the fastest
-    assert models.prefill_kernel(dense, "amx-bf16") == "amx-bf16"
-    faster = {**dense, "prefill_bf16_ms": 1.0}  # torch's: fused layers never take it
-    assert models.prefill_kernel(faster, "amx-bf16") == "bf16"
-    assert models.prefill_kernel(faster, "amx-bf16", fused=True) == "amx-bf16"
-    vector = {**stored, "prefill_dense-avx512-bf16_ms": 1.4}  # no AMX: ours with AVX-512 BF16
-    assert models.prefill_kernel(vector, "avx512-bf16", fused=True) == "avx512-bf16"
-    described = models.describe_weights(name, "auto", "int4")
-    assert "1.0 ms in int4 vs 2.0 ms" in described
-    assert len(calls) == 1, "measured again although cached"
-
-    path.write_text("{not json")
-    assert models.calibration(config) == stored and len(calls) == 2
-    (rewritten,) = json.loads(path.read_text()).values()
-    assert rewritten == stored, "the corrupt file was not rewritten"
-
-    monkeypatch.setattr(kernels, "measure_linears", explode)
-    assert models.choose_weights(str(tmp_path / "some-local-model")) == "float"
+    monkeypatch.setattr(kernels, "int4_missing", lambda: "NotImplementedError: no int4 op")
+    assert models.head_kernel() == "float"
+    assert models.auto_weights(models.DEFAULT_MODEL)[0] == "float"
 
 
 # --- the real default model -----------------------------------------------------------------------
@@ -1021,34 +979,15 @@ def test_a_missing_int4_kernel_is_named_and_auto_falls_back(monkeypatch):
     for weights in ("int4", "int8"):
         with pytest.raises(WeightsError, match="no int4 op.*weights='float'"):
             models.load_model(models.DEFAULT_MODEL, weights=weights)
-    timings = kernels.measure_linears([(64, 64)], repeats=1)
-    assert timings["torch"] == float("inf") and timings["float"] < float("inf")
-    assert set(kernels.measure_prefill([(64, 64)]).values()) == {float("inf")}
+    assert models.auto_weights(models.DEFAULT_MODEL)[0] == "float"
 
 
-def test_the_layers_are_chosen_by_measurement_once_and_a_missing_compiler_is_named(
-    tmp_path, monkeypatch, tiny_target
-):
-    """choose_layers measures the loaded model once per machine and keeps the faster way of
-    running its layers and 4-bit matmuls; where the fused layers cannot be built, the model runs
-    the Python loop on torch's kernel and the --stats line says why (asking for them anyway is a
-    WeightsError naming the compiler's complaint)."""
-    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+def test_without_the_compiled_layers_the_python_loop_runs_and_says_why(monkeypatch, tiny_target):
+    """Where the fused layers cannot load, the model runs the Python loop on torch's kernel and
+    the --stats line says why (asking for them anyway is a WeightsError naming the cause)."""
     compact = llama.from_transformers(tiny_target, "int4")
-    calls = []
-    measured = {"fused/avx512-bf16": 3.0, "fused/torch": 2.0, "python/torch": 1.0}
-    monkeypatch.setattr(llama, "measure_layers", lambda m: calls.append(m) or measured)
-    if kernels.fused_missing() is None:
-        assert models.choose_layers("tiny", compact) == "python/torch"  # the faster, as measured
-        assert models.choose_layers("tiny", compact) == "python/torch" and len(calls) == 1
-        stored = json.loads((tmp_path / "calibration.json").read_text())
-        assert [v["layers"] for v in stored.values()] == ["python/torch"]
-        described = models.describe_weights("tiny", "int4", "int4", compact)
-        assert "layers in Python (faster here than fused), 4-bit matmuls torch's" in described
     monkeypatch.setattr(kernels, "fused_build", lambda: (None, "RuntimeError: no c++ here"))
-    # a choice cached on a machine that could build the fused layers; this one cannot
-    measured = {"fused/avx512-bf16": 1.0, "fused/torch": 2.0, "python/torch": 3.0}
-    assert models.choose_layers("other", compact) == "python/torch"
+    assert models.use_kernels(compact) == "python/torch"
     described = models.describe_weights("other", "int4", "int4", compact)
     assert "fused: RuntimeError: no c++ here" in described
     assert "4-bit matmuls torch's (ours: it is compiled with the fused layers" in described
@@ -1059,17 +998,11 @@ def test_the_layers_are_chosen_by_measurement_once_and_a_missing_compiler_is_nam
 
 
 @needs_ours
-def test_the_measurement_picks_our_kernel_where_it_is_faster(tmp_path, monkeypatch, tiny_target):
-    """The real measurement (no stand-in): every way that runs here is timed, and the choice is
-    left on the model, our kernel's packs in place of torch's."""
-    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+def test_use_kernels_puts_a_model_on_ours(tiny_target):
+    """The choice left on the model: our kernel's tiles in place of torch's pack, fused layers."""
     compact = llama.from_transformers(tiny_target, "int4")
-    timings = llama.measure_layers(compact, repeats=1)
-    runs = [b for b in kernels.INT4_KERNELS if not kernels.int4_kernel_missing(b)]
-    assert set(timings) == {f"{a}/{b}" for a in kernels.LAYER_KERNELS for b in runs}
-    assert compact.matmul == "torch" and compact.layer_kernel == "python", "not left as it was"
-    monkeypatch.setattr(llama, "measure_layers", lambda m: {**timings, "fused/avx512-bf16": 0.0})
-    assert models.choose_layers("tiny", compact) == "fused/avx512-bf16"
+    assert compact.matmul == "torch" and compact.layer_kernel == "python"
+    assert models.use_kernels(compact) == f"fused/{models.matmul_kernel()}"
     assert all(m.packed.dtype == torch.int32 for m in compact.linears)  # our tiles, not torch's
 
 
@@ -1265,29 +1198,20 @@ def test_either_lm_head_kernel_gives_the_same_top_logit(tiny_int4_target):
     assert torch.equal(model.head(features, masks), blocks)
 
 
-def test_auto_runs_a_local_checkpoint_in_8_bits_where_faster(
-    tmp_path, monkeypatch, tiny_target, tiny_tokenizer
-):
-    """weights="auto" on a local checkpoint the compact forward runs: Q8_0 linears where the
-    measurement at its shapes says they beat float32 (the reason said), else float; one it does
-    not run (another activation) stays float, and says why."""
+def test_auto_runs_a_local_checkpoint_in_8_bits(tmp_path, monkeypatch, tiny_target, tiny_tokenizer):
+    """weights="auto" on a local checkpoint the compact forward runs: Q8_0 linears wherever the
+    4-bit kernels run (the reason said); one it does not run (another activation) stays float,
+    and says why."""
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
     folder = tmp_path / "tiny"
     tiny_target.save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
-    timings = {**dict.fromkeys(kernels.INT4_KERNELS, 1.0), "float": 2.0, "int8": 1.5}
-    monkeypatch.setattr(kernels, "measure_linears", lambda shapes: dict(timings))
-    monkeypatch.setattr(kernels, "measure_prefill", lambda shapes: dict.fromkeys(timings, 1.0))
-    monkeypatch.setattr(kernels, "measure_head", lambda vocab, d: {"q8": 1.0, "float": 2.0})
     choice, why = models.auto_weights(str(folder))
-    assert choice == "int8" and "1.5 ms in int8 vs 2.0 ms in float32" in why
+    assert choice == "int8" and f"run on this CPU ({models.matmul_kernel()})" in why
     gen = Generator.from_pretrained(str(folder))
-    assert gen.weights == "int8" and "1.5 ms in int8" in gen.weights_choice
-    timings["int8"] = 3.0  # slower here than float32: another shape's key, measured anew
+    assert gen.weights == "int8" and "run on this CPU" in gen.weights_choice
     config = AutoConfig.from_pretrained(folder)
-    config.intermediate_size = 96
-    monkeypatch.setattr(models, "load_config", lambda path: config)
-    assert models.auto_weights(str(folder))[0] == "float"
     config.hidden_act = "relu"
+    monkeypatch.setattr(models, "load_config", lambda path: config)
     choice, why = models.auto_weights(str(folder))
     assert choice == "float" and "the 'relu' activation" in why

@@ -644,36 +644,6 @@ class CompactLlama(nn.Module):
         return self.lm_head(features)
 
 
-def measure_layers(model: CompactLlama, repeats: int = 5) -> dict[str, float]:
-    """Milliseconds of a one-token step plus a 5-token verify pass after a 64-token context,
-    the layers alone (no logits), per way of running them that works here: "fused" or "python"
-    (kernels.LAYER_KERNELS), with each of kernels.INT4_KERNELS for 4-bit linears ("fused/torch",
-    ...). Best of ``repeats``. Leaves the model as it was."""
-    kept, kept_matmul, result = model.layer_kernel, model.matmul, {}
-    context = torch.arange(64) % model.vocab_size
-    matmuls = kernels.INT4_KERNELS if kept_matmul else (None,)
-    for layers, matmul in [(a, b) for a in kernels.LAYER_KERNELS for b in matmuls]:
-        try:
-            if matmul:
-                model.use_matmul(matmul)
-            model.use_layers(layers)
-        except WeightsError:
-            continue
-        cache = model.new_cache()
-        model(context, cache, logits=False)
-
-        def step_and_verify(cache=cache):
-            for n in (1, 5):
-                model(context[:n], cache, logits=False)
-                cache.crop(64)
-
-        result["/".join(filter(None, (layers, matmul)))] = kernels.best_ms(step_and_verify, repeats)
-    if kept_matmul:
-        model.use_matmul(kept_matmul)
-    model.use_layers(kept)
-    return result
-
-
 # JSON's positions are mostly either narrow (keys, numbers, punctuation: at most ~100 of 49,152
 # tokens legal, 40% of verify positions on 8 extract requests) or wide (string contents: a quarter
 # of the vocabulary or more); a narrow one costs a gather of its rows instead of the whole head,

@@ -50,10 +50,11 @@ def remembered(what: str, measure, valid=None) -> dict:
     or a file that does not parse, is measured again, and said so in one line.
 
     A measurement taken while other processes kept the CPUs busy (``others_share`` over
-    LOADED_SHARE) is used by this process but stored as provisional: the next process measures
-    it again, and keeps it once the machine was quiet (a busy neighbour made the fused layers
-    2-8x slower here and used to be pinned forever). After ``measure_again()`` every entry is
-    measured once more in this process (``constrained-spec calibrate``)."""
+    LOADED_SHARE) is used but stored as provisional: a process an hour or more later measures
+    it again (at most once an hour, however many processes start: a server beside other work
+    paid 8-55 s in every process), and keeps it once the machine was quiet (a busy neighbour made
+    the fused layers 2-8x slower here and used to be pinned forever). After ``measure_again()``
+    every entry is measured once more in this process (``constrained-spec calibrate``)."""
     key = f"{what} | {cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
     path = cache_dir() / "calibration.json"
     if (path, key) in _provisional:  # measured under load by this process: not again
@@ -62,9 +63,9 @@ def remembered(what: str, measure, valid=None) -> dict:
     stored = known.get(key)
     again = _again and (path, key) not in _measured_now
     if isinstance(stored, dict) and (valid is None or _usable(valid, stored)):
-        if not (again or PROVISIONAL in stored):
-            return stored
-        if PROVISIONAL in stored and not again:
+        if not again and (PROVISIONAL not in stored or _recent(stored)):
+            return {k: v for k, v in stored.items() if k not in (PROVISIONAL, MEASURED_AT)}
+        if not again:
             say(f"{_label(what)} was measured under load ({stored[PROVISIONAL]}); measuring again.")
     elif stored is not None:
         damage = f"its entry for {_label(what)!r} is not one this version reads"
@@ -77,10 +78,11 @@ def remembered(what: str, measure, valid=None) -> dict:
     _measured_now[path, key] = entry = dict(result)
     if busy is not None and busy > LOADED_SHARE:
         entry[PROVISIONAL] = f"other processes used {busy:.0%} of the CPUs"
+        entry[MEASURED_AT] = int(time.time())
         _provisional[path, key] = result
         say(
             f"{_label(what)}: measured while other processes used {busy:.0%} of the CPUs; "
-            "used for this run only, measured again by the next."
+            "used as it is for an hour, then measured again."
         )
     known, _ = _measurements(path)  # read again: another process may have written meanwhile
     known[key] = entry
@@ -92,6 +94,16 @@ def remembered(what: str, measure, valid=None) -> dict:
 
 
 PROVISIONAL = "provisional"  # a stored entry's mark: measured under load, why
+MEASURED_AT = "measured_at"  # and when (seconds since the epoch)
+REMEASURE_S = 3600.0  # a provisional entry is measured again once it is this old
+
+
+def _recent(stored: dict) -> bool:
+    """Whether a provisional entry was measured less than REMEASURE_S ago."""
+    at = stored.get(MEASURED_AT)
+    return isinstance(at, (int, float)) and 0 <= time.time() - at < REMEASURE_S
+
+
 # Above this share of the CPUs used by other processes during a measurement, it is not kept.
 # Measured on a 2-core machine around the layers' and linears' measurements: quiet 0.00-0.06, one
 # busy `python -c "while True: pass"` beside them 0.34-0.36 (the fused layers 1.6-2x slower, torch's

@@ -21,7 +21,6 @@ import copy
 import difflib
 import hashlib
 import json
-import math
 import os
 import shutil
 import socket
@@ -42,7 +41,7 @@ from torch import nn
 
 from ..errors import WeightsError
 from . import families, kernels, llama, prepared
-from .machine import CACHE_ENV, cache_dir, release_freed_memory, remembered, say
+from .machine import CACHE_ENV, cache_dir, release_freed_memory, say
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -153,7 +152,7 @@ def load_model(
     model, tokenizer = _load_float(name_or_path, dtype)
     if weights != "float":
         model = llama.from_transformers(model, weights)
-        choose_layers(model_key(name_or_path, model), model)
+        use_kernels(model)
     return model.eval(), tokenizer
 
 
@@ -177,16 +176,6 @@ def _user_gguf(name_or_path: str) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
-def model_key(name_or_path: str, model) -> str:
-    """A loaded model's name in the measurement cache: built-in names as they are, other
-    models by their shape and tensor types (what their layers' cost depends on), so that a
-    file's copy, or a test's fresh file, reuses the measurement."""
-    if name_or_path in BUILTIN_MODELS:
-        return name_or_path
-    types = _describe_types(model.tensor_types) if model.tensor_types else model.weights
-    return f"{shape_key(model.config)} | {types}"
-
-
 def _describe_types(types: dict[str, int]) -> str:
     """``CompactLlama.tensor_types`` in a line: "168 Q4_K, 28 Q6_K → Q8_0 (re-quantized), …"."""
     return ", ".join(f"{n} {kind}" for kind, n in types.items())
@@ -207,25 +196,21 @@ def choose_weights(name_or_path: str) -> str:
 def auto_weights(name_or_path: str) -> tuple[str, str]:
     """What weights="auto" runs, and why: "int4" for the built-in model and a GGUF file of an
     architecture and tensor types the compact forward runs (its own blocks), "int8" for a local
-    checkpoint it runs, where this machine runs those linears faster than float32 ones at the
-    model's shapes; else "float" (hub ids too: their config is read only once loaded). The
-    measurement (a second or a few) is cached per CPU model, torch version, thread count and
-    shape."""
+    checkpoint it runs, wherever torch's 4-bit ops run (every 4-bit linear is built through
+    them; the compact forward was faster than float32 on every CPU measured, docs/models.md);
+    else "float" (hub ids too: their config is read only once loaded). No timing decides it."""
     gguf = _user_gguf(name_or_path)
     local = Path(name_or_path).expanduser()
     source = model_file(name_or_path)
     config = prepared.config(source) if source else None
-    if config is None:  # (the GGUF reader: ≈ 0.1 s to import, seconds to read a large file)
-        from . import files
-
-        reader = files.read_gguf(gguf) if gguf else None  # an unreadable file: its error
     try:
-        if config is not None:  # prepared: the file's checks passed then
+        if config is not None or name_or_path in BUILTIN_MODELS:  # prepared: checked then
             choice = "int4"
-        elif name_or_path in BUILTIN_MODELS or gguf:
-            if gguf:
-                files.check_gguf(reader, gguf)
-            choice, config = "int4", load_config(gguf or builtin_gguf(name_or_path))
+        elif gguf:
+            from . import files  # (the GGUF reader: ≈ 0.1 s to import)
+
+            files.check_gguf(files.read_gguf(gguf), gguf)  # an unreadable file: its error
+            choice, config = "int4", load_config(gguf)
         elif local.exists():
             config = load_config(local)
             llama.check_compact(config, "int8")
@@ -234,30 +219,24 @@ def auto_weights(name_or_path: str) -> tuple[str, str]:
             return "float", "auto: a hub id runs transformers' forward"
     except WeightsError as err:
         return "float", f"auto: {err}"
-    c = calibration(config)
     if kernels.int4_missing():
         return "float", f"auto: the 4-bit kernels cannot run here ({kernels.int4_missing()})"
     if gguf and (family := families.family_of(config)).gguf_config_as:
         return choice, f"auto: transformers reads no {family.name} GGUF files (float cannot run it)"
-    faster = c[f"{choice}_ms"] < c["float_ms"]
-    return (choice if faster else "float"), (
-        f"auto: linears {c[f'{choice}_ms']:.1f} ms in {choice} vs {c['float_ms']:.1f} ms in "
-        f"float32 on this CPU, {c['measured']}"
-    )
+    return choice, f"auto: the 4-bit kernels run on this CPU ({matmul_kernel()})"
 
 
 def describe_weights(name: str, requested: str, used: str, model=None) -> str:
-    """One line for --stats and the benchmark: what runs, and why (the measurement for auto);
-    with the loaded ``model``, how its layers run too, and a GGUF file's tensors."""
+    """One line for --stats and the benchmark: what runs, and why; with the loaded ``model``,
+    how its layers run too, and a GGUF file's tensors."""
     layers = _describe_layers(model)
     types = getattr(model, "tensor_types", None)
     tensors = f", GGUF tensors: {_describe_types(types)}" if types else ""
     why = "asked for" if requested != "auto" else auto_weights(name)[1]
     if used != "int4" or model is None:
         return f"{used}{tensors}{layers} ({why})"
-    c = calibration(model.config)
-    head = "8-bit LM head (top logits in float32)" if c["head"] == "q8" else "float32 LM head"
-    kernel = getattr(model, "prefill", None) or prefill_kernel(c, "torch")
+    head = "8-bit LM head (top logits in float32)" if head_kernel() == "q8" else "float32 LM head"
+    kernel = getattr(model, "prefill", None) or "int4"
     fused = getattr(model, "layer_kernel", None) == "fused"
     prompts = f"prompts through the {'fused layers' if fused else kernel + ' kernel'}"
     if fused and kernel in kernels.DENSE_KERNELS:
@@ -275,7 +254,7 @@ def _describe_layers(model) -> str:
         "amx-bf16": ", 4-bit matmuls ours (AMX BF16 tiles)",
         "avx2": ", 4-bit and 8-bit matmuls ours (AVX2, int8 activations)",
         "neon": ", 4-bit and 8-bit matmuls ours (NEON dot products, int8 activations)",
-        "torch": ", 4-bit matmuls torch's" + _why_not_ours(),
+        "torch": f", 4-bit matmuls torch's (ours: {kernels.int4_kernel_missing('avx2')})",
     }.get(getattr(model, "matmul", None), "")
     if kernel == "fused":
         return f", layers fused (one compiled call per step){matmul}"
@@ -285,117 +264,65 @@ def _describe_layers(model) -> str:
             if all(isinstance(m, kernels.Int4Linear) for m in model.linears)
             else "float linears"
         )
-        return (
-            f", layers in Python ({'fused: ' + missing if missing else 'faster here than fused'})"
-            + matmul
-        )
+        if not missing:  # they load, but run our 4-bit kernels only
+            missing = "no 4-bit kernel of ours runs here"
+        return f", layers in Python (fused: {missing}){matmul}"
     return ""
 
 
-def _why_not_ours() -> str:
-    """Why none of our 4-bit kernels runs here ("" where one does: torch's measured faster)."""
-    ours = [k for k in kernels.INT4_KERNELS if k != "torch"]
-    if any(kernels.int4_kernel_missing(k) is None for k in ours):
-        return " (faster here than ours)"
-    return f" (ours: {kernels.int4_kernel_missing('avx2')})"
+# --- the kernels a compact model runs -----------------------------------------------------------
+#
+# Fixed by what this CPU and build run, never by a timing: two caches on one machine that chose by
+# timing (one calibrated beside a busy neighbour) ran different kernels, and the same request got
+# two replies (46 tokens in one, cut at 160 in the other). The order is what the measurements
+# chose on every machine they ran on, quiet (docs/performance.md): AMX tiles where the CPU has
+# amx_bf16, else AVX-512 BF16 dot products, else our int8-activation tiles (AVX2, NEON dot
+# products), else torch's 4-bit kernel.
+MATMUL_ORDER = ("amx-bf16", "avx512-bf16", "avx2", "neon", "torch")
 
 
-# Part of the calibration's cache key: a new measurement method invalidates the cached choices.
-CALIBRATION = "v10: per shape; each 4-bit matmul kernel measured (AMX, AVX2, NEON too), 8-bit, the head on each, dense prompts (AMX, AVX-512)"
+def matmul_kernel() -> str:
+    """The 4-bit matmul kernel of every compact model here: the first of MATMUL_ORDER that
+    runs ("torch" where none of ours does)."""
+    return next((k for k in MATMUL_ORDER if not kernels.int4_kernel_missing(k)), "torch")
 
 
-def calibration(config) -> dict:
-    """The linear-kernel timings behind ``auto_weights`` and the kernel choices for a model of
-    ``config``'s shapes, cached."""
-    return remembered(
-        f"{shape_key(config)} | {CALIBRATION}", lambda: _measure_kernels(config), valid=_measured
+def layer_kernel(matmul: str) -> str:
+    """How the layers run: fused (one compiled call a step) wherever they load here and the
+    matmuls are ours (they cannot call torch's 4-bit kernel), else the Python loop."""
+    return "python" if matmul == "torch" or kernels.fused_missing() else "fused"
+
+
+def head_kernel() -> str:
+    """The LM head: its Q8_0 screen with the top logits in float32 ("q8", 3-20x less memory
+    read a step than float32 rows) wherever the 4-bit kernels run, else float32 rows."""
+    return "float" if kernels.int4_missing() else "q8"
+
+
+def prefill_kernel(matmul: str, layers: str) -> str:
+    """A prompt's kernel: the fused layers' dense bf16 copy on AMX tiles or AVX-512 BF16 dot
+    products where the CPU has them (1.4-2x the 4-bit kernel's speed on 128-300 rows), else the
+    4-bit kernel itself ("int4")."""
+    if layers == "fused":
+        dense = (k for k in kernels.DENSE_KERNELS if not kernels.int4_kernel_missing(k))
+        return next(dense, "int4")
+    return "int4"
+
+
+def use_kernels(model) -> str:
+    """Put a compact model on this machine's kernels (above): the 4-bit matmul, the layers, the
+    prompts' kernel (where its bf16 copy fits in memory) and the head; returns "fused/avx2"..."""
+    matmul = (
+        matmul_kernel() if any(isinstance(m, kernels.Int4Linear) for m in model.linears) else ""
     )
-
-
-def _measured(stored: dict) -> bool:
-    """Whether a stored calibration has every field a load reads, of its type."""
-    times = ["int4_ms", "int8_ms", "float_ms", "prefill_bf16_ms", "head_q8_ms", "head_float_ms"]
-    times += [f"matmul_{k}_ms" for k in kernels.INT4_KERNELS]
-    times += [f"prefill_{k}_ms" for k in kernels.INT4_KERNELS]
-    return (
-        all(isinstance(stored[k], (int, float)) for k in times)
-        and stored["choice"] in WEIGHTS
-        and stored["head"] in kernels.HEAD_KERNELS
-        and isinstance(stored["measured"], str)
-    )
-
-
-def _measure_kernels(config) -> dict:
-    d, i = config.hidden_size, config.intermediate_size
-    hd = getattr(config, "head_dim", None) or d // config.num_attention_heads
-    h, kv = config.num_attention_heads, config.num_key_value_heads
-    layer = [((h + 2 * kv) * hd, d), (d, h * hd), (2 * i, d), (d, i)]
-    timings = kernels.measure_linears(layer * 4)  # 4 layers: more than a CPU cache holds in fp32
-    int4 = min(timings[k] for k in kernels.INT4_KERNELS)
-    prefill = kernels.measure_prefill(layer * 2)
-    head = kernels.measure_head(config.vocab_size, d)
-    return {
-        "int4_ms": round(int4, 3),  # the faster 4-bit kernel
-        "int8_ms": round(timings["int8"], 3),  # Q8_0 linears on it
-        "float_ms": round(timings["float"], 3),
-        "choice": "int4" if int4 < timings["float"] else "float",
-        **{f"matmul_{k}_ms": round(timings[k], 3) for k in kernels.INT4_KERNELS},
-        "measured": "linears of 4 layers, 1 + 5 rows",
-        **{f"prefill_{k}_ms": round(v, 3) for k, v in prefill.items()},
-        **{f"head_{k}_ms": round(v, 3) for k, v in head.items()},
-        "head": min(head, key=head.get),
-    }
-
-
-def prefill_kernel(measured: dict, matmul: str, fused: bool = False) -> str:
-    """A prompt's prefill kernel (kernels.PREFILL_KERNELS) for a model whose 4-bit linears run
-    ``matmul``: the fastest measured of "int4" (that kernel), a dense copy through ours
-    (kernels.DENSE_KERNELS) and, unless the layers are ``fused`` (their prompts need rows that
-    do not depend on each other), through torch's ("bf16")."""
-    ms = {
-        "int4": measured[f"prefill_{matmul}_ms"],
-        **{k: measured.get(f"prefill_dense-{k}_ms", math.inf) for k in kernels.DENSE_KERNELS},
-        "bf16": math.inf if fused else measured["prefill_bf16_ms"],
-    }
-    return min(ms, key=ms.get)
-
-
-def choose_layers(name: str, model) -> str:
-    """How a compact model runs its layers (kernels.LAYER_KERNELS: "fused" where they compile
-    here, else "python") and, for 4-bit linears, which of kernels.INT4_KERNELS multiplies: the
-    fastest way measured on the model itself (a step and a verify pass each, about a second),
-    once per model, CPU, torch version and thread count, then cached. The model is left on the
-    choice, which is returned ("fused/avx512-bf16", ...)."""
-    choice = layer_calibration(name, model)["layers"]
-    layers, _, matmul = choice.partition("/")
-    if matmul and kernels.int4_kernel_missing(matmul):  # measured where it could run
-        matmul = "torch"
     if matmul:
         model.use_matmul(matmul)
-    model.use_layers("python" if kernels.fused_missing() else layers)
+    model.use_layers(layer_kernel(matmul) if matmul else "python")
+    if matmul:
+        kernel = prefill_kernel(model.matmul, model.layer_kernel)
+        model.use_prefill(kernel if dense_copy_fits(model) else "int4")
+    model.use_head(head_kernel())
     return "/".join(filter(None, (model.layer_kernel, model.matmul)))
-
-
-def layer_calibration(name: str, model) -> dict:
-    """choose_layers' measurement: milliseconds per way ("layers_fused/avx2_ms", ...) and the
-    fastest ("layers"), cached under the model's name (``model_key``)."""
-
-    def measure() -> dict:
-        timings = llama.measure_layers(model)
-        return {
-            **{f"layers_{k}_ms": round(v, 3) for k, v in timings.items()},
-            "layers": min(timings, key=timings.get),
-        }
-
-    def known(stored: dict) -> bool:  # a way this version runs
-        layers, _, matmul = stored["layers"].partition("/")
-        return layers in kernels.LAYER_KERNELS and matmul in ("", *kernels.INT4_KERNELS)
-
-    key = f"{name} | {model.weights} | {LAYERS_CALIBRATION}"
-    return remembered(key, measure, valid=known)
-
-
-LAYERS_CALIBRATION = "layers v4: with the 4-bit matmul kernel (AMX, AVX2, NEON too)"
 
 
 def _load_prepared(name_or_path: str):
@@ -405,17 +332,9 @@ def _load_prepared(name_or_path: str):
     loaded = prepared.load(source) if source else None
     model, tokenizer = loaded or _load_gguf_int4(name_or_path)
     before = _kernel_choices(model)
-    # the layers chosen first: a first measurement of the kernels then runs beside the model's
-    # one layout (not torch's and the nibbles it is converted to), its temporaries trimmed
-    choose_layers(model_key(name_or_path, model), model)
+    use_kernels(model)
     if loaded is None:
-        release_freed_memory()
-    measured = calibration(model.config)
-    kernel = prefill_kernel(measured, model.matmul, model.layer_kernel == "fused")
-    model.use_prefill(kernel if dense_copy_fits(model) else "int4")
-    model.use_head(measured["head"])
-    if loaded is None:
-        release_freed_memory()  # the conversion's and the kernel choice's temporaries
+        release_freed_memory()  # the conversion's and the re-laying's temporaries
     if loaded is None or _kernel_choices(model) != before:  # new, or re-laid for this machine
         prepared.save_later(model_file(name_or_path), model, tokenizer)  # now on disk
     return model, tokenizer
