@@ -705,7 +705,7 @@ def _calibration_lines(name: str, model, t0: float) -> list[str]:
         f"layers {model.layer_kernel}, prompts {model.prefill}, LM head "
         f"{type(model.lm_head).__name__}"
     )
-    table = cost.pass_cost(model)
+    table = cost.pass_cost(model, cost.GRID_ROWS[-1])  # the whole grid
     for rows, points in table.grid.items():
         fed = ", ".join(f"{n} fed {t:.1f}" for n, t in points)
         lines.append(f"pass cost, {rows} row{'s' * (rows > 1)} (ms): {fed}")

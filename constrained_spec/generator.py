@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .constraints import Constraint, compile_constraint, token_vocabulary
-from .decoding import loop
+from .decoding import cost, loop
 from .decoding.drafters import (
     DRAFTER_MEMBERS,
     CompositeDrafter,
@@ -231,6 +231,7 @@ class Generator:
             use_skinny(model)  # plain nn.Linear
         gen = cls(model, tokenizer, draft=draft, **kwargs)
         gen.weights_choice = describe_weights(target, weights, gen.weights, model)
+        cost.pass_cost(model)  # a request's table, measured at load where none is stored
         return gen
 
     @property
@@ -308,6 +309,7 @@ class Generator:
         request at a time)."""
         rows = [self.row(r, i, batched=True) for i, r in enumerate(requests)]
         results: list[Result] = [None] * len(rows)  # type: ignore[list-item]
+        cost.pass_cost(self.target, _batch_size(batch_size))  # before the first round
         for row, _ in loop.decode(self.target, rows, _batch_size(batch_size)):
             if row.finished:
                 results[row.index] = self.result(row)
@@ -330,6 +332,7 @@ class Generator:
                     failed.append((i, err))
 
         with self._lock:  # released when the iteration ends or is closed
+            cost.pass_cost(self.target, _batch_size(batch_size))  # before the first round
             for row, _ in loop.decode(self.target, rows(), _batch_size(batch_size)):
                 yield from _drain(failed)
                 if row.finished:

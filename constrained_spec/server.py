@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .constraints import grammar_for, grammar_names, load_grammar, load_schema
-from .decoding import loop
+from .decoding import cost, loop
 from .decoding.text import MAX_STOP_STRINGS, held_prefix, stop_problem
 from .errors import ConstraintError, GenerationInputError
 from .generator import MAX_TOP_LOGPROBS, Generator
@@ -529,6 +529,7 @@ class Worker:
     def _main(self) -> None:
         try:
             self.gen = self.load()
+            cost.pass_cost(self.gen.target, self.config.batch_size)  # before the first request
         except Exception as e:  # reported by /health and every request, not a dead thread
             self.load_error = f"{type(e).__name__}: {e}"
         self.loaded.set()

@@ -11,7 +11,7 @@ from constrained_spec.decoding import cost, loop
 from constrained_spec.decoding.cost import PassCost
 from constrained_spec.decoding.drafters import EMPTY_DRAFT, CompositeDrafter, Draft
 from constrained_spec.decoding.sample import SamplingConfig
-from constrained_spec.target import kv
+from constrained_spec.target import kv, machine
 from constrained_spec.testing import (
     PERSON,
     assert_greedy_match,
@@ -89,8 +89,7 @@ def planned(tiny_int4_target, monkeypatch):
         return plans
 
     yield use
-    cost.use(tiny_int4_target, None)
-    cost._known.pop(tiny_int4_target, None)  # measured again where a later test decodes
+    cost._used.pop(tiny_int4_target)  # measured where a later test decodes
 
 
 def test_rows_of_a_round_draft_what_the_plan_gives_and_commit_what_they_commit_alone(
@@ -136,11 +135,27 @@ def test_the_plan():
     assert loop.plan(LINEAR_COST, [reliable, three[1]], [lookup, lookup]) == [3, 0]
 
 
-def test_pass_costs_are_measured_once_and_interpolated(tiny_int4_target):
-    measured = cost.measure(tiny_int4_target)
-    assert sorted(measured.grid) == list(cost.GRID_ROWS)
-    assert all(ms > 0 for points in measured.grid.values() for _, ms in points)
-    assert PassCost.from_json(measured.to_json()) == measured
+def test_pass_costs_are_measured_once_a_row_count_and_interpolated(
+    tiny_int4_target, tmp_path, monkeypatch
+):
+    """A table covers the row counts asked for (those below and the first at or above), each
+    measured once and stored on its own: one request's rows (1, 2) measure no batch rows."""
+    monkeypatch.setenv(machine.CACHE_ENV, str(tmp_path))
+    measured, real = [], cost.measure_rows
+    monkeypatch.setattr(
+        cost, "measure_rows", lambda t, rows: measured.append(rows) or real(t, rows)
+    )
+    cost._known.pop(tiny_int4_target, None)
+    one = cost.pass_cost(tiny_int4_target)
+    assert sorted(one.grid) == [1, 2] and measured == [1, 2]
+    assert all(ms > 0 for points in one.grid.values() for _, ms in points)
+    assert cost.pass_cost(tiny_int4_target, 2) is one and measured == [1, 2]
+    five = cost.pass_cost(tiny_int4_target, 5)
+    assert sorted(five.grid) == [1, 2, 4, 8] and measured == [1, 2, 4, 8]
+    assert five.grid[1] == one.grid[1]  # read back, not measured again
+    assert cost.row_counts(16) == list(cost.GRID_ROWS) == cost.row_counts(40)
+    whole = cost.measure(tiny_int4_target)
+    assert sorted(whole.grid) == list(cost.GRID_ROWS)
     table = PassCost({1: [(1, 2.0), (3, 4.0)], 4: [(4, 6.0), (12, 14.0)]})
     assert table.ms(1, 2) == 3.0 and table.ms(4, 8) == 10.0
     assert table.ms(2, 2) == pytest.approx(2.0 + (6.0 - 2.0) / 3)  # between the row counts

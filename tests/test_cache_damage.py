@@ -88,18 +88,19 @@ def test_a_damaged_pass_cost_table_is_measured_again(
 ):
     target = llama.from_transformers(testing.tiny_model(tiny_tokenizer, seed=0), "int4")
     measured = []
-    real = cost.measure
-    monkeypatch.setattr(cost, "measure", lambda t: measured.append(t) or real(t))
+    real = cost.measure_rows
+    monkeypatch.setattr(cost, "measure_rows", lambda t, r: measured.append(r) or real(t, r))
     first = cost.pass_cost(target)
+    assert measured == [1, 2]
     path = cache / "calibration.json"
-    (entry,) = json.loads(path.read_text()).values()
-    older = {k: {**entry, "grid": {"1": [[1, "slow"]]}} for k in json.loads(path.read_text())}
+    entries = json.loads(path.read_text())
+    older = {k: {**v, "points": [[1, "slow"]], "sampled_ms": None} for k, v in entries.items()}
     damage(path, how, json.dumps(older).encode())
     said(capfd)
     cost._known.pop(target)  # a new process
     again = cost.pass_cost(target)
-    assert len(measured) == 2 and set(again.grid) == set(first.grid)
-    assert len(said(capfd)) == (how != "missing")
+    assert measured == [1, 2, 1, 2] and set(again.grid) == set(first.grid)
+    assert len(said(capfd)) == (how != "missing") + 1  # the damage, and the measuring line
 
 
 def test_a_load_measures_nothing(cache, gguf, monkeypatch):

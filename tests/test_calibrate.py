@@ -125,8 +125,8 @@ def gguf(tmp_path_factory):
 def test_calibrate_measures_again_and_names_each_choice(cache, capsys, gguf, monkeypatch):
     monkeypatch.setattr(machine, "others_share", lambda before, after: 0.0)  # quiet, then busy
     timed = []
-    real = cost.measure
-    monkeypatch.setattr(cost, "measure", lambda m: timed.append(1) or real(m))
+    real = cost.measure_rows
+    monkeypatch.setattr(cost, "measure_rows", lambda m, r: timed.append(r) or real(m, r))
     assert cli.main(["calibrate", "--model", str(gguf)]) == 0
     prepared.wait()
     lines = capsys.readouterr().out.splitlines()
@@ -139,15 +139,15 @@ def test_calibrate_measures_again_and_names_each_choice(cache, capsys, gguf, mon
     )
     assert "pass cost, 1 row (ms): 1 fed " in text and "pass cost, 16 rows (ms): " in text
     assert "acceptance rule per position: sampled " in text
-    assert "1 measurements in" in lines[-1] and "all on a quiet machine" in lines[-1]
-    assert len(timed) == 1
+    assert "6 measurements in" in lines[-1] and "all on a quiet machine" in lines[-1]
+    assert timed == list(cost.GRID_ROWS)  # each row count of the grid, and the rule
 
     new_process(monkeypatch)  # cached now; calibrate measures again all the same
     monkeypatch.setattr(machine, "others_share", lambda before, after: 0.45)
     assert cli.main(["calibrate", "--model", str(gguf)]) == 0
-    assert len(timed) == 2
+    assert timed == 2 * list(cost.GRID_ROWS)
     last = capsys.readouterr().out.splitlines()[-1]
-    assert "1 under load: used once, not kept (run calibrate on a quiet machine)" in last
+    assert "6 under load: used once, not kept (run calibrate on a quiet machine)" in last
     marked = json.loads((cache / "calibration.json").read_text()).values()
     assert all(machine.PROVISIONAL in v for v in marked)
 

@@ -3,8 +3,11 @@ each row's drafts against.
 
 A pass of R rows feeding N tokens in all (each row its last committed token and its draft) is
 timed once per machine and model shape, on a grid of R and tokens per row, and cached in the
-calibration cache beside the layers' kernel choices (``machine.remembered``); decoding reads it
-back and never times itself, so a seeded row samples the same tokens on every run.
+measurement cache (``machine.remembered``), each row count on its own: a load measures the rows
+one request needs (1 and 2: about a second for the default model, where the whole grid took 7 s
+inside the first request), a server or a batch the rows it will run, before its first request.
+Decoding reads the table back and never times itself, so a seeded row samples the same tokens on
+every run.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ CHAIN = 31  # tokens of the model's own greedy text that the timed context repea
 REPEATS = 5  # each point: the fastest of these
 # Part of the cache key: a new method invalidates the cached tables.
 METHOD = (
-    "pass cost v3: rows 1-16 x 1-6 tokens each, 256 cached of the model's own greedy text, "
-    "whole head, best of 5; the rule's host cost per position"
+    "pass cost v4: a row count at a time, 1-6 tokens each, 256 cached of the model's own greedy "
+    "text, whole head, best of 5"
 )
 
 
@@ -63,19 +66,6 @@ class PassCost:
         a, b = _along(self.grid[lo], per_row * lo), _along(self.grid[hi], per_row * hi)
         return a + (b - a) * (rows - lo) / (hi - lo)
 
-    def to_json(self) -> dict:
-        return {
-            "method": METHOD,
-            "grid": {str(r): points for r, points in self.grid.items()},
-            "sampled_ms": self.sampled_ms,
-            "greedy_ms": self.greedy_ms,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict) -> PassCost:
-        grid = {int(r): [tuple(p) for p in points] for r, points in data["grid"].items()}
-        return cls(grid, data.get("sampled_ms", 0.0), data.get("greedy_ms", 0.0))
-
 
 def _along(points: list[tuple[int, float]], x: float) -> float:
     """Linear interpolation through ``points`` (x rising), extended along the end segments."""
@@ -88,68 +78,119 @@ def _along(points: list[tuple[int, float]], x: float) -> float:
 
 
 _known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target → PassCost | None
+_used: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target → the table ``use`` set
 
 
-def pass_cost(target) -> PassCost | None:
-    """The target's pass costs: set by ``use``, else measured once per machine and model shape
-    (a few seconds) and cached; None for a target whose rows do not share a pass (transformers'
+def row_counts(rows: int) -> list[int]:
+    """The grid's row counts a pass of ``rows`` rows is interpolated from: those below it and
+    the first at or above it (the last beyond the grid), two at least."""
+    counts = [r for r in GRID_ROWS if r < rows] + [r for r in GRID_ROWS if r >= rows][:1]
+    return counts if len(counts) > 1 else list(GRID_ROWS[:2])
+
+
+def pass_cost(target, rows: int = 1) -> PassCost | None:
+    """The target's pass costs for passes of up to ``rows`` rows: set by ``use``, else measured
+    once per machine, model shape and row count (row_counts; a second for the default model's
+    1 and 2 rows) and cached; None for a target whose rows do not share a pass (transformers'
     forward runs them one after another: a row's drafts cost it alone, so it keeps them)."""
-    if target in _known:
-        return _known[target]
+    if target in _used:
+        return _used[target]
+    known = _known.get(target, False)
+    if known is None or (known and set(row_counts(rows)) <= set(known.grid)):
+        return known
     if not isinstance(target, CompactLlama):
         _known[target] = None
         return None
     way = f"{target.weights} {target.layer_kernel}/{target.matmul} {type(target.lm_head).__name__}"
     key = f"{METHOD} | {shape_key(target.config)} | {way}"
-    _known[target] = cost = PassCost.from_json(
-        machine.remembered(key, lambda: measure(target).to_json(), valid=_whole)
-    )
+    said = []
+
+    def announced(measure):  # one line for all that this call measures
+        def run():
+            if not said:
+                said.append(True)
+                machine.say("measuring this model's pass costs on this CPU, once ...")
+            return measure()
+
+        return run
+
+    grid = {}
+    for count in row_counts(rows):
+        measure = announced(lambda count=count: {"points": measure_rows(target, count)})
+        entry = machine.remembered(f"{key} | {count} rows", measure, valid=_whole)
+        grid[count] = [tuple(point) for point in entry["points"]]
+    measure = announced(lambda: dict(zip(RULE, rule_ms(target))))
+    rule = machine.remembered(f"{key} | the rule", measure, valid=_rule)
+    _known[target] = cost = PassCost(grid, rule["sampled_ms"], rule["greedy_ms"])
     return cost
 
 
-def _whole(table: dict) -> bool:
-    """A stored table this version reads: this method's, every grid point a finite time."""
-    cost = PassCost.from_json(table)
-    values = [v for points in cost.grid.values() for x, ms in points for v in (x, ms)]
-    values += [cost.sampled_ms, cost.greedy_ms]
-    whole = table.get("method") == METHOD and cost.grid and all(cost.grid.values())
-    return whole and all(math.isfinite(v) for v in values)
+RULE = ("sampled_ms", "greedy_ms")
+
+
+def _whole(entry: dict) -> bool:
+    """A stored row count this version reads: every grid point a finite time."""
+    points = entry["points"]
+    return len(points) == len(GRID_FED) and all(
+        len(p) == 2 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in p)
+        for p in points
+    )
+
+
+def _rule(entry: dict) -> bool:
+    return all(isinstance(entry[k], (int, float)) and math.isfinite(entry[k]) for k in RULE)
 
 
 def use(target, cost: PassCost | None) -> None:
-    """Decode on ``target`` with these pass costs (tests; None: each row keeps its whole draft)."""
-    _known[target] = cost
+    """Decode on ``target`` with these pass costs (tests; None: each row keeps its whole draft)
+    until ``_used.pop(target)``."""
+    _used[target] = cost
 
 
 @torch.inference_mode()
 def measure(target: CompactLlama) -> PassCost:
-    """Time passes of every grid size: R rows each after CONTEXT cached positions, each feeding
-    n tokens, the caches cut back after each pass; the fastest of REPEATS per point."""
-    device, vocab = target.device, target.vocab_size
+    """The whole grid, measured now (``constrained-spec calibrate``'s table, tests)."""
+    grid = {rows: measure_rows(target, rows) for rows in GRID_ROWS}
+    return PassCost(grid, *rule_ms(target))
+
+
+@torch.inference_mode()
+def measure_rows(target: CompactLlama, rows: int) -> list[tuple[int, float]]:
+    """Time passes of ``rows`` rows, each after CONTEXT cached positions, each feeding n tokens
+    of GRID_FED, the caches cut back after each pass: [(tokens fed in all, ms)], the fastest of
+    REPEATS per point."""
     cached = min(CONTEXT, target.shape.context - max(GRID_FED))  # a tiny test model's is short
     text = natural_text(target, cached + max(GRID_FED))
     context = text[:cached]
     caches = []
-    for _ in range(max(GRID_ROWS)):  # through forward_rows: the kept prompts stay untouched
+    for _ in range(rows):  # through forward_rows: the kept prompts stay untouched
         caches.append(target.new_cache())
         target.forward_rows([context], caches[-1:], logits=False)
-    grid = {}
-    for rows in GRID_ROWS:
-        points = []
-        for fed in GRID_FED:
-            ids = [text[cached : cached + fed]] * rows
+    points = []
+    for fed in GRID_FED:
+        ids = [text[cached : cached + fed]] * rows
 
-            def one_pass(ids=ids, used=caches[:rows]):
-                target.forward_rows(ids, used)
-                for cache in used:
-                    cache.crop(cached)
+        def one_pass(ids=ids):
+            target.forward_rows(ids, caches)
+            for cache in caches:
+                cache.crop(cached)
 
-            points.append((rows * fed, round(kernels.best_ms(one_pass, REPEATS), 4)))
-        grid[rows] = points
-    return PassCost(grid, *rule_ms(vocab, device))
+        points.append((rows * fed, round(kernels.best_ms(one_pass, REPEATS), 4)))
+    return points
 
 
 def natural_text(target: CompactLlama, length: int) -> torch.Tensor:
+    """``_natural_text``, computed once per target and length."""
+    texts = _texts.setdefault(target, {})
+    if length not in texts:
+        texts[length] = _natural_text(target, length)
+    return texts[length]
+
+
+_texts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target → {length: ids}
+
+
+def _natural_text(target: CompactLlama, length: int) -> torch.Tensor:
     """``length`` ids of text the model finds natural: BOS, then its own greedy continuation of
     CHAIN tokens, repeated. What a pass costs depends on the text: the Q8 head recomputes the
     rows its bound cannot rule out, a few on real text, tens of thousands a position on a run of
@@ -166,10 +207,11 @@ def natural_text(target: CompactLlama, length: int) -> torch.Tensor:
     return torch.cat([torch.tensor(ids[:1], device=device), repeats])[:length]
 
 
-def rule_ms(vocab: int, device) -> tuple[float, float]:
+def rule_ms(target) -> tuple[float, float]:
     """What one more position adds to the acceptance rule's host work, (sampled, greedy) ms: a
     sampled row's policy and draw at 4 positions against 1 (a deterministic draft), a greedy
     row's masked argmax over 32 positions against 16; logits and masks at random."""
+    vocab, device = target.vocab_size, target.device
     generator = torch.Generator(device=device)
     generator.manual_seed(0)
     logits = torch.randn(32, vocab, generator=generator, device=device)

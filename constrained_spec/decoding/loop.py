@@ -220,7 +220,7 @@ def step(target, rows: list[Row]) -> list[Round]:
     start = time.perf_counter()
     proposed = [propose(row) for row in rows]
     drafts, states = zip(*(legal_states(r.constraint, r.state, d) for r, d in zip(rows, proposed)))
-    lengths = plan(cost.pass_cost(target), rows, drafts)
+    lengths = plan(cost.pass_cost(target, len(rows)), rows, drafts)
     proposed = [p if k == len(d) else p.truncate(k) for p, d, k in zip(proposed, drafts, lengths)]
     drafts = [d.truncate(k) for d, k in zip(drafts, lengths)]
     states = [at[: k + 1] for at, k in zip(states, lengths)]
