@@ -20,15 +20,14 @@ from constrained_spec.target import kernels, machine, models, prepared
 def cache(tmp_path, monkeypatch):
     kernels.fused_build()  # built (or found) where the session's kernels live, not in tmp_path
     monkeypatch.setenv(machine.CACHE_ENV, str(tmp_path / "cache"))
-    for name in ("_provisional", "_measured_now"):  # a fresh process
-        monkeypatch.setattr(machine, name, {})
-    monkeypatch.setattr(machine, "_again", False)
+    new_process(monkeypatch)
     return tmp_path / "cache"
 
 
 def new_process(monkeypatch) -> None:
     for name in ("_provisional", "_measured_now"):
         monkeypatch.setattr(machine, name, {})
+    monkeypatch.setattr(machine, "_said_loaded", set())
     monkeypatch.setattr(machine, "_again", False)
 
 

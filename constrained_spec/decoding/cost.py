@@ -102,7 +102,7 @@ def pass_cost(target, rows: int = 1) -> PassCost | None:
         _known[target] = None
         return None
     way = f"{target.weights} {target.layer_kernel}/{target.matmul} {type(target.lm_head).__name__}"
-    key = f"{METHOD} | {shape_key(target.config)} | {way}"
+    key = f"pass costs | {METHOD} | {shape_key(target.config)} | {way}"
     said = []
 
     def announced(measure):  # one line for all that this call measures

@@ -80,16 +80,18 @@ def remembered(what: str, measure, valid=None) -> dict:
         entry[PROVISIONAL] = f"other processes used {busy:.0%} of the CPUs"
         entry[MEASURED_AT] = int(time.time())
         _provisional[path, key] = result
-        say(
-            f"{_label(what)}: measured while other processes used {busy:.0%} of the CPUs; "
-            "used as it is for an hour, then measured again."
-        )
+        if _label(what) not in _said_loaded:  # once a process for each kind of measurement
+            _said_loaded.add(_label(what))
+            say(
+                f"{_label(what)}: measured while other processes used {busy:.0%} of the CPUs; "
+                "used as it is for an hour, then measured again."
+            )
     known, _ = _measurements(path)  # read again: another process may have written meanwhile
     known[key] = entry
     try:
         atomic_write(path, json.dumps(known, indent=1))
     except OSError as err:  # a read-only cache still runs, measuring again next time
-        say(f"could not cache the kernel calibration in {path}: {err}")
+        say(f"could not cache the measurement in {path}: {err}")
     return result
 
 
@@ -114,6 +116,7 @@ LOADED_SHARE = 0.2
 MIN_JUDGED_S = 0.25  # shorter measurements are not judged: /proc/stat counts in 10 ms ticks
 
 _said: set[Path] = set()  # calibration files whose damage was said
+_said_loaded: set[str] = set()  # kinds of measurement said to be taken under load
 _provisional: dict[tuple[Path, str], dict] = {}  # measured under load by this process
 _measured_now: dict[tuple[Path, str], dict] = {}  # everything measured by this process
 _again = False
