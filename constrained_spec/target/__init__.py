@@ -1,6 +1,6 @@
-"""The target model: loading (the built-in GGUF, local paths, hub ids), the weights choice and its
-calibration, the compact 4-bit forward (``llama``) with its kernels (``kernels``, ``csrc/``), and
-every KV-cache operation (``kv``). Nothing here knows a constraint: logits come back for the
+"""The target model: loading (the built-in GGUF, local paths, hub ids), the weights choice, the
+compact 4-bit forward (``llama``) with its kernels (``kernels``, ``csrc/``: fixed by the CPU's
+features), and every KV-cache operation (``kv``). Nothing here knows a constraint: logits come back for the
 decoding layer to mask."""
 
 from .machine import cache_dir

@@ -31,8 +31,8 @@ SKINNY_MAX = 32  # up to this many rows, W·xᵀ streams the weight once where x
 # 25, and a batch of rows never counts) may run the 4-bit linears' "bf16" prefill kernel: one
 # dense matmul over a bf16 copy of the weight (dequantized once, when the kernel is chosen: 100 of
 # a 300-token prefill's ~250 ms went to dequantizing per call), where the 4-bit kernel re-reads its
-# blocks for every 4 rows. Chosen per machine (models.calibration): 2× faster for 300 rows with
-# avx512_bf16, slower without it. "amx-bf16" and "avx512-bf16" multiply the same copy on AMX
+# blocks for every 4 rows (2× faster for 300 rows with avx512_bf16, slower without it: the
+# Python layers' prompts run the 4-bit kernel, models.prefill_kernel). "amx-bf16" and "avx512-bf16" multiply the same copy on AMX
 # tiles or with AVX-512 BF16 dot products (ours, csrc dense_mm: 1.4-1.5x the 4-bit kernel's
 # speed on 128-300 rows without AMX, git show 8fe3c79:docs/measurements.md): a row's outputs do not depend on the
 # rows beside it (torch's bf16 matmul changes its sums with the row count), so the fused layers
@@ -523,8 +523,8 @@ def _tile_nibbles(tiles: torch.Tensor, n: int) -> torch.Tensor:
 # compute-bound; CPUs with amx_bf16) or "torch" (torch's int4 weight-only kernel). All multiply
 # the same bf16 inputs by the same weights, sum in float32 and round once to bf16; they sum in
 # different orders (one bf16 ulp apart on ~0.1% of outputs). One of them runs for a model's
-# whole life (models.choose_layers measures them), so the baseline and speculation compute the
-# same function.
+# whole life (models.use_kernels: the first of models.MATMUL_ORDER this CPU runs), so the
+# baseline and speculation compute the same function.
 # "avx2" and "neon" (ours, csrc/blocks.h: the activations quantized to int8 per group of 32, as
 # llama.cpp's are, integer dot products over the weights' own 4-bit or 8-bit values: vpmaddubsw
 # on x86 CPUs with AVX2 and FMA, sdot on ARM CPUs with dot products) multiply another function:

@@ -11,7 +11,7 @@ bf16 copy computed); mapping the prepared file costs milliseconds.
 Layout: ``cache_dir()/prepared/<key>.pt`` (the tensors) and ``<key>.json`` (the config and the
 tokenizer, read without touching the tensors), the key a hash of the source file's path, size and
 modification time, this module's FORMAT, torch's version and the CPU (the kernels' layouts
-follow the CPU's calibration). A file that does not load (truncated, another format) is
+follow the CPU's features). A file that does not load (truncated, another format) is
 rebuilt; a cache without room for one is skipped, and said so. ``index.json`` names each file's
 source: storing one removes those whose source is gone or changed. Prepared models take at most
 `$CONSTRAINED_SPEC_CACHE_GB` together (DEFAULT_CAP_GB): storing one removes those used least
