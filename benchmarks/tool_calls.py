@@ -1,5 +1,7 @@
 """tool_choice "auto" on the dev set's function-calling schemas (BFCL, Glaive): every call's
-arguments checked against its tool's parameters, and the share of replies that call a tool.
+arguments checked against its tool's parameters, the share of replies that call a tool, and the
+calls' values against the instance the question states (the function and its arguments exactly,
+and the share of argument leaves right: numbers compared as numbers).
 
     python benchmarks/tool_calls.py --n 200 --data /path/to/jsonschemabench-dev
     python benchmarks/tool_calls.py --n 200 --data ... --temperature 1 --tool-choice required
@@ -50,11 +52,17 @@ def tools_of(path: Path, schema: dict) -> dict[str, dict]:
     return {name: params for b in branches for name, params in b["properties"].items()}
 
 
-def question(tools: dict, instance) -> str:
-    """A user message asking for what the valid instance does."""
+def expected_calls(tools: dict, instance) -> dict:
+    """{function: arguments} the valid instance asks for."""
     if len(tools) == 1 and not set(instance) <= set(tools):  # Glaive: the arguments themselves
         (name,) = tools
-        instance = {name: instance}
+        return {name: instance}
+    return instance
+
+
+def question(tools: dict, instance) -> str:
+    """A user message asking for what the valid instance does."""
+    instance = expected_calls(tools, instance)
     asks = []
     for name, arguments in instance.items():
         details = ", ".join(f"{k}: {json.dumps(v)}" for k, v in (arguments or {}).items())
@@ -62,9 +70,9 @@ def question(tools: dict, instance) -> str:
     return "Please " + "; and ".join(asks) + "."
 
 
-def requests(data: Path, n: int) -> list[tuple[str, dict, str]]:
-    """(file name, tools, question) of n seeded-random function-calling files with a valid
-    instance."""
+def requests(data: Path, n: int) -> list[tuple[str, dict, str, dict]]:
+    """(file name, tools, question, the calls it asks for) of n seeded-random function-calling
+    files with a valid instance."""
     files = sorted(p for p in data.glob("*.json") if p.name.startswith(SOURCES))
     random.Random(0).shuffle(files)
     out = []
@@ -73,7 +81,8 @@ def requests(data: Path, n: int) -> list[tuple[str, dict, str]]:
         valid = [t["data"] for t in item.get("tests", []) if t.get("valid")]
         if valid and isinstance(valid[0], dict):
             tools = tools_of(path, item["schema"])
-            out.append((path.name, tools, question(tools, valid[0])))
+            expected = expected_calls(tools, valid[0])
+            out.append((path.name, tools, question(tools, valid[0]), expected))
         if len(out) == n:
             break
     return out
@@ -82,7 +91,7 @@ def requests(data: Path, n: int) -> list[tuple[str, dict, str]]:
 def run(gen: Generator, chosen, args) -> tuple[Counter, list[dict]]:
     counts, invalid = Counter(), []
     config = ServerConfig()
-    for i, (name, tools, text) in enumerate(chosen):
+    for i, (name, tools, text, expected) in enumerate(chosen):
         listed = [
             {"type": "function", "function": {"name": re.sub(r"[^\w.-]", "_", t), "parameters": p}}
             for t, p in tools.items()
@@ -107,13 +116,46 @@ def run(gen: Generator, chosen, args) -> tuple[Counter, list[dict]]:
         calls = len(msg.get("tool_calls") or [])
         print(json.dumps({"file": name, "finish": finish, "calls": calls}), file=sys.stderr)
         params = {t["function"]["name"]: t["function"]["parameters"] for t in listed}
+        wanted = {re.sub(r"[^\w.-]", "_", t): a or {} for t, a in expected.items()}
         for call in msg.get("tool_calls") or []:
             counts["calls"] += 1
             arguments = json.loads(call["function"]["arguments"])
+            want = wanted.get(call["function"]["name"])
+            counts["right_calls"] += want is not None and _same(arguments, want)
+            right, total = _leaves_right(arguments, want or {})
+            counts["right_leaves"], counts["leaves"] = (
+                counts["right_leaves"] + right,
+                counts["leaves"] + total,
+            )
             errors = list(schema_validator(params[call["function"]["name"]]).iter_errors(arguments))
             if errors:
                 invalid.append({"file": name, "call": call["function"], "error": errors[0].message})
     return counts, invalid
+
+
+def _same(a, b) -> bool:
+    """JSON values equal, numbers compared as numbers."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return float(a) == float(b) and not isinstance(b, bool)
+    return a == b
+
+
+def _leaves_right(got, want) -> tuple[int, int]:
+    """(leaves of ``want`` that ``got`` has equal at the same path, leaves of ``want``)."""
+    if isinstance(want, dict) and want:
+        pairs = [
+            _leaves_right(got.get(k) if isinstance(got, dict) else None, v) for k, v in want.items()
+        ]
+        return sum(r for r, _ in pairs), sum(t for _, t in pairs)
+    if isinstance(want, list) and want:
+        got = got if isinstance(got, list) else []
+        pairs = [_leaves_right(got[i] if i < len(got) else None, v) for i, v in enumerate(want)]
+        return sum(r for r, _ in pairs), sum(t for _, t in pairs)
+    return int(_same(got, want)), 1
 
 
 def main() -> None:
@@ -142,6 +184,10 @@ def main() -> None:
         "text": counts["stop"],
         "cut_at_max_tokens": counts["length"],
         "calls": counts["calls"],
+        "right_calls": counts["right_calls"],  # the function and its arguments as asked
+        "right_leaves": round(counts["right_leaves"] / counts["leaves"], 3)
+        if counts["leaves"]
+        else None,
         "invalid_arguments": len(invalid),
         "invalid": invalid[:10],
         "seconds": round(time.perf_counter() - start, 1),

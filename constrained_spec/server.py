@@ -46,10 +46,14 @@ from .target import DEFAULT_MODEL
 __all__ = ["ServerConfig", "create_app", "serve"]
 
 FREE_TEXT = r"[\s\S]*"  # no constraint asked for: any text, ended by the model's EOS
-# The envelope of the calls in an "auto" reply, in text (SmolLM2 was tuned to call tools so; its
-# chat template has no tools of its own): free text until OPEN, then a JSON list of
-# {"name": ..., "arguments": {...}}, each exact to its tool's parameters, then CLOSE.
+# The envelope of the calls in an "auto" reply, in text (SmolLM2's chat template has no tools of
+# its own): free text until OPEN, then a JSON list of {CALLED: ..., "arguments": {...}}, each
+# exact to its tool's parameters, then CLOSE. The function's key is not "name": beside an
+# argument or a later answer's field called "name" (the most common one), the 135M model copied
+# the function's name into it (lookup_age(name="lookup_age"), then Person(name="lookup_age"))
+# where with "function" it wrote "Alice" (docs/server.md's pydantic-ai agent).
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CALLED = "function"
 AUTO = "<auto>"  # Plan.tool of an "auto" reply; never a function's name (those are [\w.-])
 POLL_S = 0.25  # how often a waiting handler checks whether its client has gone
 # glibc keeps the heap pages that requests' short-lived buffers freed (masks, matchers, logits):
@@ -244,7 +248,7 @@ def _enveloped(calls: list[dict]) -> str:
             arguments = json.loads(function.get("arguments") or "{}")
         except json.JSONDecodeError:  # shown as the client sent it
             arguments = function.get("arguments")
-        listed.append({"name": function.get("name"), "arguments": arguments})
+        listed.append({CALLED: function.get("name"), "arguments": arguments})
     return f"{OPEN}{json.dumps(listed)}{CLOSE}"
 
 
@@ -365,7 +369,7 @@ def _auto_constraint(functions: dict, parallel: bool, config: ServerConfig) -> t
     listing = json.dumps([{"type": "function", "function": f} for f in functions.values()])
     preamble = (
         f"You may call these functions:\n<tools>{listing}</tools>\nTo call them, write "
-        f'{OPEN}[{{"name": ..., "arguments": {{...}}}}]{CLOSE}; otherwise answer in text.'
+        f'{OPEN}[{{"{CALLED}": ..., "arguments": {{...}}}}]{CLOSE}; otherwise answer in text.'
     )
     return {"grammar": grammar}, AUTO, preamble
 
@@ -406,9 +410,9 @@ def _tool_constraint(functions: dict, choice, config: ServerConfig) -> tuple[dic
     if len(params) == 1:  # the reply is the arguments object itself
         ((name, schema),) = params.items()
         preamble = f"Call the function {name}; reply with its arguments as one JSON object."
-    else:  # the reply names the function too: {"name": ..., "arguments": {...}}
+    else:  # the reply names the function too: {CALLED: ..., "arguments": {...}}
         name, schema = "", {"anyOf": [_envelope(n, s) for n, s in params.items()]}
-        preamble = 'Call one function; reply as {"name": ..., "arguments": {...}}.'
+        preamble = f'Call one function; reply as {{"{CALLED}": ..., "arguments": {{...}}}}.'
     listing = json.dumps(list(functions.values()))
     constraint = _schema_constraint(schema, config, "tools")
     return constraint, name, f"Functions: {listing}\n{preamble}"
@@ -417,8 +421,8 @@ def _tool_constraint(functions: dict, choice, config: ServerConfig) -> tuple[dic
 def _envelope(name: str, parameters: dict) -> dict:
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
-        "required": ["name", "arguments"],
+        "properties": {CALLED: {"const": name}, "arguments": parameters},
+        "required": [CALLED, "arguments"],
         "additionalProperties": False,
     }
 
@@ -687,9 +691,9 @@ def message(plan_: Plan, result) -> tuple[dict, str]:
             return {"role": "assistant", "content": result.text}, "stop"
         return {"role": "assistant", "content": content or None, "tool_calls": calls}, "tool_calls"
     name, arguments = plan_.tool, result.text
-    if not name:  # several tools: the reply is {"name": ..., "arguments": {...}}
+    if not name:  # several tools: the reply is {CALLED: ..., "arguments": {...}}
         envelope = json.loads(result.text)
-        name, arguments = envelope["name"], json.dumps(envelope["arguments"])
+        name, arguments = envelope[CALLED], json.dumps(envelope["arguments"])
     return {"role": "assistant", "content": None, "tool_calls": [_call(name, arguments)]}, (
         "tool_calls"
     )
@@ -711,7 +715,7 @@ def split_calls(text: str) -> tuple[str, list[dict]]:
         return text.strip(), []
     listed, end = json.JSONDecoder().raw_decode(text, start + len(OPEN))
     assert text.startswith(CLOSE, end), "the grammar closes the calls"
-    calls = [_call(c["name"], json.dumps(c["arguments"])) for c in listed]
+    calls = [_call(c[CALLED], json.dumps(c["arguments"])) for c in listed]
     return (text[:start] + text[end + len(CLOSE) :]).strip(), calls
 
 

@@ -47,36 +47,46 @@ def test_the_doc_shows_each_client():
     assert set(blocks()) == {"openai", "instructor", "langchain_openai", "pydantic"}
 
 
+ALICE = {"name": "Alice", "age": 30}  # what every block's prompt states
+
+
 def test_the_openai_sdk_block(url):
+    """Each block's values, not only their validity: the default model gets them right."""
     ns = run_block("openai", url)
     assert len(ns["reply"].choices) == 2
     for choice in ns["reply"].choices:
         jsonschema.validate(json.loads(choice.message.content), ns["person"])
+        assert json.loads(choice.message.content) == ALICE
         assert choice.logprobs.content, "no log-probs came back"
     answer = ns["answer"].choices[0]
-    if answer.finish_reason == "tool_calls":
-        for call in answer.message.tool_calls:
-            jsonschema.validate(json.loads(call.function.arguments), ns["weather"])
-    else:
-        assert answer.finish_reason in ("stop", "length") and "\n\n" not in answer.message.content
+    (call,) = answer.message.tool_calls
+    assert answer.finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    notes = ns["notes"].choices[0]
+    assert notes.finish_reason in ("stop", "length") and "\n\n" not in notes.message.content
+    assert "Paris" in notes.message.content or "Eiffel" in notes.message.content
 
 
 def test_the_instructor_block(url):
     ns = run_block("instructor", url)
     assert isinstance(ns["person"], ns["Person"]) and ns["mode"] == ns["instructor"].Mode.TOOLS
+    assert ns["person"].model_dump() == ALICE  # the TOOLS mode's; the loop printed both
 
 
 def test_the_langchain_block(url):
     ns = run_block("langchain_openai", url)
-    assert isinstance(ns["person"], ns["Person"])
+    assert isinstance(ns["person"], ns["Person"]) and ns["person"].model_dump() == ALICE
     (call,) = ns["call"].tool_calls
-    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    assert call["name"] == "get_weather" and call["args"] == {"city": "Paris"}
 
 
 def test_the_pydantic_ai_block(url):
     pytest.importorskip("pydantic_ai", reason="pydantic-ai is not installed (its extra)")
     ns = run_block("pydantic", url)
     assert isinstance(ns["result"].output, ns["Person"])
+    assert ns["result"].output.model_dump() == ALICE
     parts = [p for m in ns["result"].all_messages() for p in m.parts]
     returned = [p for p in parts if isinstance(p, ns["ToolReturnPart"])]
     assert any(p.tool_name == "lookup_age" for p in returned), "the tool loop did not run"
+    calls = [p for p in parts if type(p).__name__ == "ToolCallPart" and p.tool_name == "lookup_age"]
+    assert calls and all(p.args_as_dict() == {"name": "Alice"} for p in calls)

@@ -279,8 +279,8 @@ def test_tool_choice_none_answers_in_text_and_required_calls(served):
 
 def test_parallel_tool_calls_false_allows_one_call(served):
     _, gen, _ = served
-    one = '<tool_call>[{"name":"get_weather","arguments":{"city":"Paris"}}]</tool_call>'
-    two = one.replace("}}]", '}},{"name":"get_weather","arguments":{"city":"Rome"}}]')
+    one = '<tool_call>[{"function":"get_weather","arguments":{"city":"Paris"}}]</tool_call>'
+    two = one.replace("}}]", '}},{"function":"get_weather","arguments":{"city":"Rome"}}]')
     for parallel, accepted in ((None, (True, True)), (False, (True, False))):
         request = ChatRequest(messages=ASK_WEATHER, tools=TOOLS, parallel_tool_calls=parallel)
         constraint = gen.compile(**plan(request, CONFIG).constraint)
@@ -313,5 +313,5 @@ def test_an_agent_loop_call_then_result_then_answer(served):
     shown = gen.tokenizer.decode(
         gen.encode_prompt(plan(ChatRequest(messages=history), CONFIG).messages)
     )
-    assert f'{OPEN}[{{"name": "get_weather", "arguments": {call.function.arguments}}}]' in shown
+    assert f'{OPEN}[{{"function": "get_weather", "arguments": {call.function.arguments}}}]' in shown
     assert shown.endswith('{"celsius": 18}')
