@@ -90,3 +90,14 @@ def test_the_pydantic_ai_block(url):
     assert any(p.tool_name == "lookup_age" for p in returned), "the tool loop did not run"
     calls = [p for p in parts if type(p).__name__ == "ToolCallPart" and p.tool_name == "lookup_age"]
     assert calls and all(p.args_as_dict() == {"name": "Alice"} for p in calls)
+
+
+def test_the_readme_server_block(url):
+    """The README's `openai` example gives the value its comment promises."""
+    readme = (DOC.parents[1] / "README.md").read_text().split("\n## Server\n", 1)[1]
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    assert DOC_URL in code
+    namespace: dict = {}
+    exec(compile(code.replace(DOC_URL, url), "README.md (server)", "exec"), namespace)
+    promised = re.search(r"message\.content == '(.*)'", code).group(1)
+    assert namespace["r"].choices[0].message.content == promised == '{"name":"Alice"}'
