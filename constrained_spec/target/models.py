@@ -418,20 +418,23 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
         return stored
     from transformers import AutoTokenizer
 
-    from . import files
-
     builtin = name_or_path in BUILTIN_MODELS
     path = builtin_gguf(name_or_path) if builtin else Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        with files.shared_reader(path):
-            tokenizer = _gguf_tokenizer_class(path).from_pretrained(
-                path.parent, gguf_file=path.name
-            )
-        if not tokenizer.chat_template:
-            tokenizer.chat_template = _gguf_chat_template(path)
-        tokenizer.unused_token_ids = files.unused_token_ids(files.read_gguf(path))
-        return tokenizer
+        return _gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(name_or_path)
+
+
+def _gguf_tokenizer(path: Path):
+    """transformers' tokenizer of a GGUF file, with its chat template and unused tokens."""
+    from . import files
+
+    with files.shared_reader(path):
+        tokenizer = _gguf_tokenizer_class(path).from_pretrained(path.parent, gguf_file=path.name)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = _gguf_chat_template(path)
+    tokenizer.unused_token_ids = files.unused_token_ids(files.read_gguf(path))
+    return tokenizer
 
 
 def _gguf_only(path: Path) -> str | None:
@@ -697,7 +700,7 @@ def _from_gguf(gguf: Path, dtype: torch.dtype):
         # transformers >= 5.x may keep GGUF blocks packed behind a quantizer, and then refuses
         # save_pretrained ("quantized with gguf and is not serializable"): ask for plain weights.
         kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
-    tokenizer = load_tokenizer(str(gguf))
+    tokenizer = _gguf_tokenizer(gguf)  # transformers' own: save_pretrained writes it
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=dtype, **kwargs
     )
