@@ -917,8 +917,11 @@ def load(args):
     return load_model(args.model, weights=args.weights)
 
 
-# --isa: the environment it runs under (read by torch at import, by our build at compile time)
-ISAS = {"native": {}, "avx2": {"CONSTRAINED_SPEC_MARCH": "haswell", "ATEN_CPU_CAPABILITY": "avx2"}}
+# --isa: the environment it runs under (read by torch at import, by the kernel library's choice)
+ISAS = {
+    "native": {},
+    "avx2": {"CONSTRAINED_SPEC_KERNELS": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2"},
+}
 
 
 def main(argv=None) -> int:

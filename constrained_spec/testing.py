@@ -729,9 +729,18 @@ def server_process(*args: str, timeout_s: float = 900.0) -> Iterator[str]:
 
 
 def compact_gguf(path, layers: str = "python"):
-    """A GGUF file's compact model (target/files.from_gguf), its layers run ``layers``."""
+    """A GGUF file's compact model (target/files.from_gguf), its layers run ``layers``
+    (run_layers)."""
     from .target import files, models
 
     model = files.from_gguf(path, models.load_config(path))
-    model.use_layers(layers)
+    run_layers(model, layers)
     return model
+
+
+def run_layers(model, layers: str) -> None:
+    """``model``'s layers run ``layers`` ("fused" or "python"); the fused ones on our fastest
+    4-bit kernel here where its linears still run torch's (the kernel library runs ours only)."""
+    if layers == "fused" and model.matmul == "torch":
+        model.use_matmul(target_models.matmul_kernel())
+    model.use_layers(layers)

@@ -25,13 +25,13 @@ def tiny_draft(tiny_tokenizer):
 
 def int4_target(tokenizer, way: str):
     """The tiny target's weights quantized as the default model ships (Q4_1 linears, Q8_0 LM
-    head), in the compact forward, its layers and 4-bit matmuls run ``way`` ("fused/torch", ...);
+    head), in the compact forward, its layers and 4-bit matmuls run ``way`` ("fused/avx2", ...);
     a way that cannot run here skips, saying why."""
     from constrained_spec.target import kernels, llama
 
     layers, matmul = way.split("/")
     if layers == "fused" and (missing := kernels.fused_missing()):
-        pytest.skip(f"the fused layers cannot be compiled here: {missing}")
+        pytest.skip(f"the fused layers cannot run here: {missing}")
     if missing := kernels.int4_kernel_missing(matmul):
         pytest.skip(f"the {matmul} 4-bit kernel cannot run here: {missing}")
     model = llama.from_transformers(testing.tiny_model(tokenizer, seed=0), "int4")
@@ -44,16 +44,15 @@ def int4_target(tokenizer, way: str):
 def tiny_int4_target(request, tiny_tokenizer):
     """The 4-bit tiny target (int4_target); every test taking it runs on the fused layers with
     the 4-bit kernel a CPU like this one picks (ours: AMX where it has amx_bf16, else AVX-512
-    where it has avx512_bf16, else AVX2 or NEON dot products on int8 activations) and on the Python loop with torch's kernel (a machine without a
-    compiler). The fused layers with the other kernels run in the kernel-level tests
-    (tests/test_llama.py) and in every_int4_target's."""
-    from constrained_spec.target import kernels
+    where it has avx512_bf16, else AVX2 or NEON dot products on int8 activations, else blocks.h's
+    scalar reference) and on the Python loop with torch's kernel (an install without the kernel
+    library). The fused layers with the other kernels run in the kernel-level tests
+    (tests/test_llama.py, tests/test_compiled.py) and in every_int4_target's."""
+    from constrained_spec.target import models
 
     if request.param == "python":
         return int4_target(tiny_tokenizer, "python/torch")
-    ours = ("amx-bf16", "avx512-bf16", "avx2", "neon")
-    runs = [k for k in ours if kernels.int4_kernel_missing(k) is None]
-    return int4_target(tiny_tokenizer, f"fused/{(runs or ['torch'])[0]}")
+    return int4_target(tiny_tokenizer, f"fused/{models.matmul_kernel()}")
 
 
 @pytest.fixture(
@@ -63,10 +62,10 @@ def tiny_int4_target(request, tiny_tokenizer):
         "fused/amx-bf16",
         "fused/avx2",
         "fused/neon",
-        "fused/torch",
         "python/torch",
     ],
 )
 def every_int4_target(request, tiny_tokenizer):
-    """The 4-bit tiny target on every way of running it (int4_target)."""
+    """The 4-bit tiny target on every way of running it (int4_target; torch's 4-bit kernel runs
+    the Python layers only: the kernel library cannot call it)."""
     return int4_target(tiny_tokenizer, request.param)

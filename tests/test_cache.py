@@ -10,12 +10,11 @@ import torch
 
 from constrained_spec import cli, testing
 from constrained_spec.errors import SettingError
-from constrained_spec.target import disk, kernels, machine, models, prepared
+from constrained_spec.target import disk, machine, models, prepared
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    kernels.fused_build()  # built (or found) where the session's kernels live, not in tmp_path
     monkeypatch.setenv(machine.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(prepared.CAP_ENV, raising=False)
     return tmp_path / "cache"

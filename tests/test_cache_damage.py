@@ -1,5 +1,5 @@
 """Damaged caches: every kind of file under the cache dir (the measurements in calibration.json,
-the fused layers' build stamp and module, prepared models, their headers and index, the built-in
+the native kernel build's stamp and library, prepared models, their headers and index, the built-in
 model's download and converted copy) missing, empty, truncated, garbage bytes or another
 version's, in turn. Each is rebuilt with at most one line saying so, never a crash, and nothing
 is run or deleted on the file's word. Two processes on one cold cache both succeed and leave one
@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import types
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 
 from constrained_spec import testing
 from constrained_spec.decoding import cost
-from constrained_spec.target import kernels, llama, machine, models, prepared
+from constrained_spec.target import compiled, isa, kernels, llama, machine, models, prepared
 
 DAMAGES = ["missing", "empty", "truncated", "garbage", "another version's"]
 GARBAGE = b"\xff\xfe\x00" + random.Random(58).randbytes(4093)  # not UTF-8, not JSON, not a zip
@@ -48,7 +47,6 @@ def said(capfd) -> list[str]:
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    kernels.fused_build()  # built (or found) where the session's kernels live, not in tmp_path
     monkeypatch.setenv(machine.CACHE_ENV, str(tmp_path / "cache"))
     # damage, not load, is tested here: a busy machine's provisional entries say more lines
     monkeypatch.setattr(machine, "others_share", lambda before, after: 0.0)
@@ -117,45 +115,52 @@ def test_a_load_measures_nothing(cache, gguf, monkeypatch):
     assert not (cache / "calibration.json").exists()
 
 
-# --- the fused layers: the build stamp and the compiled module --------------------------------
+# --- CONSTRAINED_SPEC_KERNELS=native: the build stamp and the built library -----------------------
 
 
 @pytest.fixture
 def build(cache, monkeypatch):
-    """The fused layers' build in the temporary cache, the compiler a stand-in: the builds run,
-    the module they gave, the folder (holding a module file that is not one: loading it would
-    fail) and its good stamp."""
-    if kernels.fused_missing():
-        pytest.skip(f"the fused layers cannot be built here: {kernels.fused_missing()}")
-    from torch.utils import cpp_extension
-
+    """This CPU's own build of the kernel library in the temporary cache, the compiler a
+    stand-in that copies a prebuilt variant: the builds run, the folder (holding a library file
+    that is not one: loading it would fail) and its good stamp."""
+    built = compiled.prebuilt()
+    if not isa.variants() or isa.variants()[0].name not in built:
+        pytest.skip("no prebuilt baseline library in this install to stand in for a build")
     builds = []
-    module = types.SimpleNamespace(name="rebuilt")
-    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: builds.append(a) or module)
-    monkeypatch.setattr(kernels, "_built", kernels._built)  # left as the session had it
-    assert kernels.fused_build.__wrapped__() == (module, None) and len(builds) == 1
-    (folder,) = (cache / "kernels").iterdir()
-    (folder / "constrained_spec_fused.so").write_bytes(GARBAGE)
-    return builds, folder, module, (folder / kernels.BUILT).read_text()
+
+    def stand_in(variant, output, cxx=None):
+        builds.append(variant.name)
+        shutil.copy(built[isa.variants()[0].name], output)  # the baseline: runs on any CPU
+
+    monkeypatch.setattr(isa, "build", stand_in)
+    monkeypatch.setenv("CXX", "c++-stand-in")
+    monkeypatch.setenv(compiled.ENV, "native")
+    monkeypatch.setattr(compiled, "_loaded", compiled._loaded)  # left as the session had it
+    library, why = compiled.native()
+    assert why is None and builds == ["native"]
+    library.write_bytes(GARBAGE)
+    return builds, library.parent, (library.parent / compiled.BUILT).read_text()
 
 
 @pytest.mark.parametrize("how", DAMAGES)
 def test_a_damaged_build_stamp_is_rebuilt(build, capfd, how):
-    builds, folder, module, good = build
-    stamp = folder / kernels.BUILT
-    damage(stamp, how, f"{'0' * 64} {{'extra_cflags': ['-O2']}} torch 2.0.0".encode())
+    builds, folder, good = build
+    stamp = folder / compiled.BUILT
+    damage(stamp, how, b"0" * 64)
     said(capfd)
-    assert kernels.fused_build.__wrapped__() == (module, None)
-    assert len(builds) == 2 and stamp.read_text() == good
+    library, why = compiled.native()
+    assert why is None and len(builds) == 2 and stamp.read_text() == good
     assert len(said(capfd)) <= 1
 
 
-def test_a_damaged_module_is_rebuilt_never_run(build, capfd):
-    """The stamp matches, the module file is garbage: it does not load (nothing of it runs)
+def test_a_damaged_library_is_rebuilt_never_run(build, capfd):
+    """The stamp matches, the library file is garbage: it does not load (nothing of it runs)
     and the build runs again."""
-    builds, folder, module, good = build
-    assert (folder / kernels.BUILT).read_text() == good
-    assert kernels.fused_build.__wrapped__() == (module, None) and len(builds) == 2
+    builds, folder, good = build
+    assert (folder / compiled.BUILT).read_text() == good
+    said(capfd)
+    kernels_, why = compiled.load.__wrapped__()
+    assert why is None and kernels_.variant == "native" and len(builds) == 2
     assert len(said(capfd)) <= 1
 
 
@@ -248,9 +253,6 @@ def test_a_damaged_download_is_fetched_again(builtin, how):
 def test_two_processes_on_a_cold_cache_both_succeed_and_leave_one_copy(cache, tmp_path, gguf):
     """Both load the same new model at once (calibration, conversion, the prepared file's
     write), generate and exit 0; one prepared model is left, whole, which a third load maps."""
-    if (module := kernels.fused_if_built()) is not None:  # copied: cold, but no 20 s compile
-        built = Path(module.__file__).parent
-        shutil.copytree(built, cache / "kernels" / built.name)
     script = textwrap.dedent(f"""
         from constrained_spec import Generator
         gen = Generator.from_pretrained({str(gguf)!r}, weights="int4")

@@ -13,12 +13,11 @@ import pytest
 
 from constrained_spec import cli, testing
 from constrained_spec.decoding import cost
-from constrained_spec.target import kernels, machine, models, prepared
+from constrained_spec.target import machine, models, prepared
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    kernels.fused_build()  # built (or found) where the session's kernels live, not in tmp_path
     monkeypatch.setenv(machine.CACHE_ENV, str(tmp_path / "cache"))
     new_process(monkeypatch)
     return tmp_path / "cache"

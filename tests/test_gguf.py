@@ -169,7 +169,7 @@ def test_tables_as_blocks_compute_what_their_float32_rows_do(arch, tied, types, 
             )
             setattr(owner, name, rows)
     assert len(floats) == 2 - tied, "a table left out of the comparison"
-    reference.use_layers(layers)  # the fused layers' arguments: the float32 embedding
+    testing.run_layers(reference, layers)  # the fused layers' arguments: the float32 embedding
     vocab, ids = model.vocab_size, torch.tensor(IDS)
     masks = torch.ones(5, vocab, dtype=torch.bool)
     masks[1] = masks[3] = False

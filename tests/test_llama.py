@@ -4,7 +4,6 @@ quantizer, a plain float matmul, llama.cpp's permutation written out here)."""
 
 import copy
 import time
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -15,7 +14,7 @@ from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
 from constrained_spec import testing
 from constrained_spec.errors import SettingError, WeightsError
 from constrained_spec.generator import Generator
-from constrained_spec.target import files, kernels, kv, llama, models
+from constrained_spec.target import compiled, files, kernels, kv, llama, models
 
 BF16 = 2.0**-8  # unit roundoff of bf16 (8 significant bits): relative error of one rounding
 # The tiny tokenizer's corpus, each text alone and all joined: 94 teacher-forced positions
@@ -24,7 +23,7 @@ TEXTS = [*testing.CORPUS, " ".join(testing.CORPUS)]
 
 needs_fused = pytest.mark.skipif(
     kernels.fused_missing() is not None,
-    reason=f"the fused layers cannot be compiled here: {kernels.fused_missing()}",
+    reason=f"the fused layers cannot run here: {kernels.fused_missing()}",
 )
 needs_ours = pytest.mark.skipif(
     kernels.int4_kernel_missing("avx512-bf16") is not None,
@@ -41,6 +40,8 @@ def int4_kernel(name: str):
 
 
 INT4_KERNELS = [int4_kernel(name) for name in kernels.INT4_KERNELS]
+# the fused layers' (the kernel library's): every 4-bit kernel but torch's
+OURS = [int4_kernel(name) for name in kernels.INT4_KERNELS if name != "torch"]
 # our kernels on the bf16 copy: the same instructions as the 4-bit kernels of the same names
 DENSE = [int4_kernel(name) for name in kernels.DENSE_KERNELS]
 
@@ -102,7 +103,7 @@ def test_crop_then_refeed_equals_a_fresh_forward_past_the_initial_capacity(tiny_
 
 
 @needs_fused
-@pytest.mark.parametrize("matmul", INT4_KERNELS)
+@pytest.mark.parametrize("matmul", OURS)
 def test_fused_layers_crop_refeed_and_growth_compute_what_a_fresh_cache_does(
     tiny_tokenizer, matmul
 ):
@@ -137,7 +138,7 @@ def test_a_dropped_caches_buffers_serve_the_next_cache_bit_for_bit(tiny_tokenize
     takes them, old contents and all (here NaN, which no comparison survives): it computes bit
     for bit what fresh buffers give, since nothing past a cache's length is read. Buffers that
     someone still holds stay out of the pool."""
-    model = fused_tiny(tiny_tokenizer, kernels.INT4_KERNELS[-1])
+    model = fused_tiny(tiny_tokenizer, models.matmul_kernel())
     ids = (tiny_tokenizer.encode(TEXTS[-1]) * 8)[:300]
 
     def feed(cache):  # past the 256 positions a cache starts with: it grows
@@ -190,67 +191,6 @@ def test_the_cache_pool_hands_out_only_what_fits_up_to_its_limit():
 
 
 @needs_fused
-def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
-    """torch waits while its build folder holds a `lock` file: one left by a process killed
-    mid-build must not stop the next process (a fresh one: fused_build is cached per process)."""
-    import subprocess
-    import sys
-
-    folder = Path(kernels.fused_build()[0].__file__).parent
-    (folder / kernels.BUILT).unlink()  # else the built module is imported without torch's build
-    (folder / "lock").touch()
-    code = "from constrained_spec.target import kernels; print(kernels.fused_build()[1])"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr[-2000:]
-    assert not (folder / "lock").exists() and (folder / kernels.BUILT).exists()
-
-
-def test_a_failed_build_falls_back_without_openmp_then_to_a_portable_cpu(monkeypatch, capsys):
-    """Where the compiler names OpenMP (Apple's clang has none) the build is tried again without
-    it; where this CPU's own -march does not compile, for a portable one; each failure is one
-    line naming the compiler's error, and the last one is what --stats says."""
-    tried = []
-    errors = {
-        ("native", True): "RuntimeError: fatal error: omp.h: No such file or directory",
-        ("native", False): "RuntimeError: error: unknown target CPU 'native'",
-        (kernels._portable_march(), False): None,
-    }
-
-    def build(march, openmp):
-        tried.append((march, openmp))
-        why = errors[(march, openmp)]
-        return (None, why) if why else ("module", None)
-
-    monkeypatch.setattr(kernels, "_build", build)
-    monkeypatch.setattr(kernels, "_built", None)
-    monkeypatch.delenv(kernels.MARCH_ENV, raising=False)
-    kernels.fused_build.cache_clear()
-    try:
-        assert kernels.fused_build() == ("module", None)
-        assert tried == list(errors)
-        said = capsys.readouterr().err.splitlines()
-        assert len(said) == 2 and "omp.h" in said[0] and "unknown target CPU" in said[1]
-        errors[(kernels._portable_march(), False)] = "RuntimeError: error: still nothing"
-        tried.clear()
-        kernels.fused_build.cache_clear()
-        module, why = kernels.fused_build()
-        assert module is None and len(tried) == 3 and "still nothing" in why
-    finally:
-        kernels.fused_build.cache_clear()
-
-
-def test_a_compiler_error_is_named_in_one_line(monkeypatch, tmp_path):
-    """A -march the compiler does not know (its error, not torch's 'Error building extension')."""
-    import shutil
-
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler here")
-    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
-    module, why = kernels._build("no-such-cpu", True)
-    assert module is None and "no-such-cpu" in why and "\n" not in why, why
-
-
-@needs_fused
 def test_fused_layers_compute_what_the_python_layers_do(tiny_tokenizer):
     """The same function up to float rounding, on a tiny model whose attention is peaked (its
     query and key weights scaled up: a random one attends almost uniformly, where rotary and
@@ -264,8 +204,8 @@ def test_fused_layers_compute_what_the_python_layers_do(tiny_tokenizer):
     compact = llama.from_transformers(model, "int4")
     ids = tiny_tokenizer.encode(TEXTS[-1])
     logits = {}
-    for kernel in kernels.LAYER_KERNELS:
-        compact.use_layers(kernel)
+    for kernel in kernels.LAYER_KERNELS:  # fused first: both on our fastest 4-bit kernel here
+        testing.run_layers(compact, kernel)
         cache = compact.new_cache()
         logits[kernel] = torch.cat(
             [logits_of(compact, ids[i : i + 16], cache) for i in range(0, len(ids), 16)]
@@ -287,8 +227,8 @@ def test_the_fused_and_python_layers_keep_keys_in_the_same_tiles(tiny_tokenizer)
     )
     ids = (tiny_tokenizer.encode(TEXTS[-1]) * 8)[:300]
     keys = {}
-    for kernel in kernels.LAYER_KERNELS:
-        compact.use_layers(kernel)
+    for kernel in kernels.LAYER_KERNELS:  # fused first: both on our fastest 4-bit kernel here
+        testing.run_layers(compact, kernel)
         cache = compact.new_cache()
         for i in range(0, 250, 25):
             logits_of(compact, ids[i : i + 25], cache)
@@ -348,7 +288,7 @@ def nan_cache(model):
 
 
 @needs_fused
-@pytest.mark.parametrize("matmul", INT4_KERNELS)
+@pytest.mark.parametrize("matmul", OURS)
 def test_a_prompt_starting_with_a_kept_one_holds_what_its_steps_compute(tiny_tokenizer, matmul):
     """A prompt that shares 50 tokens with a kept one copies their keys, values and features and
     computes the rest: bit for bit what one-token steps over the whole prompt write, and what a
@@ -380,7 +320,7 @@ def test_the_prompt_cache_keeps_the_longest_prompts_up_to_its_limit(tiny_tokeniz
     """Longest shared prefix wins; a prompt extending a kept one replaces it, one a kept prompt
     extends is not kept twice; past the limit the least recently used go; 0 keeps none; a bad
     setting is named before any model work."""
-    model = fused_tiny(tiny_tokenizer, kernels.INT4_KERNELS[-1])
+    model = fused_tiny(tiny_tokenizer, models.matmul_kernel())
     base = list(range(5, 65))
 
     def prefill(ids):
@@ -618,7 +558,7 @@ def test_quantized_forward_equals_transformers_on_the_same_blocks(
     of 16 tokens (steps and verify passes, never a prompt's prefill), so that either way of
     running the layers computes every position."""
     if layers == "fused" and (missing := kernels.fused_missing()):
-        pytest.skip(f"the fused layers cannot be compiled here: {missing}")
+        pytest.skip(f"the fused layers cannot run here: {missing}")
     quantize = {"int4": kernels.quantize_q4_1, "int8": kernels.quantize_q8_0}[weights]
     dequantize = {"int4": kernels.dequantize_q4_1, "int8": kernels.dequantize_q8_0}[weights]
     reference = copy.deepcopy(tiny_target)
@@ -631,7 +571,7 @@ def test_quantized_forward_equals_transformers_on_the_same_blocks(
         )
     ids = tiny_tokenizer.encode(TEXTS[-1])
     compact = llama.from_transformers(tiny_target, weights)
-    compact.use_layers(layers)
+    testing.run_layers(compact, layers)
     cache = compact.new_cache()
     ours = torch.cat([logits_of(compact, ids[i : i + 16], cache) for i in range(0, len(ids), 16)])
     theirs = transformers_logits(reference, ids)
@@ -678,7 +618,7 @@ def test_qwen_checkpoints_compute_their_biases_and_qk_norms(arch, layers):
     logits 0.71 off, another top token at 6 of 6 positions): the int8 compact forward against
     transformers' over the same blocks, and without them it is far off."""
     if layers == "fused" and (missing := kernels.fused_missing()):
-        pytest.skip(f"the fused layers cannot be compiled here: {missing}")
+        pytest.skip(f"the fused layers cannot run here: {missing}")
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     kind = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
@@ -702,13 +642,13 @@ def test_qwen_checkpoints_compute_their_biases_and_qk_norms(arch, layers):
             kernels.dequantize_q8_0(*kernels.quantize_q8_0(model.lm_head.weight))
         )
     compact = llama.from_transformers(model, "int8")
-    compact.use_layers(layers)
+    testing.run_layers(compact, layers)
     ids = list(range(1, 90, 2))
     theirs = transformers_logits(model, ids)
     ours = logits_of(compact, ids)
     assert ((ours - theirs).norm(dim=-1) / theirs.norm(dim=-1)).max() < 0.01
     compact.biases, compact.qk_norms = [], []
-    compact.use_layers(layers)
+    testing.run_layers(compact, layers)
     without = logits_of(compact, ids)
     assert ((without - theirs).norm(dim=-1) / theirs.norm(dim=-1)).max() > 0.1
 
@@ -771,6 +711,7 @@ def test_the_kernels_follow_the_cpu_and_no_timing(monkeypatch, tiny_target):
         ({"avx512-bf16", "avx2"}, "avx512-bf16", "avx512-bf16"),
         ({"avx2"}, "avx2", "int4"),
         ({"neon"}, "neon", "int4"),
+        ({"scalar"}, "scalar", "int4"),  # the kernel library's baseline variant
         (set(), "torch", "int4"),
     ]:
         runs.clear()
@@ -982,16 +923,37 @@ def test_a_missing_int4_kernel_is_named_and_auto_falls_back(monkeypatch):
     assert models.auto_weights(models.DEFAULT_MODEL)[0] == "float"
 
 
-def test_without_the_compiled_layers_the_python_loop_runs_and_says_why(monkeypatch, tiny_target):
-    """Where the fused layers cannot load, the model runs the Python loop on torch's kernel and
-    the --stats line says why (asking for them anyway is a WeightsError naming the cause)."""
+def test_without_the_kernel_library_the_python_loop_runs_and_says_why(monkeypatch, tiny_target):
+    """Where no kernel library loads, the model runs the Python loop on torch's kernel and the
+    --stats line says why (asking for the fused layers anyway is a WeightsError naming the
+    cause); where it loads, the fused layers run ours only (torch's runs the Python layers) and
+    --stats names the library's variant."""
     compact = llama.from_transformers(tiny_target, "int4")
-    monkeypatch.setattr(kernels, "fused_build", lambda: (None, "RuntimeError: no c++ here"))
+    if kernels.fused_missing() is None:
+        assert models.use_kernels(compact) == f"fused/{models.matmul_kernel()}"
+        described = models.describe_weights("tiny", "int4", "int4", compact)
+        assert f"kernels {kernels.library_key()} (prebuilt" in described
+        compact.use_matmul("torch")
+        assert compact.layer_kernel == "python", "torch's 4-bit kernel ran the fused layers"
+        with pytest.raises(WeightsError, match="our 4-bit kernels only.*torch's"):
+            compact.use_layers("fused")
+    monkeypatch.setattr(compiled, "load", lambda: (None, "no kernel library was built here"))
     assert models.use_kernels(compact) == "python/torch"
     described = models.describe_weights("other", "int4", "int4", compact)
-    assert "fused: RuntimeError: no c++ here" in described
-    assert "4-bit matmuls torch's (ours: it is compiled with the fused layers" in described
-    with pytest.raises(WeightsError, match="fused layers cannot run here: RuntimeError: no c"):
+    assert "fused: no kernel library was built here" in described
+    assert (
+        "4-bit matmuls torch's (ours: it is in the kernel library, which does not run" in described
+    )
+    with pytest.raises(WeightsError, match="fused layers cannot run here: no kernel library"):
+        compact.use_layers("fused")
+    with pytest.raises(WeightsError, match="'avx512-bf16' 4-bit kernel cannot run here"):
+        compact.use_matmul("avx512-bf16")
+    described = models.describe_weights("other", "int4", "int4", compact)
+    assert "fused: no kernel library was built here" in described
+    assert (
+        "4-bit matmuls torch's (ours: it is in the kernel library, which does not run" in described
+    )
+    with pytest.raises(WeightsError, match="fused layers cannot run here: no kernel library"):
         compact.use_layers("fused")
     with pytest.raises(WeightsError, match="'avx512-bf16' 4-bit kernel cannot run here"):
         compact.use_matmul("avx512-bf16")
@@ -1009,14 +971,14 @@ def test_use_kernels_puts_a_model_on_ours(tiny_target):
 # --- the mask-aware LM head -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("compiled", [pytest.param(True, marks=needs_fused), False])
-def test_legal_counts_are_each_positions_legal_tokens(compiled, monkeypatch):
+@pytest.mark.parametrize("library", [pytest.param(True, marks=needs_fused), False])
+def test_legal_counts_are_each_positions_legal_tokens(library, monkeypatch):
     """The head's narrow test counts each position's legal tokens: compiled or as bytes, on
     a vocabulary that is not a multiple of any vector width, and on a non-contiguous mask."""
-    if compiled:
-        kernels.fused_build()
+    if library:
+        kernels.fused_library()
     else:
-        monkeypatch.setattr(kernels, "_built", None)
+        monkeypatch.setattr(compiled, "_loaded", None)
     torch.manual_seed(0)
     masks = torch.rand(7, 49_157) < torch.linspace(0, 1, 7)[:, None]
     masks[0], masks[-1] = False, True
@@ -1057,7 +1019,8 @@ def test_the_head_computes_only_the_legal_logits_of_narrow_positions(tiny_int4_t
 def test_q8_head_is_float32_at_the_top_and_within_its_bound_elsewhere(seed, matmul, fused):
     """The Q8_0 head: every logit within its stated bound of the float32 product, the largest
     legal logit recomputed in float32 (greedy picks float32's token), whatever the mask, on
-    each 4-bit kernel (each with its own bound), as one compiled call and as torch ops."""
+    each 4-bit kernel (each with its own bound), as one call of the kernel library (ours: torch's
+    runs as torch ops either way) and as torch ops."""
     torch.manual_seed(seed)
     vocab, d = 1000, 128
     weight = kernels.dequantize_q8_0(*kernels.quantize_q8_0(torch.randn(vocab, d) * 0.05))

@@ -173,7 +173,7 @@ def parts(reps: int = 60, runs: int = 3) -> None:
     into the fused layers' call, the LM head's call and the rest, medians of ``reps`` steps,
     ``runs`` times: what round 6 of the fast target moved into the compiled calls."""
     model, _ = load_model(DEFAULT_MODEL, weights="int4")
-    compiled, spent = kernels.fused_build()[0], {"layers": [], "head": []}
+    compiled, spent = kernels.fused_library()[0], {"layers": [], "head": []}
 
     def timed(name, call):
         def wrapper(*args, **kwargs):

@@ -38,7 +38,12 @@ def entries() -> list[Entry]:
             found += _prepared(child)
         elif child.name == "kernels" and child.is_dir():
             found += [
-                _entry(f"kernels/{k.name}", "kernels", [k], "the fused layers, compiled here")
+                _entry(
+                    f"kernels/{k.name}",
+                    "kernels",
+                    [k],
+                    "the kernel library built for this CPU (CONSTRAINED_SPEC_KERNELS=native)",
+                )
                 for k in sorted(child.iterdir())
             ]
         elif child.name == "calibration.json":

@@ -10,20 +10,14 @@ asked for (BlockRows).
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
-import os
-import platform
-import re
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import WeightsError
-from .machine import cache_dir, cpu_name, say
+from . import compiled
 
 GROUP = 32
 SKINNY_MAX = 32  # up to this many rows, W·xᵀ streams the weight once where x·Wᵀ packs it
@@ -258,16 +252,18 @@ class Int4Linear(nn.Module):
         rows), which may take the prefill kernel."""
         x = x.to(torch.bfloat16)
         if self.kernel in BLOCK_KERNELS:  # the input once, whatever the copies (8-bit tiles)
-            return fused_build()[0].blocks_mm(x.contiguous(), self.packed, self.scale_zero).float()
+            return (
+                fused_library()[0].blocks_mm(x.contiguous(), self.packed, self.scale_zero).float()
+            )
         if self.copies > 1 and not (prefill and self.dense is not None):
             x = x.repeat(1, self.copies)  # (n, copies·K)
         if prefill and self.dense is not None:
             if self.dense.dim() == 4:  # AMX tiles (use_prefill)
-                dense_mm = fused_build()[0].dense_mm
+                dense_mm = fused_library()[0].dense_mm
                 return dense_mm(x.contiguous(), self.dense, self.dense_amx).float()
             return F.linear(x, self.dense).float()
         if self.kernel != "torch":
-            return fused_build()[0].int4_mm(x.contiguous(), self.packed, self.scale_zero).float()
+            return fused_library()[0].int4_mm(x.contiguous(), self.packed, self.scale_zero).float()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, GROUP, self.scale_zero
         ).float()
@@ -525,12 +521,14 @@ def _tile_nibbles(tiles: torch.Tensor, n: int) -> torch.Tensor:
 # different orders (one bf16 ulp apart on ~0.1% of outputs). One of them runs for a model's
 # whole life (models.use_kernels: the first of models.MATMUL_ORDER this CPU runs), so the
 # baseline and speculation compute the same function.
-# "avx2" and "neon" (ours, csrc/blocks.h: the activations quantized to int8 per group of 32, as
-# llama.cpp's are, integer dot products over the weights' own 4-bit or 8-bit values: vpmaddubsw
-# on x86 CPUs with AVX2 and FMA, sdot on ARM CPUs with dot products) multiply another function:
-# x rounded to int8 groups rather than bf16, then exact integer sums and float32 scales.
-INT4_KERNELS = ("avx512-bf16", "amx-bf16", "avx2", "neon", "torch")
-BLOCK_KERNELS = ("avx2", "neon")
+# "avx2", "neon" and "scalar" (ours, csrc/blocks.h: the activations quantized to int8 per group
+# of 32, as llama.cpp's are, integer dot products over the weights' own 4-bit or 8-bit values:
+# vpmaddubsw on x86 CPUs with AVX2 and FMA, sdot on ARM CPUs with dot products, plain C++ in the
+# baseline variant) multiply another function, the same bits on every one of them: x rounded to
+# int8 groups rather than bf16, then exact integer sums and float32 scales. The kernel library
+# (compiled.py) runs all but "torch", which runs the Python layers only.
+INT4_KERNELS = ("avx512-bf16", "amx-bf16", "avx2", "neon", "scalar", "torch")
+BLOCK_KERNELS = ("avx2", "neon", "scalar")
 
 
 def int4_kernel_missing(kernel: str) -> str | None:
@@ -538,13 +536,16 @@ def int4_kernel_missing(kernel: str) -> str | None:
     linear is built through torch's pack, so both need torch's int4 ops.)"""
     if kernel == "torch" or int4_missing():
         return int4_missing()
-    module, why = fused_build()
+    module, why = fused_library()
     if module is None:
-        return f"it is compiled with the fused layers, which cannot be built here ({why})"
+        return f"it is in the kernel library, which does not run here ({why})"
     if kernel in BLOCK_KERNELS:
-        if module.blocks_isa() != kernel:
-            need = "AVX2 and FMA" if kernel == "avx2" else "NEON dot products (ARMv8.2 dotprod)"
-            return f"this CPU or build has no {need} (built for {module.blocks_isa()})"
+        if module.blocks_isa() != kernel:  # (the scalar reference: a baseline variant's)
+            need = {"avx2": "AVX2 and FMA", "neon": "NEON dot products (ARMv8.2 dotprod)"}
+            why = f"no {need[kernel]}" if kernel in need else "faster blocks.h kernels"
+            return (
+                f"this CPU or build has {why} (the {module.variant} kernels: {module.blocks_isa()})"
+            )
         return None
     if not module.avx512_bf16():
         return "this CPU has no AVX-512 BF16 instructions (avx512_bf16)"
@@ -618,7 +619,7 @@ class Q8Head(nn.Module):
         zero = torch.zeros(vocab)
         terms = torch.stack([torch.cat(slack), torch.cat(norms), zero, zero], 1)
         self.register_buffer("terms", terms.contiguous())
-        self.fused = True  # one compiled call (csrc q8_head) where the fused layers build
+        self.fused = True  # one call of the kernel library (csrc q8_head) where it runs
 
     @property
     def out_features(self) -> int:  # nn.Linear's name: the logits' width
@@ -654,7 +655,7 @@ class Q8Head(nn.Module):
             q, d = quantize_int8(x)
             rounded = (q.float().view(x.shape[0], -1, GROUP) * d[..., None]).view(x.shape)
             blocks = self.blocks
-            approx = fused_build()[0].blocks_mm(
+            approx = fused_library()[0].blocks_mm(
                 x.float().contiguous(), blocks.packed, blocks.scale_zero
             )
             approx = approx.float()[:, : self.out_features]
@@ -670,10 +671,11 @@ class Q8Head(nn.Module):
 
     def forward(self, x: torch.Tensor, legal: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (n, V) of x (n, d); ``legal`` (n, V) bool limits the float32 recomputation to
-        the tokens that could be the largest legal logit (all tokens when None). One compiled
-        call where the fused layers build (~30 small torch ops, 0.3 ms of a 3.7 ms step, else:
+        the tokens that could be the largest legal logit (all tokens when None). One call of the
+        kernel library where it runs and the blocks are ours (~30 small torch ops, 0.3 ms of a 3.7 ms step, else:
         git show 8fe3c79:docs/measurements.md); both compute the same up to the bound's float rounding."""
-        module = fused_build()[0] if self.fused and x.device.type == "cpu" else None
+        ours = self.blocks.kernel != "torch"  # (the library cannot call torch's)
+        module = fused_library()[0] if self.fused and ours and x.device.type == "cpu" else None
         if module is not None:
             legal = _EVERY_TOKEN if legal is None else legal.contiguous()
             blocks = self.blocks
@@ -771,161 +773,40 @@ def best_ms(call, repeats: int) -> float:
     return 1e3 * best
 
 
-# --- the fused layers (csrc/fused_layers.cpp) ------------------------------------------------------
+# --- the fused layers (csrc/fused_layers.cpp, through compiled.py) ---------------------------------
 
 # How the compact forward runs its layers for a step, a verify pass or a batch's rows: "fused"
-# (one compiled call for every layer) or "python" (llama.py's loop of torch ops). Prompts take
-# the same way (the Python loop: one masked attention call per layer), on the prefill kernel.
+# (one call of our kernel library for every layer, on our 4-bit kernels) or "python" (llama.py's
+# loop of torch ops: where no library runs here, and with torch's 4-bit kernel, which the
+# library cannot call). Prompts take the same way (the Python loop: one masked attention call
+# per layer), on the prefill kernel.
 LAYER_KERNELS = ("fused", "python")
-FUSED_SOURCE = Path(__file__).with_name("csrc") / "fused_layers.cpp"
-FUSED_HEADERS = [Path(__file__).with_name("csrc") / "blocks.h"]  # in the build stamp too
-# The CPU the fused layers are compiled for: this one (-march=native), or the one named by
-# CONSTRAINED_SPEC_MARCH (a gcc -march value: "haswell" builds what an AVX2-only laptop runs, for
-# the tests and benchmarks of that path on a CPU with more), each into its own cache entry.
-MARCH_ENV = "CONSTRAINED_SPEC_MARCH"
 
 
-def fused_march() -> str:
-    march = os.environ.get(MARCH_ENV, "native")
-    if not re.fullmatch(r"[A-Za-z0-9.+_-]+", march):
-        raise WeightsError(
-            f"{MARCH_ENV}={march!r} is not a compiler -march value (haswell, native, ...)"
-        )
-    return march
-
-
-def fused_flags(march: str | None = None, openmp: bool = True) -> dict:
-    flags = ["-O3", f"-march={march or fused_march()}"]
-    omp = ["-fopenmp"] if openmp else []
-    return dict(extra_cflags=flags + omp, extra_ldflags=omp)
-
-
-def _portable_march() -> str:
-    """The -march to fall back on where this CPU's own (native) did not build: every x86-64 CPU
-    with AVX2 and FMA (blocks.h's avx2 kernels), else any x86-64 or ARMv8 CPU (the reference)."""
-    if platform.machine().lower() in ("arm64", "aarch64"):
-        return "armv8-a"
-    return "x86-64-v3" if torch.backends.cpu.get_cpu_capability() != "DEFAULT" else "x86-64"
-
-
-@functools.cache
-def fused_build():
-    """(the compiled fused layers, None) or (None, why they cannot be built here). Compiled once
-    per CPU model and torch version under the cache (C++ with OpenMP, for this CPU's vector
-    units: 45 s of one core on a Zen 1 EPYC), loaded from there afterwards. Where that fails:
-    again without OpenMP if the error names it (Apple's clang has none: torch's threads then),
-    or for a portable -march if this CPU's own did not compile; one line each, naming the
-    compiler's error."""
-    try:
-        plans = [(fused_march(), True)]
-    except WeightsError as err:
-        return None, str(err)
-    failures = []
-    while plans:
-        march, openmp = plans.pop(0)
-        module, why = _build(march, openmp)
-        if module is not None:
-            _remember(module)
-            return module, None
-        failures.append(why)
-        if openmp and "openmp" in why.lower() or "omp.h" in why:
-            plans.append((march, False))
-        elif march == "native" and "error" in why.lower():
-            plans.append((_portable_march(), openmp))
-        if plans:
-            again = f"-march={plans[0][0]}" + ("" if plans[0][1] else " without OpenMP")
-            say(f"the fused layers did not build for -march={march}: {why}; trying {again}")
-    return None, failures[-1] if len(failures) == 1 else "; ".join(failures)
-
-
-def _build(march: str, openmp: bool):
-    """(module, None) built for ``march`` (into its own cache folder), or (None, why not)."""
-    target = cpu_name() if march == "native" else f"{cpu_name()}-as-{march}"
-    target += "" if openmp else "-no-openmp"
-    key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{target}-torch-{torch.__version__}")
-    folder = cache_dir() / "kernels" / key
-    stamp = _build_stamp(march, openmp)
-    if (module := _built_before(folder, stamp)) is not None:
-        return module, None
-    try:
-        import fcntl  # Unix: where the extension builds (gcc with OpenMP)
-
-        from torch.utils import cpp_extension  # ≈ 0.1 s to import: only to build
-
-        folder.mkdir(parents=True, exist_ok=True)
-        if not any(folder.glob("*.so")):
-            say(f"compiling the fused layers for this CPU, once (about a minute) into {folder}")
-        # torch marks a build with a `lock` file and waits, forever, while one exists: a process
-        # killed mid-build (a timeout, Ctrl-C) would leave every later load hanging. An flock is
-        # let go by the kernel when its process dies, so whoever holds ours knows that a `lock`
-        # file left there belongs to nobody. (A file system without locks: torch's own only.)
-        with open(folder / "build.flock", "w") as guard:
-            try:
-                fcntl.flock(guard, fcntl.LOCK_EX)
-                (folder / "lock").unlink(missing_ok=True)
-            except OSError:
-                pass
-            module = cpp_extension.load(  # (it appends to the flag lists it is given: copies)
-                "constrained_spec_fused",
-                [str(FUSED_SOURCE)],
-                build_directory=str(folder),
-                **fused_flags(march, openmp),
-            )
-        (folder / BUILT).write_text(stamp)
-    except Exception as err:  # no compiler, no ninja, an unsupported platform: the Python loop
-        return None, _first_error(err)
-    return module, None
-
-
-def _first_error(err: Exception) -> str:
-    """One line for a failed build: the compiler's first error where its output has one."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower() and "Error building" not in line]
-    line = (errors or lines or [type(err).__name__])[0]
-    return f"{type(err).__name__}: {line[:300]}"
-
-
-# Written beside the compiled module once it built: what it was built from. A later process
-# whose source, flags and torch match imports the module directly, without torch's build
-# machinery (whose import, ninja call and hashing cost ≈ 0.1 s, and whose ninja file names the
-# virtualenv: another environment sharing the cache would rebuild it for 20 s).
-BUILT = "built-from.txt"
-
-
-def _build_stamp(march: str, openmp: bool) -> str:
-    source = hashlib.sha256(b"".join(p.read_bytes() for p in [FUSED_SOURCE, *FUSED_HEADERS]))
-    source = source.hexdigest()
-    return f"{source} {fused_flags(march, openmp)} torch {torch.__version__}"
-
-
-def _built_before(folder: Path, stamp: str):
-    """The module built into ``folder`` from this source, flags and torch (``stamp``), or None."""
-    library = folder / "constrained_spec_fused.so"
-    try:
-        if (folder / BUILT).read_text() != stamp or not library.is_file():
-            return None
-        spec = importlib.util.spec_from_file_location("constrained_spec_fused", library)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    except (OSError, ImportError, ValueError):  # missing, another build's, or a damaged stamp
-        return None  # (UnicodeDecodeError is a ValueError): rebuilt
-
-
-def _remember(module) -> None:
-    global _built
-    _built = module
+def fused_library():
+    """(the kernel library, None) or (None, why none runs here): the prebuilt variant this CPU
+    runs (compiled.load), loaded once a process."""
+    return compiled.load()
 
 
 def fused_if_built():
-    """The compiled module where ``fused_build`` has already built or loaded it in this process,
-    else None (never compiles: a caller that only compiles constraints should not wait 20 s)."""
-    return _built
-
-
-_built = None  # set by fused_build once it has the module
+    """The kernel library where it is already loaded in this process, else None (never loads:
+    a caller that only compiles constraints should not wait for it)."""
+    return compiled.loaded()
 
 
 def fused_missing() -> str | None:
     """Why the fused layers cannot run here, or None if they can."""
-    return fused_build()[1]
+    return compiled.load()[1]
+
+
+def describe_library() -> str:
+    """Which kernel library runs, for --stats: "x86-64-v4-bf16 (prebuilt; ... overrides)"."""
+    return compiled.describe()
+
+
+def library_key() -> str:
+    """The library's variant, part of the key of every measurement of our kernels ("none"
+    where none runs): a variant forced by CONSTRAINED_SPEC_KERNELS measures its own."""
+    library = fused_library()[0]
+    return library.variant if library is not None else "none"

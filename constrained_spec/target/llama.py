@@ -389,32 +389,35 @@ class CompactLlama(nn.Module):
             self.prompt_cache.clear()  # kept entries are the old kernel's values
 
     def use_layers(self, kernel: str) -> None:
-        """How steps, verify passes and batch rows run the layers: "fused" (one compiled call,
-        kernels.fused_build; 4-bit linears only) or "python" (a loop of torch ops). Both compute
-        the same function up to float rounding, and each computes a token's values from its own
-        inputs alone; one of them runs for a model's whole life (baseline and speculation share
-        it), so greedy speculation still commits the baseline's tokens. The fused layers also
-        take prompts, keeping them for reuse (``prompt_cache``, up to prompt_cache_limit())."""
+        """How steps, verify passes and batch rows run the layers: "fused" (one call of the
+        kernel library, kernels.fused_library; our 4-bit kernels only) or "python" (a loop of
+        torch ops). Both compute the same function up to float rounding, and each computes a
+        token's values from its own inputs alone; one of them runs for a model's whole life
+        (baseline and speculation share it), so greedy speculation still commits the baseline's
+        tokens. The fused layers also take prompts, keeping them for reuse (``prompt_cache``,
+        up to prompt_cache_limit())."""
         assert kernel in kernels.LAYER_KERNELS, kernel
         self._fused = self.prompt_cache = None  # kept entries are the old layers' values
         if kernel == "fused":
-            if missing := kernels.fused_missing():
+            library, missing = kernels.fused_library()
+            if missing:
                 raise WeightsError(f"the fused layers cannot run here: {missing}")
             if not all(isinstance(m, kernels.Int4Linear) for m in self.linears):
                 raise WeightsError(
                     "the fused layers run 4-bit linears only: weights='float' "
                     "runs its layers in Python"
                 )
+            if self.matmul == "torch":
+                raise WeightsError(
+                    "the fused layers run our 4-bit kernels only: with torch's ('torch') the "
+                    "layers run in Python (use_matmul another of kernels.INT4_KERNELS first)"
+                )
             linears = list(self.linears)
-            self._fused = (
-                kernels.table_tensors(self.embed),
-                [m.packed for m in linears],
-                [m.scale_zero for m in linears],
-                [m.copies for m in linears],
-                list(self.norms)[:-1],
-                self.biases,
-                self.qk_norms,
-            )
+            self._fused = library.fused_model(  # the weights' pointers, once
+                kernels.table_tensors(self.embed), linears, [m.copies for m in linears],
+                list(self.norms)[:-1], self.biases, self.qk_norms, self.norms[-1], self.shape,
+                self.block,
+            )  # fmt: skip
             if limit := prompt_cache_limit():
                 self.prompt_cache = PromptCache(limit)
         self.layer_kernel = kernel
@@ -422,7 +425,8 @@ class CompactLlama(nn.Module):
     def use_matmul(self, kernel: str) -> None:
         """Which of kernels.INT4_KERNELS runs the 4-bit linears (all of them: a step, a verify
         pass, a batch row and a prompt through the "int4" prefill kernel multiply alike) and
-        the Q8_0 LM head's blocks."""
+        the Q8_0 LM head's blocks. torch's ("torch") runs the Python layers: the kernel library
+        cannot call it."""
         assert kernel in kernels.INT4_KERNELS, kernel
         if not all(isinstance(m, kernels.Int4Linear) for m in self.linears):
             raise WeightsError("a 4-bit kernel runs 4-bit linears only: these are float")
@@ -431,7 +435,8 @@ class CompactLlama(nn.Module):
             linear.use_kernel(kernel)
         if isinstance(self.lm_head, kernels.Q8Head):  # its blocks too, the bound following
             self.lm_head.use_kernel(kernel)
-        self.use_layers(self.layer_kernel)  # the fused layers' arguments: the new packs
+        layers = "python" if kernel == "torch" else self.layer_kernel
+        self.use_layers(layers)  # the fused layers' arguments: the new packs
 
     @property
     def matmul(self) -> str | None:
@@ -508,17 +513,11 @@ class CompactLlama(nn.Module):
         ids = torch.cat(rows) if len(rows) > 1 else rows[0]
         if self._fused is not None:
             keys, values = [c.keys for c in caches], [c.values for c in caches]
-            embed, packed, scale_zero, copies, norms, biases, qk_norms = self._fused
             on_copy = prompt and self.prefill in kernels.DENSE_KERNELS
-            dense = [m.dense for m in self.linears] if on_copy else []
-            b = self.block
-            features = kernels.fused_build()[0].fused_layers(
-                ids, *embed, cos, sin, packed, scale_zero, copies, dense,
-                self.prefill == "amx-bf16", norms, biases, qk_norms,
-                self.norms[-1], keys, values,
-                starts, sizes, s.heads, s.kv_heads, s.eps,
-                b.activation_code, b.embed_scale, b.attention_scale, b.windows, b.rotary,
-                b.residual_scale, b.attention_cap,
+            dense = [m.dense for m in self.linears] if on_copy else None
+            features = kernels.fused_if_built().fused_layers(
+                self._fused, self.block, ids, cos, sin, keys, values, starts, sizes, dense,
+                self.prefill == "amx-bf16",
             )  # fmt: skip
         else:
             at = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, sizes)])

@@ -254,10 +254,12 @@ def _describe_layers(model) -> str:
         "amx-bf16": ", 4-bit matmuls ours (AMX BF16 tiles)",
         "avx2": ", 4-bit and 8-bit matmuls ours (AVX2, int8 activations)",
         "neon": ", 4-bit and 8-bit matmuls ours (NEON dot products, int8 activations)",
+        "scalar": ", 4-bit and 8-bit matmuls ours (plain C++, int8 activations)",
         "torch": f", 4-bit matmuls torch's (ours: {kernels.int4_kernel_missing('avx2')})",
     }.get(getattr(model, "matmul", None), "")
     if kernel == "fused":
-        return f", layers fused (one compiled call per step){matmul}"
+        library = f", kernels {kernels.describe_library()}"
+        return f", layers fused (one call of the kernel library per step){matmul}{library}"
     if kernel == "python":
         missing = (
             kernels.fused_missing()
@@ -266,7 +268,8 @@ def _describe_layers(model) -> str:
         )
         if not missing:  # they load, but run our 4-bit kernels only
             missing = "no 4-bit kernel of ours runs here"
-        return f", layers in Python (fused: {missing}){matmul}"
+        library = "" if kernels.fused_missing() else f", kernels {kernels.describe_library()}"
+        return f", layers in Python (fused: {missing}){matmul}{library}"
     return ""
 
 
@@ -277,8 +280,9 @@ def _describe_layers(model) -> str:
 # two replies (46 tokens in one, cut at 160 in the other). The order is what the measurements
 # chose on every machine they ran on, quiet (docs/performance.md): AMX tiles where the CPU has
 # amx_bf16, else AVX-512 BF16 dot products, else our int8-activation tiles (AVX2, NEON dot
-# products), else torch's 4-bit kernel.
-MATMUL_ORDER = ("amx-bf16", "avx512-bf16", "avx2", "neon", "torch")
+# products; plain C++ in the kernel library's baseline variant, whose fused layers outran torch's
+# 4-bit kernel in the Python loop: SCALAR_VS_TORCH), else torch's 4-bit kernel (no library here).
+MATMUL_ORDER = ("amx-bf16", "avx512-bf16", "avx2", "neon", "scalar", "torch")
 
 
 def matmul_kernel() -> str:
@@ -288,7 +292,7 @@ def matmul_kernel() -> str:
 
 
 def layer_kernel(matmul: str) -> str:
-    """How the layers run: fused (one compiled call a step) wherever they load here and the
+    """How the layers run: fused (one call of the kernel library a step) wherever it loads and the
     matmuls are ours (they cannot call torch's 4-bit kernel), else the Python loop."""
     return "python" if matmul == "torch" or kernels.fused_missing() else "fused"
 
