@@ -59,10 +59,11 @@ _PLAIN = (str, int, float, bool, type(None), torch.Tensor)
 
 
 def path_for(source: Path) -> Path:
-    """Where the prepared form of the model file ``source`` lives (whether or not it does)."""
+    """Where the prepared form of the model file ``source`` lives (whether or not it does): one
+    per torch, CPU and kernel library variant (whose kernels' layouts it holds)."""
     stat = source.stat()
     what = f"{FORMAT} | {source.resolve()} | {stat.st_size} | {stat.st_mtime_ns} | "
-    what += f"torch {torch.__version__} | {cpu_name()}"
+    what += f"torch {torch.__version__} | {cpu_name()} | kernels {kernels.library_key()}"
     return cache_dir() / "prepared" / f"{hashlib.sha256(what.encode()).hexdigest()[:24]}.pt"
 
 
