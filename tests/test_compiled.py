@@ -251,6 +251,16 @@ def test_each_variants_fused_layers_compute_the_python_layers_and_steps_bits(
     assert torch.equal(fused[:6].argmax(1), head(features).argmax(1))
 
 
+def test_a_check_inside_the_library_is_a_python_error_naming_it(variant, tiny_tokenizer):
+    """The library's checks (TORCH_CHECKs in the torch extension) come back as a status and a
+    message, raised by the binding; nothing of the call's output is used."""
+    model = llama.from_transformers(testing.tiny_model(tiny_tokenizer, seed=3), "int4")
+    model.use_matmul(models.matmul_kernel())
+    model.use_layers("fused")
+    with pytest.raises(RuntimeError, match="fused_layers: a token id beyond the embedding"):
+        model(torch.tensor([model.vocab_size + 5]), model.new_cache())
+
+
 def _logits(model, ids, cache):
     return model(torch.tensor(ids), model.new_cache() if cache is None else cache)[0]
 
