@@ -20,7 +20,7 @@ import torch
 
 from constrained_spec import testing
 from constrained_spec.decoding import cost
-from constrained_spec.target import kernels, llama, machine, models, prepared
+from constrained_spec.target import kernels, llama, machine, models, prepared, repack
 
 DAMAGES = ["missing", "empty", "truncated", "garbage", "another version's"]
 GARBAGE = b"\xff\xfe\x00" + random.Random(58).randbytes(4093)  # not UTF-8, not JSON, not a zip
@@ -49,6 +49,7 @@ def said(capfd) -> list[str]:
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     kernels.fused_build()  # built (or found) where the session's kernels live, not in tmp_path
+    repack.library()  # (the same)
     monkeypatch.setenv(machine.CACHE_ENV, str(tmp_path / "cache"))
     # damage, not load, is tested here: a busy machine's provisional entries say more lines
     monkeypatch.setattr(machine, "others_share", lambda before, after: 0.0)
@@ -251,6 +252,8 @@ def test_two_processes_on_a_cold_cache_both_succeed_and_leave_one_copy(cache, tm
     if (module := kernels.fused_if_built()) is not None:  # copied: cold, but no 20 s compile
         built = Path(module.__file__).parent
         shutil.copytree(built, cache / "kernels" / built.name)
+    if (library := repack.library_path()) is not None:  # (and the repack's, 5 s)
+        shutil.copytree(library.parent, cache / "kernels" / library.parent.name)
     script = textwrap.dedent(f"""
         from constrained_spec import Generator
         gen = Generator.from_pretrained({str(gguf)!r}, weights="int4")

@@ -13,12 +13,13 @@ import pytest
 
 from constrained_spec import cli, testing
 from constrained_spec.decoding import cost
-from constrained_spec.target import kernels, machine, models, prepared
+from constrained_spec.target import kernels, machine, models, prepared, repack
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     kernels.fused_build()  # built (or found) where the session's kernels live, not in tmp_path
+    repack.library()  # (the same)
     monkeypatch.setenv(machine.CACHE_ENV, str(tmp_path / "cache"))
     for name in ("_provisional", "_measured_now"):  # a fresh process
         monkeypatch.setattr(machine, name, {})

@@ -185,7 +185,7 @@ void affine_groups(const uint8_t* row, int32_t type, int64_t k, uint8_t* q, floa
 
 // A Q6_K block's 256 values q − 32 in −32..31: element 128h + 32t + j has nibble t/2 of
 // ql[64h + 32(t%2) + j] and bits 2t, 2t + 1 of qh[32h + j] (gguf's Q6_K.dequantize_blocks).
-void q6_k_values(const uint8_t* block, int8_t* q) {
+void q6_k_values(const uint8_t* __restrict__ block, int8_t* __restrict__ q) {
   const uint8_t *ql = block, *qh = block + 128;
   for (int h = 0; h < 2; ++h) {
     for (int t = 0; t < 4; ++t) {
@@ -253,7 +253,7 @@ void float_values(const uint8_t* row, int32_t type, int64_t k, float* out) {
 // Q8_0 of 32 float values, as kernels.quantize_q8_0: d = fp16(max|w|/127), q = round(w·(1/d))
 // clamped to ±127, written as q + bias (128: the kernels' byte u; 0: q as a signed byte).
 // (NaN weights are not matched: no file of ours holds them.)
-float quantize_group(const float* w, uint8_t* q, int bias) {
+float quantize_group(const float* __restrict__ w, uint8_t* __restrict__ q, int bias) {
   uint32_t top = 0;  // max |w| as bits: non-negative floats order as their bit patterns do
   for (int j = 0; j < 32; ++j) {
     uint32_t a;
@@ -264,9 +264,8 @@ float quantize_group(const float* w, uint8_t* q, int bias) {
   const float d = from_f16(to_f16(f32_of_bits(top) / 127.0f));
   const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
   for (int j = 0; j < 32; ++j) {  // |w·(1/d)| < 256 for finite w, whatever d's rounding
-    const float r = round_even(w[j] * inverse);
-    const int v = static_cast<int>(r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r));
-    q[j] = static_cast<uint8_t>(v + bias);
+    const int v = static_cast<int>(round_even(w[j] * inverse));  // an integer: exact
+    q[j] = static_cast<uint8_t>(std::min(std::max(v, -127), 127) + bias);
   }
   return d;
 }
