@@ -180,6 +180,14 @@ def _checkpoint(path: Path, size: int, mtime_ns: int, load) -> dict:
     return load(str(path), False)
 
 
+def forget_parsed() -> None:
+    """Let the parses of files' metadata go, ours and transformers' (a 150k vocabulary's:
+    tens of MB), once the config and the tokenizer that asked for them are built (a later
+    reader parses again)."""
+    _checkpoint.cache_clear()
+    _reader.cache_clear()
+
+
 def unused_token_ids(reader: GGUFHeader) -> frozenset[int]:
     """The ids of the file's UNUSED tokens (gguf TokenType 5: vocabulary padding), which
     llama.cpp never lets a grammar produce; transformers' reader keeps them as plain tokens."""
