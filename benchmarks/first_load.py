@@ -9,7 +9,9 @@ prepared models; then again in a second fresh process on the cache the first one
 file and load: seconds from the process's start to the model loaded (imports included), the peak
 resident memory (VmHWM: it counts the memory-mapped file's pages too, which the system can
 reclaim), the anonymous memory after the load (the process's own: what cannot be reclaimed); and
-the bytes the first load stored (target.prepared). Linux only (it reads /proc/self/status).
+the bytes the first load stored (target.prepared). Also the CPU time the process took to the
+model loaded, all threads: on a machine shared with other work, where the seconds depend on
+what else runs, it tells what the load costs. Linux only (it reads /proc/self/status).
 """
 
 from __future__ import annotations
@@ -28,17 +30,18 @@ sys.path.insert(0, str(ROOT))
 LOAD = """
 import time
 start = time.perf_counter()
-import json
+import json, resource
 from constrained_spec.target import models, prepared
 model, _ = models.load_model({path!r}, weights="int4")
 loaded = time.perf_counter() - start
+usage = resource.getrusage(resource.RUSAGE_SELF)
 prepared.wait()
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 gb = lambda key: int(status[key].split()[0]) / 1e6
 stored = prepared.path_for(models.model_file({path!r}))
 written = sum(p.stat().st_size for p in (stored, stored.with_suffix(".json")) if p.exists())
-print(json.dumps({{"load_s": loaded, "peak_gb": gb("VmHWM"), "anon_after_gb": gb("RssAnon"),
-                  "stored_gb": written / 1e9}}))
+print(json.dumps({{"load_s": loaded, "cpu_s": usage.ru_utime + usage.ru_stime,
+                  "peak_gb": gb("VmHWM"), "anon_after_gb": gb("RssAnon"), "stored_gb": written / 1e9}}))
 """
 
 
@@ -73,7 +76,8 @@ def main(argv=None) -> int:
         size = path.stat().st_size / 1e9
         for name, r in (("first", first), ("second", second)):
             print(
-                f"{path.name}: {name} load {r['load_s']:.1f} s, peak {r['peak_gb']:.2f} GB "
+                f"{path.name}: {name} load {r['load_s']:.1f} s ({r['cpu_s']:.1f} s of CPU time), "
+                f"peak {r['peak_gb']:.2f} GB "
                 f"resident, {r['anon_after_gb']:.2f} GB anonymous after the load",
                 flush=True,
             )
