@@ -5,9 +5,9 @@ layout). A weight is given as its rows (``Rows``: a pointer to each row's blocks
 type), so a llama file's q/k un-permutation, partial rotary's row order, stacked tensors and a
 head's padding are only an order of pointers.
 
-``library()`` is the one place that finds the compiled code: for now compiled here, once per
-source version, into the cache (a C++ compiler with OpenMP, else without); None where that
-cannot be done, and the callers then take the torch path (files.py).
+``library()`` is the one place that finds the compiled code: for now compiled here with the
+system's C++ compiler, once per source version, into the cache (``_built``); None where that
+cannot be done, and the callers then take the torch path (files.py, models.py).
 """
 
 from __future__ import annotations

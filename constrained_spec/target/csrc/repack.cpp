@@ -1,8 +1,8 @@
 // GGUF tensor blocks straight into the 4-bit kernels' layouts, at load (no torch: a plain C ABI,
 // pointers and sizes in, outputs allocated by the caller; each call a range of whole tiles of
-// rows, which the caller runs on its threads in parallel). It computes
-// what kernels.Int4Linear's Python path computes from the same blocks, bit for bit (tests compare
-// every type and layout): the file's block types, decoded as target/files.py decodes them, then
+// rows, which the caller runs on its threads in parallel). It computes what kernels.Int4Linear's
+// Python path computes from the same blocks, bit for bit (tests/test_repack.py compares every
+// type and layout): the file's block types, decoded as target/files.py decodes them, then
 //
 //   * a 4-bit affine group (Q4_0, Q4_1, Q4_K: w = d·q + m, q in 0..15), when every row of the
 //     weight is one: q, scale d and zero m + 8d (one copy of the input);
@@ -230,7 +230,8 @@ void float_values(const uint8_t* row, int32_t type, int64_t k, float* out) {
         const float d = read_f16(block + 208);
         for (int s = 0; s < 16; ++s) {  // w = (d·sc)·q per sub-block of 16
           const float ds = d * static_cast<float>(sc[s]);
-          for (int j = 0; j < 16; ++j) out[256 * b + 16 * s + j] = ds * static_cast<float>(q[16 * s + j]);
+          for (int j = 0; j < 16; ++j)
+            out[256 * b + 16 * s + j] = ds * static_cast<float>(q[16 * s + j]);
         }
       }
       return;
@@ -279,7 +280,8 @@ struct Row {
 
   explicit Row(int64_t k) : q(k), d(k / GROUP), zh(k / GROUP), zl(k / GROUP) {}
 
-  void decode(const uint8_t* src, int32_t type, int64_t k, int copies) {
+  // Row src of `type` (or-ed with REQUANTIZE), k values; 8-bit rows always run as two copies.
+  void decode(const uint8_t* src, int32_t type, int64_t k) {
     const int64_t groups = k / GROUP;
     const bool requantize = (type & REQUANTIZE) != 0;
     type &= ~REQUANTIZE;
@@ -291,7 +293,6 @@ struct Row {
       }
       return;
     }
-    (void)copies;  // 8-bit rows always run as two copies
     if (type == Q8_0 && !requantize) {
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* block = src + 34 * g;
@@ -301,7 +302,8 @@ struct Row {
     } else {
       values.resize(k);
       float_values(src, type, k, values.data());
-      for (int64_t g = 0; g < groups; ++g) d[g] = quantize_group(values.data() + 32 * g, q.data() + 32 * g, 128);
+      for (int64_t g = 0; g < groups; ++g)
+        d[g] = quantize_group(values.data() + 32 * g, q.data() + 32 * g, 128);
     }
     for (int64_t g = 0; g < groups; ++g) {
       zh[g] = 0.0f;
@@ -366,7 +368,7 @@ int32_t cs_tiles(int64_t rows, int64_t k, const uint8_t* const* src, const int32
   for (int64_t b = 0; b < rows / TILE_ROWS; ++b) {
     for (int64_t j = 0; j < TILE_ROWS; ++j) {
       const int64_t r = b * TILE_ROWS + j;
-      row.decode(src[r], types[r], k, copies);
+      row.decode(src[r], types[r], k);
       row.nibbles(k, copies, nibbles.data());
       int32_t* lane = tiles + b * columns * TILE_ROWS + j;
       for (int64_t c = 0; c < columns; ++c) {
@@ -406,11 +408,12 @@ int32_t cs_blocks(int64_t rows, int64_t k, const uint8_t* const* src, const int3
   for (int64_t t = 0; t < rows / BLOCK_ROWS; ++t) {
     for (int64_t lane = 0; lane < BLOCK_ROWS; ++lane) {
       const int64_t r = t * BLOCK_ROWS + lane;
-      row.decode(src[r], types[r], k, copies);
+      row.decode(src[r], types[r], k);
       const uint8_t* q = row.q.data();
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* qg = q + GROUP * g;
-        uint8_t* v = reinterpret_cast<uint8_t*>(tiles + ((t * groups + g) * vectors) * BLOCK_ROWS + lane);
+        int32_t* lanes = tiles + ((t * groups + g) * vectors) * BLOCK_ROWS + lane;
+        uint8_t* v = reinterpret_cast<uint8_t*>(lanes);
         for (int c = 0; c < vectors; ++c) {  // vector c's lane: 4 bytes
           uint8_t* out = v + 4 * BLOCK_ROWS * c;
           for (int j = 0; j < 4; ++j) {
@@ -421,7 +424,8 @@ int32_t cs_blocks(int64_t rows, int64_t k, const uint8_t* const* src, const int3
             } else {  // bit 2c' + half of byte j: input 8c' + 4·half + j's fifth bit
               uint8_t plane = 0;
               for (int v2 = 0; v2 < 8; ++v2)
-                plane |= static_cast<uint8_t>(((qg[8 * (v2 / 2) + 4 * (v2 % 2) + j] >> 4) & 1) << v2);
+                plane |= static_cast<uint8_t>(((qg[8 * (v2 / 2) + 4 * (v2 % 2) + j] >> 4) & 1)
+                                              << v2);
               out[j] = plane;
             }
           }
@@ -453,7 +457,7 @@ int32_t cs_dense(int64_t rows, int64_t k, const uint8_t* const* src, const int32
   Row row(k);
   std::vector<uint16_t> dense(k);
   for (int64_t r = 0; r < rows; ++r) {
-    row.decode(src[r], types[r], k, copies);
+    row.decode(src[r], types[r], k);
     for (int64_t g = 0; g < k / GROUP; ++g) {
       const uint8_t* q = row.q.data() + GROUP * g;
       uint16_t* w = dense.data() + GROUP * g;
@@ -495,7 +499,7 @@ int32_t cs_dequantized(int64_t rows, int64_t k, const uint8_t* const* src, const
   if (!rows_known(rows, types)) return -1;
   Row row(k);
   for (int64_t r = 0; r < rows; ++r) {
-    row.decode(src[r], types[r], k, copies);
+    row.decode(src[r], types[r], k);
     float* o = out + r * copies * k;
     for (int64_t g = 0; g < k / GROUP; ++g) {
       float low[16], high[16];
@@ -525,7 +529,7 @@ int32_t cs_head_parts(int64_t rows, int64_t k, const uint8_t* const* src, const 
   Row row(k);
   std::vector<float> exact(k);
   for (int64_t r = 0; r < rows; ++r) {
-    row.decode(src[r], types[r], k, 2);
+    row.decode(src[r], types[r], k);
     float_values(src[r], types[r] & ~REQUANTIZE, k, exact.data());
     float *wr = w + r * k, *sr = spread + r * k, *er = error + r * k;
     for (int64_t g = 0; g < k / GROUP; ++g) {
@@ -572,7 +576,8 @@ int32_t cs_q6_k_rows(int64_t rows, int64_t k, const uint8_t* const* src, const i
       q6_k_values(block, q + r * k + 256 * b);
       const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
       const float d = read_f16(block + 208);
-      for (int s = 0; s < 16; ++s) scales[r * (k / 16) + 16 * b + s] = d * static_cast<float>(sc[s]);
+      for (int s = 0; s < 16; ++s)
+        scales[r * (k / 16) + 16 * b + s] = d * static_cast<float>(sc[s]);
     }
   }
   return 0;
