@@ -344,3 +344,24 @@ def test_stacked_rows_follow_the_torch_paths_order(tmp_path):
         pytest.skip("our AVX-512 BF16 kernel does not run here")
     laid = files._linear(parts, Counter(), None, kernel)
     assert _equal(laid.packed, torch_path.packed) and _equal(laid.scale_zero, torch_path.scale_zero)
+
+
+def _lay_in_child(raw: np.ndarray) -> int:
+    packed, _ = repack.tiles(repack.Rows.of(raw, 2, 256), 1)
+    return int(packed.shape[0])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork: Linux")
+def test_a_forked_process_lays_on_threads_of_its_own(monkeypatch):
+    """A process that laid rows on its thread pool forks: the child lays rows too (the pool it
+    would inherit has no threads in it; one that waited on them would hang)."""
+    import multiprocessing
+
+    raw = testing.gguf_blocks("Q4_0", 2048, 256, np.random.default_rng(3))  # ranges: the pool
+    monkeypatch.setattr(repack, "_threads", lambda: 2)  # a pool of two (conftest: one thread)
+    repack._pool_of.cache_clear()
+    assert len(repack._ranges(2048, 16)) > 1
+    assert _lay_in_child(raw) == 128  # the parent's pool, its threads started
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply_async(_lay_in_child, (raw,)).get(timeout=60) == 128
+    repack._pool_of.cache_clear()

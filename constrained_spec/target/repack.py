@@ -195,8 +195,14 @@ def _threads() -> int:
     return max(torch.get_num_threads(), 1)
 
 
-@functools.cache
 def _pool() -> ThreadPoolExecutor:
+    return _pool_of(os.getpid())
+
+
+@functools.cache
+def _pool_of(process: int) -> ThreadPoolExecutor:
+    """One pool a process: a forked child has none of its parent's threads (a pool it
+    inherited would never run what it is given)."""
     return ThreadPoolExecutor(_threads(), thread_name_prefix="repack")
 
 
