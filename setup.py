@@ -58,7 +58,7 @@ class build_kernels(Command):
         return {str(path): str(PACKAGE / "libs" / path.name) for path in self._built().values()}
 
     def get_source_files(self):
-        return [str(p.relative_to(ROOT)) for p in [isa.SOURCE, *isa.HEADERS]]
+        return [str(p.relative_to(ROOT)) for p in [*isa.SOURCES, *isa.HEADERS]]
 
     def run(self):
         in_place = ROOT if self.editable_mode else Path(self.build_lib)

@@ -918,8 +918,9 @@ def explode(*args, **kwargs):
 
 def assert_runs_and_reloads(gen, path, monkeypatch, draws) -> None:
     """A Generator on a file: a regex's text for each (seed, temperature) of ``draws``, ending
-    by the regex; then the model mapped from its prepared file (the file itself never read
-    again) holds the same Block and gives the same logits, bit for bit."""
+    by the regex; then the model loaded again from its prepared entry (the file's metadata
+    never read again: laid from its blocks, or the converted model mapped) holds the same Block
+    and gives the same logits, bit for bit."""
     regex = "(yes|no), (ab|ba){2,3}!"
     for seed, temperature in draws:
         result = gen.generate(

@@ -587,7 +587,13 @@ def explode(*args, **kwargs):
 
 
 def test_unknown_weights_fail_before_loading(monkeypatch):
-    for name in ("_load_float", "_load_gguf_int4", "_converted_copy", "use_kernels"):
+    for name in (
+        "_load_float",
+        "_load_gguf_int4",
+        "_run_from_file",
+        "_converted_copy",
+        "use_kernels",
+    ):
         monkeypatch.setattr(models, name, explode)
     start = time.perf_counter()
     with pytest.raises(WeightsError, match="int3.*auto, int4, int8, float"):
@@ -916,7 +922,7 @@ def test_a_missing_int4_kernel_is_named_and_auto_falls_back(monkeypatch):
     """A torch build without the 4-bit CPU kernel: asking for it is a clear error before any
     loading; the measurement behind "auto" never picks it."""
     monkeypatch.setattr(kernels, "int4_missing", lambda: "NotImplementedError: no int4 op")
-    for name in ("_load_float", "_load_gguf_int4", "_converted_copy"):
+    for name in ("_load_float", "_load_gguf_int4", "_run_from_file", "_converted_copy"):
         monkeypatch.setattr(models, name, explode)
     for weights in ("int4", "int8"):
         with pytest.raises(WeightsError, match="no int4 op.*weights='float'"):

@@ -22,7 +22,7 @@ from constrained_spec.constraints.vocabulary import (
     _sentencepiece,
     _sentencepiece_all,
 )
-from constrained_spec.target import kernels, models, prepared
+from constrained_spec.target import kernels, models, prepared, repack
 from constrained_spec.target.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
@@ -33,15 +33,27 @@ def gguf_file(tmp_path):
     return testing.write_gguf(tmp_path / "qwen2.gguf", "qwen2", "Q4_K", seed=3)
 
 
+@pytest.fixture(params=["laid", "converted"])
+def way(request, monkeypatch):
+    """How a GGUF loads: "laid" from the file at every load (target/repack: the prepared entry
+    holds no weights), or "converted" with torch ops where the repack library is missing (no
+    compiler: the prepared entry holds the whole model)."""
+    if request.param == "converted":
+        monkeypatch.setattr(repack, "library", lambda: None)
+    elif repack.library() is None or models.matmul_kernel() == "torch":
+        pytest.skip("the repack library or our 4-bit kernels cannot run here")
+    return request.param
+
+
 def _logits(model, ids):
     cache = model.new_cache()
     return model(torch.tensor(ids), cache)[0]
 
 
-def test_a_prepared_model_maps_to_the_model_it_was_converted_to(gguf_file):
-    """The first load converts and stores the prepared file; the second maps it (no GGUF
-    reading: the reader is made to explode) and computes bit for bit the same logits, commits
-    the same greedy tokens and the same kernels."""
+def test_a_prepared_model_maps_to_the_model_it_was_converted_to(gguf_file, way):
+    """The first load stores the prepared entry; the second reads no GGUF metadata (the reader
+    is made to explode; converted: nor the file at all, mapping the stored model) and computes
+    bit for bit the same logits, commits the same greedy tokens and the same kernels."""
     assert not prepared.path_for(gguf_file).exists()
     model, tokenizer = models.load_model(str(gguf_file), weights="int4")
     prepared.wait()  # stored in a thread
@@ -51,13 +63,15 @@ def test_a_prepared_model_maps_to_the_model_it_was_converted_to(gguf_file):
     first_text = Generator(model, tokenizer).generate(ids, schema=SCHEMA, max_new_tokens=30)
 
     with pytest.MonkeyPatch.context() as patch:
-        from constrained_spec.target import files
+        from constrained_spec.target import files, gguf_header
 
         def explode(*args, **kwargs):
             raise AssertionError("the GGUF file was read again")
 
         patch.setattr(files, "read_gguf", explode)
-        patch.setattr(files, "from_gguf", explode)
+        patch.setattr(gguf_header.GGUFHeader, "_read", explode)  # its metadata, whoever asks
+        if way == "converted":
+            patch.setattr(files, "from_gguf", explode)
         mapped, mapped_tokenizer = models.load_model(str(gguf_file), weights="int4")
         assert models.auto_weights(str(gguf_file))[0] in ("int4", "float")
     assert isinstance(mapped_tokenizer, Tokenizer)
@@ -75,11 +89,12 @@ def test_a_prepared_model_maps_to_the_model_it_was_converted_to(gguf_file):
 
 
 @pytest.mark.parametrize("kind, scales", [("Q8_0", torch.float16), ("Q6_K", torch.float32)])
-def test_a_tied_embedding_is_stored_once_as_its_blocks(kind, scales, tmp_path):
-    """The file's Q8_0 or Q6_K token embedding, tied to the LM head, is stored once as its
+def test_a_tied_embedding_is_stored_once_as_its_blocks(kind, scales, tmp_path, way):
+    """The file's Q8_0 or Q6_K token embedding, tied to the LM head, is held once as its
     blocks (int8 rows and fp16 or float32 scales: kernels.BlockRows), with no float32 (V, d)
-    copy; loaded twice, the mapped models compute bit for bit the converted model's logits,
-    their embedding and head rows one mapped storage."""
+    copy; converted, it is stored once that way; laid from the file, no table is stored at
+    all. Loaded twice, the models compute bit for bit the first load's logits, their embedding
+    and head rows one storage."""
     types = {"*": "Q4_K", "token_embd": kind}
     gguf_file = testing.write_gguf(tmp_path / "qwen2.gguf", "qwen2", types, seed=3)
     model, tokenizer = models.load_model(str(gguf_file), weights="int4")
@@ -88,10 +103,13 @@ def test_a_tied_embedding_is_stored_once_as_its_blocks(kind, scales, tmp_path):
     vocab, width = model.embed.shape
     state = torch.load(prepared.path_for(gguf_file), mmap=True, weights_only=True)
     tables = [t for t in prepared._tensors(state) if t.shape[0] == vocab and t.dim() == 2]
-    assert {t.dtype for t in tables} >= {torch.int8, scales}, f"no {kind} blocks stored"
-    assert not [t for t in tables if t.dtype == torch.float32 and t.shape[1] == width]
-    q = {t.untyped_storage().data_ptr() for t in tables if t.dtype == torch.int8}
-    assert len(q) == 1, "the embedding and the head's rows stored twice"
+    if way == "laid":
+        assert not [t for t in tables if t.shape[1] > 4], "a table stored beside the file"
+    else:
+        assert {t.dtype for t in tables} >= {torch.int8, scales}, f"no {kind} blocks stored"
+        assert not [t for t in tables if t.dtype == torch.float32 and t.shape[1] == width]
+        q = {t.untyped_storage().data_ptr() for t in tables if t.dtype == torch.int8}
+        assert len(q) == 1, "the embedding and the head's rows stored twice"
     ids = tokenizer.encode('Give a: {"a": "the same text again"}')
     first = _logits(model, ids)
     for _ in range(2):
@@ -102,7 +120,7 @@ def test_a_tied_embedding_is_stored_once_as_its_blocks(kind, scales, tmp_path):
         assert torch.equal(_logits(mapped, ids), first)
 
 
-def test_a_damaged_prepared_file_is_rebuilt(gguf_file, capsys):
+def test_a_damaged_prepared_file_is_rebuilt(gguf_file, capsys, way):
     model, tokenizer = models.load_model(str(gguf_file), weights="int4")
     prepared.wait()
     ids = tokenizer.encode("hello there")
@@ -196,17 +214,22 @@ def test_importing_the_package_loads_neither_torch_nor_transformers():
 
 @pytest.mark.real_model
 def test_a_warm_start_of_the_default_model_never_imports_transformers():
-    """The built-in model prepared once, a later process maps it, compiles a schema and
-    generates without importing transformers (≈ 0.5 s) or reading the GGUF."""
+    """The built-in model prepared once, a later process loads it, compiles a schema and
+    generates without importing transformers (≈ 0.5 s) or parsing the GGUF's metadata (its
+    header is stored; the model runs from the file's blocks, laid at load: where the repack
+    library is missing, the converted model is mapped and the file not read at all)."""
     Generator.from_pretrained()  # prepared, if it was not yet
     prepared.wait()
     code = (
         "from constrained_spec import Generator\n"
+        "from constrained_spec.target import gguf_header\n"
+        "def explode(*a, **k): raise AssertionError('the GGUF metadata was parsed')\n"
+        "gguf_header.GGUFHeader._read = explode\n"
         "gen = Generator.from_pretrained()\n"
         f"r = gen.generate('Extract: a', schema={SCHEMA!r}, max_new_tokens=8)\n"
     )
     loaded = _imports(code)
-    assert "transformers" not in loaded and "gguf" not in loaded
+    assert "transformers" not in loaded
 
 
 @pytest.mark.parametrize("kernel", ["avx512-bf16", "amx-bf16"])
@@ -280,15 +303,21 @@ def test_a_linear_holds_its_weights_in_one_layout_laid_a_slice_at_a_time(kernel,
             assert _held_bytes(sliced) == prepared._stored_bytes(prepared._state(sliced))
 
 
-def test_a_first_load_holds_what_its_prepared_file_stores(gguf_file):
-    """A GGUF's first load (converted, its kernels chosen) ends holding its tensors once, what
-    the prepared file stores: no layout left from the kernels measured, no plain nibbles beside
-    our kernel's tiles."""
+def test_a_first_load_holds_what_its_prepared_file_stores(gguf_file, way):
+    """A GGUF's first load ends holding its tensors once: no layout left from another kernel,
+    no plain nibbles beside our kernel's tiles, no per-row scales beside them (laid from the
+    file: its rows where they lie stand in for them). Converted, that is what the prepared file
+    stores; laid, the prepared file stores none of it (the head's terms alone)."""
     model, _ = models.load_model(str(gguf_file), weights="int4")
     prepared.wait()
-    stored = prepared._stored_bytes(prepared._state(model))
-    assert _held_bytes(model) == stored
-    assert prepared.path_for(gguf_file).stat().st_size >= stored
+    held = prepared._stored_bytes(prepared._state(model))
+    assert _held_bytes(model) == held
+    stored = prepared.path_for(gguf_file).stat().st_size
+    if way == "laid":
+        assert all(m.scale_rows is None and m.offset_rows is None for m in model.linears)
+        assert stored < model.lm_head.terms.nbytes + 64 * 1024 < held
+    else:
+        assert stored >= held
 
 
 # a vocabulary of the 256 bytes and EOS: compiling over it needs no tokenizer (nor its imports)

@@ -58,7 +58,7 @@ def build_other(commit: str, folder: Path, this: compiled.Kernels):
     returns it."""
     csrc = folder / "csrc"
     csrc.mkdir()
-    for path in [isa.SOURCE, *isa.HEADERS]:
+    for path in [*isa.SOURCES, *isa.HEADERS]:
         name = path.relative_to(HERE.parent).as_posix()
         text = subprocess.run(
             ["git", "show", f"{commit}:{name}"], cwd=HERE.parent, capture_output=True, text=True
@@ -68,7 +68,7 @@ def build_other(commit: str, folder: Path, this: compiled.Kernels):
         (csrc / path.name).write_text(text.stdout)
     known = {v.name: v for v in (*isa.variants(), isa.NATIVE)}
     library = folder / isa.library_name("other")
-    if why := isa.build(known[this.variant], library, source=csrc / isa.SOURCE.name):
+    if why := isa.build(known[this.variant], library, sources=[csrc / p.name for p in isa.SOURCES]):
         raise SystemExit(f"{commit}'s kernel library does not build: {why}")
     return compiled.Kernels(library, this.variant, f"built from {commit}"), None
 

@@ -172,7 +172,7 @@ class Kernels:
 
     def __init__(self, path: Path, variant: str, how: str):
         self.path, self.variant, self.how = path, variant, how
-        self._lib = lib = ctypes.CDLL(str(path))
+        self.lib = lib = ctypes.CDLL(str(path))
         for name, (result, arguments) in _SIGNATURES.items():
             function = getattr(lib, name)
             function.restype, function.argtypes = result, arguments
@@ -180,20 +180,20 @@ class Kernels:
             raise OSError(f"{path}: ABI {lib.cs_abi_version()}, this binding reads {ABI_VERSION}")
 
     def _call(self, name: str, *arguments) -> None:
-        if getattr(self._lib, name)(*arguments):
-            raise RuntimeError(f"{name[3:]}: {self._lib.cs_last_error().decode()}")
+        if getattr(self.lib, name)(*arguments):
+            raise RuntimeError(f"{name[3:]}: {self.lib.cs_last_error().decode()}")
 
     def blocks_isa(self) -> str:
-        return self._lib.cs_blocks_isa().decode()
+        return self.lib.cs_blocks_isa().decode()
 
     def avx512_bf16(self) -> bool:
-        return bool(self._lib.cs_avx512_bf16())
+        return bool(self.lib.cs_avx512_bf16())
 
     def amx_bf16(self) -> bool:
-        return bool(self._lib.cs_amx_bf16())
+        return bool(self.lib.cs_amx_bf16())
 
     def openmp(self) -> bool:
-        return bool(self._lib.cs_openmp())
+        return bool(self.lib.cs_openmp())
 
     def fused_model(self, *args, **kwargs) -> FusedModel:
         return FusedModel(*args, **kwargs)
@@ -293,7 +293,7 @@ class Kernels:
                 )
         out = torch.empty(len(rows), V, dtype=torch.bool)
         pointers = (c_char_p * max(len(rows), 1))(*rows)
-        self._lib.cs_unpack_bits(pointers, len(rows), V, out.data_ptr())
+        self.lib.cs_unpack_bits(pointers, len(rows), V, out.data_ptr())
         return out
 
     def count_legal(self, masks: torch.Tensor) -> list[int]:
@@ -304,7 +304,7 @@ class Kernels:
             "count_legal: masks must be a contiguous (rows, V) bool tensor on the CPU",
         )  # fmt: skip
         counts = (c_int64 * masks.shape[0])()
-        self._lib.cs_count_legal(masks.data_ptr(), masks.shape[0], masks.shape[1], counts)
+        self.lib.cs_count_legal(masks.data_ptr(), masks.shape[0], masks.shape[1], counts)
         return list(counts)
 
 

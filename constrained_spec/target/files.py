@@ -24,11 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
 from ..errors import WeightsError
-from . import families, kernels, llama, machine
+from . import families, kernels, llama, machine, repack
+from .gguf_header import GGUFHeader, HeaderError
 
 __all__ = [
     "AFFINE_BITS",
@@ -60,11 +61,11 @@ def _linears(family: families.Family) -> list[str]:
     return [name for group in family.linears for name, _ in group]
 
 
-def read_gguf(path: str | Path) -> GGUFReader:
-    """The file's reader (memory-mapped: metadata parsed, no weight read), or a WeightsError
-    naming the file and what is wrong with it. Parsed once per file version: a large
-    vocabulary's metadata takes seconds, and a load reads it for the checks, the config and
-    the weights."""
+def read_gguf(path: str | Path) -> GGUFHeader:
+    """The file's header (memory-mapped: metadata parsed, no weight read), or a WeightsError
+    naming the file and what is wrong with it (the tensor where one is at fault: a truncated
+    file's first tensor past its end). Parsed once per file version: a load reads it for the
+    checks, the config and the weights."""
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise WeightsError(f"{path}: no such GGUF file.")
@@ -72,52 +73,134 @@ def read_gguf(path: str | Path) -> GGUFReader:
     return _reader(path, stat.st_size, stat.st_mtime_ns)
 
 
-@functools.lru_cache(maxsize=4)
-def _reader(path: Path, size: int, mtime_ns: int) -> GGUFReader:
+def restored_gguf(path: str | Path, state: dict) -> GGUFHeader:
+    """The header a GGUFHeader.state() kept of the file at ``path`` (for the same size and
+    modification time: the prepared entry's key), mapped again without reading its metadata;
+    a WeightsError where the file no longer holds its tensors."""
+    path = Path(path).expanduser().resolve()
     try:
-        return GGUFReader(str(path))
+        return GGUFHeader(path, state)
+    except (ValueError, OSError, KeyError, TypeError) as err:
+        raise WeightsError(f"{path}: {type(err).__name__}: {err}") from err
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: Path, size: int, mtime_ns: int) -> GGUFHeader:
+    try:
+        return GGUFHeader(path)
     except (ValueError, OSError, IndexError, KeyError, TypeError, OverflowError) as err:
         size = path.stat().st_size
+        what = f"tensor {err.tensor}: " if isinstance(err, HeaderError) and err.tensor else ""
         raise WeightsError(
-            f"{path}: not a readable GGUF file ({size} bytes; {type(err).__name__}: {err}). "
+            f"{path}: not a readable GGUF file ({size} bytes; {what}{type(err).__name__}: {err}). "
             "A truncated download reads like this: fetch it again."
         ) from err
 
 
 @contextlib.contextmanager
 def shared_reader(path: Path):
-    """While it lasts, transformers' own reading of ``path`` (its tokenizer and its config each
-    parse the metadata again: 7 s apiece for a 150k vocabulary) gets the reader read_gguf
-    parsed once."""
+    """While it lasts, transformers' own readings of ``path`` get the header read_gguf read
+    once: gguf's GGUFReader (10 s for a 150k vocabulary), its own metadata reader
+    (``read_gguf_metadata``: 2 s, with the vocabulary) and its config parse
+    (``load_gguf_checkpoint``: 2 s, each item of each array; the tokenizer's load asks for
+    the config again: parsed once). Each patched where this transformers has it."""
     import gguf  # transformers imports GGUFReader from it when it reads a file
 
-    original, path = gguf.GGUFReader, Path(path).resolve()
+    path = Path(path).resolve()
+    ours = lambda file: Path(file).resolve() == path  # noqa: E731
+    patches = [(gguf, "GGUFReader", lambda original: _reading(ours, original))]
+    with contextlib.suppress(ImportError):
+        import transformers.integrations.gguf as package
+        import transformers.integrations.gguf.reader as reader
 
-    def reader(file, *args, **kwargs):
-        if not args and not kwargs and Path(file).resolve() == path:
-            return read_gguf(path)
-        return original(file, *args, **kwargs)
+        patch = lambda original: _metadata(ours, original)  # noqa: E731
+        patches += [(reader, "read_gguf_metadata", patch), (package, "read_gguf_metadata", patch)]
+    with contextlib.suppress(ImportError):
+        import transformers.modeling_gguf_pytorch_utils as loading
 
-    gguf.GGUFReader = reader
+        patches.append((loading, "load_gguf_checkpoint", lambda original: _once(ours, original)))
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     try:
+        for (owner, name, make), (_, _, original) in zip(patches, originals):
+            setattr(owner, name, make(original))
         yield
     finally:
-        gguf.GGUFReader = original
+        for owner, name, original in originals:
+            setattr(owner, name, original)
 
 
-def unused_token_ids(reader: GGUFReader) -> frozenset[int]:
+def _reading(ours, original):
+    def reader(file, *args, **kwargs):
+        if not args and not kwargs and ours(file):
+            return read_gguf(file)
+        return original(file, *args, **kwargs)
+
+    return reader
+
+
+def _metadata(ours, original):
+    """transformers' read_gguf_metadata from our header: scalars as Python values, arrays of
+    numbers as lists, arrays of strings as lists where asked for (``string_arrays``), else
+    their count; the tensors' names."""
+
+    def read(file, string_arrays=()):
+        if not ours(file):
+            return original(file, string_arrays)
+        header, metadata = read_gguf(file), {}
+        for key in header.fields:
+            if key.startswith("GGUF."):
+                continue
+            value = header.value(key)
+            if isinstance(value, np.ndarray):
+                value = value.tolist()
+            elif isinstance(value, list) and key not in string_arrays:
+                value = len(value)
+            metadata[key] = value
+        return metadata, tuple(t.name for t in header.tensors)
+
+    return read
+
+
+def _once(ours, original):
+    """load_gguf_checkpoint without tensors, parsed once per version of ``ours`` (a copy each
+    call: the tokenizer's load and the config's ask for the same)."""
+
+    def load(file, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs or not ours(file):
+            return original(file, return_tensors, *args, **kwargs)
+        stat = Path(file).stat()
+        parsed = _checkpoint(Path(file).resolve(), stat.st_size, stat.st_mtime_ns, original)
+        return copy.deepcopy(parsed)
+
+    return load
+
+
+@functools.lru_cache(maxsize=4)
+def _checkpoint(path: Path, size: int, mtime_ns: int, load) -> dict:
+    return load(str(path), False)
+
+
+def forget_parsed() -> None:
+    """Let the parses of files' metadata go, ours and transformers' (a 150k vocabulary's:
+    tens of MB), once the config and the tokenizer that asked for them are built (a later
+    reader parses again)."""
+    _checkpoint.cache_clear()
+    _reader.cache_clear()
+
+
+def unused_token_ids(reader: GGUFHeader) -> frozenset[int]:
     """The ids of the file's UNUSED tokens (gguf TokenType 5: vocabulary padding), which
     llama.cpp never lets a grammar produce; transformers' reader keeps them as plain tokens."""
-    types = _field(reader, "tokenizer.ggml.token_type", [])
-    return frozenset(i for i, kind in enumerate(types) if kind == 5)
+    types = np.asarray(reader.value("tokenizer.ggml.token_type", []))
+    return frozenset(np.flatnonzero(types == 5).tolist())
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFHeader, key: str, default=None):
+    value = reader.value(key, default)
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
-def check_gguf(reader: GGUFReader, path: str | Path) -> families.Family:
+def check_gguf(reader: GGUFHeader, path: str | Path) -> families.Family:
     """The file's family, or a WeightsError naming what the file holds that the compact forward
     does not run (its architecture, a linear's tensor type) or what contradicts its family (a
     missing tensor, a metadata key out of range), before any weight is read."""
@@ -163,13 +246,13 @@ def check_gguf(reader: GGUFReader, path: str | Path) -> families.Family:
     return family
 
 
-def gguf_family(reader: GGUFReader) -> families.Family | None:
+def gguf_family(reader: GGUFHeader) -> families.Family | None:
     """The family of the file's general.architecture, or None where none is declared."""
     arch = _field(reader, "general.architecture")
     return next((f for f in families.FAMILIES if f.name == arch), None)
 
 
-def stated_fields(reader: GGUFReader, family: families.Family, name: str) -> dict[str, float]:
+def stated_fields(reader: GGUFHeader, family: families.Family, name: str) -> dict[str, float]:
     """The family's config fields that only we read from the file (Family.gguf_fields: Granite's
     scales), or a WeightsError naming the first key the file lacks."""
     values = {}
@@ -184,7 +267,7 @@ def stated_fields(reader: GGUFReader, family: families.Family, name: str) -> dic
     return values
 
 
-def _check_window(reader: GGUFReader, name: str, arch: str) -> None:
+def _check_window(reader: GGUFHeader, name: str, arch: str) -> None:
     """A windowed family's window: stated, at least 1, no larger than the context."""
     key, context = f"{arch}.attention.sliding_window", _field(reader, f"{arch}.context_length")
     window = _field(reader, key)
@@ -240,7 +323,7 @@ def _config(path: Path, size: int, mtime_ns: int):
     return config
 
 
-def _own_config(reader: GGUFReader, family: families.Family):
+def _own_config(reader: GGUFHeader, family: families.Family):
     """The config of a family whose GGUF files transformers' reader has no config for, as that
     reader builds one: the shape under the keys it maps for family.gguf_config_as, the
     vocabulary's size where the file states none, embeddings tied where the file has no
@@ -266,7 +349,7 @@ def _own_config(reader: GGUFReader, family: families.Family):
     return config
 
 
-def _rotary(config, reader: GGUFReader, arch: str) -> None:
+def _rotary(config, reader: GGUFHeader, arch: str) -> None:
     """Partial rotary and LongRoPE as llama.cpp's converter states them, which transformers'
     GGUF reader drops: ``rope.dimension_count`` below the head size (Phi-4-mini: 96 of 128),
     and the ``rope_factors_short``/``rope_factors_long`` tensors with the original context and
@@ -293,7 +376,7 @@ def _rotary(config, reader: GGUFReader, arch: str) -> None:
         config.rope_parameters = rope
 
 
-def _windows(config, reader: GGUFReader, arch: str, family: families.Family) -> None:
+def _windows(config, reader: GGUFHeader, arch: str, family: families.Family) -> None:
     """A windowed family's layers as llama.cpp reads them (src/llama-model.cpp), where
     transformers' GGUF reader keeps its config's defaults: every window_period-th layer full,
     the others windowed; the full layers' rotary base ``rope.freq_base`` with the file's linear
@@ -321,10 +404,21 @@ def _windows(config, reader: GGUFReader, arch: str, family: families.Family) -> 
         config.query_pre_attn_scalar = config.head_dim
 
 
-def from_gguf(path: str | Path, config) -> llama.CompactLlama:
+def from_gguf(
+    path: str | Path,
+    config,
+    layout: str | None = None,
+    terms: torch.Tensor | None = None,
+    reader: GGUFHeader | None = None,
+) -> llama.CompactLlama:
     """The compact model of a GGUF file of ARCHITECTURES (``config``: its transformers config,
-    gguf_config)."""
-    reader = read_gguf(path)
+    gguf_config). ``layout``: the 4-bit kernel (one of ours, kernels.INT4_KERNELS) whose layout
+    the linears and the head's blocks are laid in straight from the file's blocks (target/repack),
+    each tensor's file pages dropped once laid; the head's bound ``terms`` where they are known
+    (stored for this file and kernel). None: the torch path (each tensor decoded to q, scale and
+    zero, models.use_kernels then re-lays them). ``reader``: the file's header where it is
+    at hand (restored_gguf's), else read_gguf's."""
+    reader = reader or read_gguf(path)
     family = check_gguf(reader, path)
     families.check(config, "int4")
     tensors = {t.name: t for t in reader.tensors}
@@ -334,11 +428,16 @@ def from_gguf(path: str | Path, config) -> llama.CompactLlama:
     # transformers' order (qwen2/qwen3/gemma3/phi3 use the split halves already)
     heads = {"attn_q": s.heads, "attn_k": s.kv_heads} if family.permuted_qk else {}
     order = families.qkv_row_order(config)  # partial rotary: each q/k head's rotated dims first
+    # the head first: its table's file pages (a 150k vocabulary's: 0.2 GB) are let go before the
+    # layers' copies add up, so they never sit beside all of them
+    head, embed = _head(tensors, layout, terms)
+    reader.release([t for name, t in tensors.items() if name in _TABLES])
     norms, linears, biases, qk_norms = [], [], [], []
     for i in range(s.layers):
         for n, group in enumerate(family.linears):  # each linear's tensors stacked
             parts = [(tensors[f"blk.{i}.{part}.weight"], heads.get(part)) for part, _ in group]
-            linears.append(_linear(parts, types, order if n == 0 else None))
+            linears.append(_linear(parts, types, order if n == 0 else None, layout))
+            reader.release([tensor for tensor, _ in parts])
         # as stored: llama.cpp's converter has added Gemma's 1 to its norms (x·w, as here)
         norms += [_float(tensors[f"blk.{i}.{part}.weight"]) for part, _ in family.norms]
         qkv = [f"blk.{i}.{part}.bias" for part, _ in family.linears[0]]
@@ -348,10 +447,8 @@ def from_gguf(path: str | Path, config) -> llama.CompactLlama:
         if family.qk_norms:
             qk_norms += [_float(tensors[f"blk.{i}.attn_{x}_norm.weight"]) for x in "qk"]
     norms.append(_float(tensors["output_norm.weight"]))
-    machine.release_freed_memory()  # the layers' temporaries, before the head's
-    output = tensors.get("output.weight")  # tied unless the file has its own
-    head = kernels.Q8Head(_rows(tensors["token_embd.weight"] if output is None else output))
-    embed = head.table if output is None else _rows(tensors["token_embd.weight"])
+    reader.release(list(tensors.values()))
+    machine.release_freed_memory()  # the conversion's temporaries
     rope = families.rotary_frequencies(config)  # (3, hd/2): families.ROTARY_ROWS
     if "rope_freqs.weight" in tensors:  # Llama 3's long-context factors: θ_i / factor_i
         rope = rope / _float(tensors["rope_freqs.weight"])  # (0 / factor: none stays none)
@@ -361,6 +458,40 @@ def from_gguf(path: str | Path, config) -> llama.CompactLlama:
     )  # fmt: skip
     model.tensor_types = dict(types)
     return model
+
+
+_TABLES = ("token_embd.weight", "output.weight")
+
+
+def _head(tensors: dict, layout: str | None, terms: torch.Tensor | None):
+    """The LM head (a kernels.Q8Head over the output tensor, or the token embedding where tied)
+    and the token embedding (the head's table where tied: one copy)."""
+    output = tensors.get("output.weight")  # tied unless the file has its own
+    table = tensors["token_embd.weight"] if output is None else output
+    laid = layout is not None
+    head = kernels.Q8Head(_rows(table)) if not laid else _laid_head(table, layout, terms)
+    embed = head.table if output is None else _rows(tensors["token_embd.weight"], laid)
+    return head, embed
+
+
+def _laid_head(tensor, layout: str, terms: torch.Tensor | None) -> kernels.Q8Head:
+    """kernels.Q8Head(_rows(tensor)) with its blocks laid from the file's rows: Q8_0 ones as they
+    are where the vocabulary is a multiple of 16, else each row re-quantized from its float32
+    values (as _padded_q8_0 quantizes them), with zero rows up to a multiple of 16. A table of
+    float32 rows that are Q8_0 values is kept as those blocks, as Q8Head keeps it."""
+    rows = repack.Rows.of(tensor.data, tensor.tensor_type.value, int(tensor.shape[0]))
+    table, vocab = _rows(tensor, laid=True), len(rows)
+    if tensor.tensor_type != GGMLQuantizationType.Q8_0 or vocab % 16:
+        if isinstance(table, torch.Tensor):
+            q, d = repack.q8_0_quantized(rows)
+            exact = torch.equal(kernels.dequantize_q8_0(q, d), table)
+            table = (
+                kernels.BlockRows.from_q8_0(q, d)
+                if exact
+                else torch.nn.Embedding.from_pretrained(table)
+            )
+        rows = rows.requantized().padded(vocab + -vocab % 16)
+    return kernels.Q8Head.from_rows(table, rows, layout, terms)
 
 
 def _check_shapes(tensors: dict, s, config, family: families.Family, path) -> None:
@@ -383,19 +514,24 @@ def _check_shapes(tensors: dict, s, config, family: families.Family, path) -> No
             )
 
 
-def _linear(parts: list, types: Counter, order: torch.Tensor | None = None) -> kernels.Int4Linear:
+def _linear(
+    parts: list, types: Counter, order: torch.Tensor | None = None, layout: str | None = None
+) -> kernels.Int4Linear:
     """One Int4Linear over tensors (each with the heads to un-interleave, or None) stacked
     along their outputs, its rows then taken in ``order`` (families.qkv_row_order; a row's
     blocks are whole: rows are independent): 4-bit blocks alone, or two 4-bit halves for all
     where one needs them (a 4-bit q's high half is 0, its zero cancels: w = 16d·(0 − 8) +
-    128d + …)."""
+    128d + …). Laid in ``layout`` straight from the rows where given (from_gguf)."""
     copies = 1 if all(AFFINE_BITS.get(t.tensor_type.name) == 4 for t, _ in parts) else 2
-    blocks = []
-    for tensor, heads in parts:
+    for tensor, _ in parts:
         kind = tensor.tensor_type.name
         types[
             kind if kind in AFFINE_BITS or kind in EIGHT_BITS else f"{kind} → Q8_0 (re-quantized)"
         ] += 1
+    if layout is not None:
+        return kernels.Int4Linear.from_rows(_stacked_rows(parts, order), copies, layout)
+    blocks = []
+    for tensor, heads in parts:
         q, scale, zero = _blocks(tensor, copies)
         if heads:
             q, scale, zero = (_unpermute(x, heads) for x in (q, scale, zero))
@@ -404,6 +540,19 @@ def _linear(parts: list, types: Counter, order: torch.Tensor | None = None) -> k
     if order is not None:
         q, scale, zero = q[order], scale[order], zero[order]
     return kernels.Int4Linear(q, scale, zero, copies=copies)
+
+
+def _stacked_rows(parts: list, order: torch.Tensor | None) -> repack.Rows:
+    """_linear's rows where they lie in the file: each tensor's, un-interleaved, stacked, then
+    taken in ``order``."""
+    stacked = None
+    for tensor, heads in parts:
+        index = np.arange(tensor.data.shape[0])
+        if heads:
+            index = _unpermute(torch.from_numpy(index), heads).numpy()
+        rows = repack.Rows.of(tensor.data, tensor.tensor_type.value, int(tensor.shape[0]), index)
+        stacked = rows if stacked is None else stacked + rows
+    return stacked if order is None else stacked.take(order.numpy())
 
 
 def _blocks(tensor, copies: int):
@@ -483,11 +632,19 @@ def _group_scales(raw: np.ndarray, kind: str):
     return d[..., None] * sc, -f16(2)[..., None] * mn
 
 
-def _rows(tensor) -> torch.Tensor | kernels.BlockRows:
+def _rows(tensor, laid: bool = False) -> torch.Tensor | kernels.BlockRows:
     """A table of rows (the token embedding, the LM head's): a Q8_0 or Q6_K tensor's blocks as
     they are (kernels.BlockRows; the head's 8-bit screen runs on Q8_0's too), else float32 rows
-    (_float)."""
+    (_float). ``laid``: read by target/repack, a row at a time (no temporaries the size of the
+    table: a float32 table is then the only copy of its values)."""
     kind = tensor.tensor_type
+    if laid:
+        rows = repack.Rows.of(tensor.data, kind.value, int(tensor.shape[0]))
+        if kind == GGMLQuantizationType.Q8_0:
+            return kernels.BlockRows.from_q8_0(*repack.q8_0_rows(rows))
+        if kind == GGMLQuantizationType.Q6_K:
+            return kernels.BlockRows(*repack.q6_k_rows(rows))
+        return repack.float_rows(rows)
     if kind not in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K):
         return _float(tensor)
     raw = torch.from_numpy(np.array(tensor.data))

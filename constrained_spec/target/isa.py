@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_layers.cpp"
+# the library's translation units: the fused layers and kernels, and the GGUF repack (target/repack)
+SOURCES = (SOURCE, SOURCE.with_name("repack.cpp"))
 HEADERS = [SOURCE.with_name(name) for name in ("abi.h", "blocks.h", "parallel.h", "vec.h")]
 LIBRARIES = Path(__file__).with_name("libs")  # where the build puts the variants
 PREFIX = "libcskernels-"
@@ -147,29 +149,28 @@ def compiler() -> str | None:
 
 
 def command(
-    cxx: str, variant: Variant, output: Path, openmp: bool = True, source: Path = SOURCE
+    cxx: str, variant: Variant, output: Path, openmp: bool = True, sources=SOURCES
 ) -> list[str]:
     """The one compile-and-link command of a variant. -ffp-contract is GCC's default spelled
-    out (clang's differs), so that every compiler fuses the same multiply-adds the torch build
-    did; hidden symbols but the ABI's (two variants loaded in one process share nothing)."""
+        out (clang's differs), so that every compiler fuses the same multiply-adds the torch build
+        did (repack.cpp asks for none in its own pragmas: its results are the same bits on any CPU);
+    hidden symbols but the ABI's (two variants loaded in one process share nothing)."""
     return [
         cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast",
         "-fvisibility=hidden", "-fvisibility-inlines-hidden", *variant.flags,
         f'-DCS_VARIANT="{variant.name}"', *(["-fopenmp"] if openmp else []),
-        str(source), "-o", str(output),
+        *map(str, sources), "-o", str(output),
     ]  # fmt: skip
 
 
 def stamp(cxx: str, variant: Variant) -> str:
     """What a variant's library is built from: the sources, the compiler and its command."""
-    sources = b"".join(p.read_bytes() for p in [SOURCE, *HEADERS])
+    sources = b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
     line = " ".join(command(cxx, variant, Path("out")))
     return hashlib.sha256(sources + line.encode()).hexdigest()
 
 
-def build(
-    variant: Variant, output: Path, cxx: str | None = None, source: Path = SOURCE
-) -> str | None:
+def build(variant: Variant, output: Path, cxx: str | None = None, sources=SOURCES) -> str | None:
     """Compile ``variant`` into ``output``: None, or the compiler's first error in one line.
     Where the error names OpenMP (Apple's clang has none) it is built again without: its
     threads are then std::threads (csrc/parallel.h)."""
@@ -182,7 +183,7 @@ def build(
     for openmp in (True, False):
         try:
             done = subprocess.run(
-                command(cxx, variant, partial, openmp, source),
+                command(cxx, variant, partial, openmp, sources),
                 capture_output=True,
                 text=True,
                 timeout=600,

@@ -12,12 +12,13 @@ from __future__ import annotations
 import functools
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import WeightsError
-from . import compiled
+from . import compiled, repack
 
 GROUP = 32
 SKINNY_MAX = 32  # up to this many rows, W·xᵀ streams the weight once where x·Wᵀ packs it
@@ -222,6 +223,30 @@ class Int4Linear(nn.Module):
         self.dense_amx = False  # whether ours multiplies it on AMX tiles (else AVX-512 BF16)
         self.register_buffer("scale_rows", scale.to(torch.bfloat16))  # (N, K/32)
         self.register_buffer("offset_rows", (zero - 8 * scale).to(torch.bfloat16))
+        self.source = None  # from_rows: the file's rows its weights were laid from
+
+    @classmethod
+    def from_rows(cls, rows: repack.Rows, copies: int, kernel: str) -> Int4Linear:
+        """A linear laid in ``kernel``'s layout straight from a file's rows (target/repack: the
+        same tiles and scales use_kernel lays from the same blocks). The rows stay where they lie
+        (``source``): the prompts' bf16 copy and the dequantized weights are computed from them,
+        where the torch path keeps per-row scales and offsets (a quarter of the weights' bytes)."""
+        assert kernel in INT4_KERNELS and kernel != "torch", kernel
+        linear = cls.__new__(cls)
+        nn.Module.__init__(linear)
+        if kernel in BLOCK_KERNELS:
+            packed, scale_zero = repack.blocks(rows, copies)
+        else:
+            packed, scale_zero = repack.tiles(rows, copies)
+            if kernel == "amx-bf16":
+                packed = packed.view(packed.shape[0], -1, 4, 16)
+        linear.copies, linear.kernel, linear.source = copies, kernel, rows
+        for name, value in (("nibbles", None), ("packed", packed), ("scale_zero", scale_zero)):
+            linear.register_buffer(name, value)
+        linear.register_buffer("scale_rows", None)
+        linear.register_buffer("offset_rows", None)
+        linear.dense, linear.dense_amx = None, False
+        return linear
 
     @classmethod
     def from_q4_1(cls, q, d, m) -> Int4Linear:
@@ -279,7 +304,7 @@ class Int4Linear(nn.Module):
             return
         if why := int4_kernel_missing(kernel):
             raise WeightsError(f"the {kernel!r} 4-bit kernel cannot run here: {why}")
-        nibbles, n, copies = self.stored_nibbles(), self.scale_rows.shape[0], self.copies
+        nibbles, n, copies = self.stored_nibbles(), self.out_features, self.copies
         scale, zero = self.scale_and_zero()
         if kernel in BLOCK_KERNELS:  # csrc/blocks.h: 4-bit tiles, or the halves as 8-bit ones
             form = _blocks_form(nibbles, zero, copies)  # the whole weight's, for every slice
@@ -310,7 +335,8 @@ class Int4Linear(nn.Module):
         the weights reads them."""
         if self.nibbles is not None:
             return self.nibbles
-        n, groups, copies = self.scale_rows.shape[0], self.scale_rows.shape[1], self.copies
+        n, copies = self.out_features, self.copies
+        groups = self.scale_zero.shape[1] * (copies if self.kernel in BLOCK_KERNELS else 1)
         if self.kernel in BLOCK_KERNELS:
             lay = lambda rows, tiles: (_blocks_nibbles(tiles, rows, groups // copies, copies),)
         else:
@@ -333,6 +359,12 @@ class Int4Linear(nn.Module):
         both = self.scale_zero.permute(2, 0, 3, 1).reshape(2, 16 * blocks, groups)
         return both[0], both[1]
 
+    @property
+    def out_features(self) -> int:  # N, from the layout (_tile_pack's tiles of 16, blocks' of 8)
+        if self.kernel == "torch":
+            return self.packed.shape[0]
+        return self.packed.shape[0] * (8 if self.kernel in BLOCK_KERNELS else 16)
+
     def use_prefill(self, kernel: str) -> None:
         """The kernel of a prompt's prefill: "bf16" keeps a bf16 copy of the weight (2 bytes
         per weight on top of the blocks' half byte), "amx-bf16" and "avx512-bf16" the same copy
@@ -340,16 +372,23 @@ class Int4Linear(nn.Module):
         assert kernel in PREFILL_KERNELS, kernel
         if kernel in DENSE_KERNELS and (why := int4_kernel_missing(kernel)):
             raise WeightsError(f"the {kernel!r} prefill kernel cannot run here: {why}")
-        self.dense = None if kernel == "int4" else self.dequantized_bf16()
         self.dense_amx = kernel == "amx-bf16"
-        if kernel in DENSE_KERNELS:  # tile (b, g): k-pair p of inputs 32g.., output 16b + j at 2j
-            n, k = self.dense.shape
-            tiles = self.dense.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
-            self.dense = tiles.reshape(n // 16, k // 32, 16, 32).contiguous()
+        if kernel == "int4":
+            self.dense = None
+        elif self.source is not None:  # the same values, laid from the file's rows
+            self.dense = repack.dense(self.source, self.copies, kernel in DENSE_KERNELS)
+        else:
+            self.dense = self.dequantized_bf16()
+            if kernel in DENSE_KERNELS:  # tile (b, g): k-pair p of inputs 32g.., output 16b + j
+                n, k = self.dense.shape
+                tiles = self.dense.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
+                self.dense = tiles.reshape(n // 16, k // 32, 16, 32).contiguous()
 
     def dequantized_bf16(self) -> torch.Tensor:
         """The weight (N, K) in bf16: the 4-bit kernel's values up to bf16 rounding (the copies'
         halves summed in float32, then rounded once)."""
+        if self.source is not None:
+            return repack.dense(self.source, self.copies, tiled=False)
         if self.copies == 1:
             return self.dequantized(torch.bfloat16)
         return sum(self.dequantized().chunk(self.copies, dim=1)).to(torch.bfloat16)
@@ -359,6 +398,11 @@ class Int4Linear(nn.Module):
         zero − 8·scale rounded to bf16 (the kernels multiply (q − 8)·scale + zero: the same
         where that offset is exact in bf16, as for Q8_0's halves; a 4-bit q times a bf16 scale
         plus a bf16 offset is exact in float32)."""
+        if self.source is not None and dtype == torch.float32:
+            return repack.dequantized(
+                self.source.take(np.arange(self.out_features)[rows]), self.copies
+            )
+        assert self.source is None, "a linear laid from a file's rows dequantizes in float32"
         nibbles = self.stored_nibbles()[rows]
         scale, offset = self.scale_rows[rows], self.offset_rows[rows]
         n = nibbles.shape[0]
@@ -606,20 +650,60 @@ class Q8Head(nn.Module):
         self.table = weight  # the rows recomputed in float32: a BlockRows, or an nn.Embedding's
         self.blocks = Int4Linear.from_q8_0(*blocks)
         del blocks  # padded ones: their own copy (a 256k vocabulary's: 0.6 GB)
-        gamma, slack, norms = 2 * k * 2.0**-24, [], []
-        for start in range(0, vocab, 4096):  # in slices: the whole would take ~1 GB at once
-            rows = slice(start, min(start + 4096, vocab))
-            hi, lo = self.blocks.dequantized(rows=rows).chunk(2, dim=1)  # what the kernel uses
-            w, spread = hi + lo, (hi.abs() + lo.abs()).norm(dim=1)
-            norms.append(w.norm(dim=1))
-            float_rows = self.rows(torch.arange(rows.start, rows.stop))
-            slack.append((w - float_rows).norm(dim=1) + 2 * gamma * spread)
-        # the bound's terms per token (V, 4), times (‖x‖, ‖x − x̃‖, ‖S‖, 1) per position: slack_t,
-        # ‖w̃_t‖, and while our kernel runs ‖c_t‖ and a floor for flushed intermediates
-        zero = torch.zeros(vocab)
-        terms = torch.stack([torch.cat(slack), torch.cat(norms), zero, zero], 1)
-        self.register_buffer("terms", terms.contiguous())
+        self.register_buffer("terms", self._bound_terms())
         self.fused = True  # one call of the kernel library (csrc q8_head) where it runs
+
+    @classmethod
+    def from_rows(
+        cls, table: BlockRows | nn.Embedding, rows: repack.Rows, kernel: str, terms=None
+    ) -> Q8Head:
+        """The head over ``table`` (its float32 rows), its blocks laid in ``kernel``'s layout
+        straight from a file's ``rows`` (Int4Linear.from_rows: the head's rows, re-quantized to
+        Q8_0 where __init__ quantizes them, padded with zero rows to a multiple of 16), its bound
+        ``terms`` those stored for the same file and kernel, or computed as __init__ and
+        use_kernel compute them."""
+        head = cls.__new__(cls)
+        nn.Module.__init__(head)
+        head.table, head.fused = table, True
+        head.blocks = Int4Linear.from_rows(rows, 2, kernel)
+        if terms is None:
+            terms = head._bound_terms()
+            terms[:, 2:] = head._kernel_terms(kernel)
+        head.register_buffer("terms", terms)
+        return head
+
+    def _bound_terms(self) -> torch.Tensor:
+        """The bound's terms per token (V, 4), times (‖x‖, ‖x − x̃‖, ‖S‖, 1) per position:
+        slack_t, ‖w̃_t‖, and while our kernel runs ‖c_t‖ and a floor for flushed intermediates
+        (0 here: _kernel_terms). A slice of rows at a time: the whole would take ~1 GB at once."""
+        vocab, k = self.table.num_embeddings, self.table.embedding_dim
+        gamma, slack, norms = 2 * k * 2.0**-24, [], []
+        source = self.blocks.source  # laid from a file's rows: the same values, computed there
+        buffers = (
+            tuple(torch.empty(min(vocab, 4096), k) for _ in range(3)) if source is not None else ()
+        )
+        for start in range(0, vocab, 4096):
+            rows = slice(start, min(start + 4096, vocab))
+            if source is not None:
+                taken = source.take(np.arange(rows.start, rows.stop))
+                w, spread, error = repack.head_parts(taken, buffers)
+                spread = spread.norm(dim=1)
+            else:
+                hi, lo = self.blocks.dequantized(rows=rows).chunk(2, dim=1)  # what the kernel uses
+                w, spread = hi + lo, (hi.abs() + lo.abs()).norm(dim=1)
+                error = w - self.rows(torch.arange(rows.start, rows.stop))  # the float32 rows'
+            norms.append(w.norm(dim=1))
+            slack.append(error.norm(dim=1) + 2 * gamma * spread)
+        zero = torch.zeros(vocab)
+        return torch.stack([torch.cat(slack), torch.cat(norms), zero, zero], 1).contiguous()
+
+    def _kernel_terms(self, kernel: str) -> torch.Tensor:
+        """The terms (V, 2) of ``kernel``'s own rounding: ‖c_t‖ and the floor (ours), else 0."""
+        if kernel == "torch":
+            return torch.zeros(self.out_features, 2)
+        error = _blocks_group_error if kernel in BLOCK_KERNELS else _group_error
+        norms = error(self.blocks)[:, : self.out_features].norm(dim=0)  # blocks: padded rows
+        return torch.stack((norms, torch.full_like(norms, 2.0**-100)), 1)
 
     @property
     def out_features(self) -> int:  # nn.Linear's name: the logits' width
@@ -642,11 +726,7 @@ class Q8Head(nn.Module):
         if kernel == self.blocks.kernel:
             return
         self.blocks.use_kernel(kernel)
-        vocab = self.out_features  # the blocks' rows are padded to a multiple of 16
-        ours = kernel != "torch"
-        error = _blocks_group_error if kernel in BLOCK_KERNELS else _group_error
-        self.terms[:, 2] = error(self.blocks)[:, :vocab].norm(dim=0) if ours else 0
-        self.terms[:, 3] = 2.0**-100 if ours else 0
+        self.terms[:, 2:] = self._kernel_terms(kernel)
 
     def approximate(self, x: torch.Tensor):
         """The kernel's logits of x (n, d), (n, V) float32 holding bf16 values, and how far

@@ -1,21 +1,26 @@
-"""Prepared models: a compact model as its kernels run it (4-bit blocks in the chosen kernel's
-layout, the prompts' bf16 copy, the LM head's Q8_0 blocks and bounds, the embedding's and the
-head's rows: Q8_0 and Q6_K ones as their blocks, kernels.BlockRows, once where tied), its config
-and its tokenizer, stored once per model file in ONE file that later loads map instead of converting
-(``torch.load(mmap=True)``: no copy; pages come in as the first passes touch them). What is
-derived once and costly stays derived: the head's bound terms for its kernel (kernels.Q8Head),
-the tokenizer in the form it loads fastest from (target.tokenizer). A GGUF's
-conversion costs seconds to a minute (its metadata parsed in Python, every block re-laid, the
-bf16 copy computed); mapping the prepared file costs milliseconds.
+"""Prepared models: what a model's later loads read instead of its file's metadata, stored once
+per model file. Two kinds, one layout:
 
-Layout: ``cache_dir()/prepared/<key>.pt`` (the tensors) and ``<key>.json`` (the config and the
-tokenizer, read without touching the tensors), the key a hash of the source file's path, size and
-modification time, this module's FORMAT, torch's version and the CPU (the kernels' layouts
-follow the CPU's features). A file that does not load (truncated, another format) is
-rebuilt; a cache without room for one is skipped, and said so. ``index.json`` names each file's
-source: storing one removes those whose source is gone or changed. Prepared models take at most
-`$CONSTRAINED_SPEC_CACHE_GB` together (DEFAULT_CAP_GB): storing one removes those used least
-recently until it fits, one larger than the cap is not stored; each store says what it wrote.
+* run from the file (a GGUF whose blocks target/repack lays into the kernels' layout at load, in
+  seconds): ``<key>.json`` holds the config, the tokenizer (in the form it loads fastest from,
+  target.tokenizer) and the GGUF's header (its scalar metadata and tensor table: no metadata parse
+  at a later load, and no transformers), ``<key>.pt`` the LM head's bound terms for its kernel
+  (kernels.Q8Head: a pass over every row of the head, 1-2 s at a 150k vocabulary). A few MB, where
+  the weights laid out would take 1-4x the file.
+* converted (where the repack library cannot be had: the torch path, a minute or more a load):
+  ``<key>.pt`` holds the whole model as its kernels run it (4-bit blocks in the chosen kernel's
+  layout, the prompts' bf16 copy, the LM head's Q8_0 blocks and bounds, the embedding's and the
+  head's rows: Q8_0 and Q6_K ones as their blocks, kernels.BlockRows, once where tied), mapped
+  by later loads (``torch.load(mmap=True)``: no copy); ``<key>.json`` its config and tokenizer.
+
+Layout: ``cache_dir()/prepared/<key>.pt`` and ``<key>.json`` (read without touching the tensors),
+the key a hash of the source file's path, size and modification time, this module's FORMAT,
+torch's version and the CPU (the kernels' layouts follow the CPU's features). A file that does
+not load (truncated, another format) is rebuilt; a cache without room for one is skipped, and
+said so. ``index.json`` names each file's source: storing one removes those whose source is gone
+or changed. Prepared models take at most `$CONSTRAINED_SPEC_CACHE_GB` together (DEFAULT_CAP_GB):
+storing one removes those used least recently until it fits, one larger than the cap is not
+stored; each store of a converted model says what it wrote.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import shutil
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,8 +47,9 @@ from .tokenizer import Tokenizer
 
 # v2: Q8_0 embeddings and head rows as their blocks (kernels.Q8Rows); v3: a BPE tokenizer's
 # vocabulary and merges as ids (target.tokenizer's fast form); v4: Q6_K ones too, as their
-# blocks (kernels.BlockRows, Q8Rows' successor: Gemma 2 2B's embedding 0.74 GB, was 2.4 in float32)
-FORMAT = "prepared v4"
+# blocks (kernels.BlockRows, Q8Rows' successor: Gemma 2 2B's embedding 0.74 GB, was 2.4 in float32);
+# v5: a GGUF run from the file stores its header and the head's terms, no weights
+FORMAT = "prepared v5"
 
 # the modules a compact model is made of, by the name the file stores
 _MODULES = {
@@ -67,16 +74,38 @@ def path_for(source: Path) -> Path:
     return cache_dir() / "prepared" / f"{hashlib.sha256(what.encode()).hexdigest()[:24]}.pt"
 
 
-def load(source: Path) -> tuple[llama.CompactLlama, Tokenizer] | None:
-    """The prepared model and tokenizer of ``source``, mapped; None where none is stored (or it
+@dataclass(frozen=True)
+class Stored:
+    """What a prepared model holds: ``model`` where the model is stored whole (converted),
+    else the GGUF's header (``gguf``: GGUFHeader.state) and the head's bound terms for
+    ``layout``'s kernel."""
+
+    config: llama.Config
+    tokenizer: Tokenizer
+    model: llama.CompactLlama | None = None
+    gguf: dict | None = None
+    layout: str | None = None
+    terms: torch.Tensor | None = None
+
+
+def load(source: Path) -> Stored | None:
+    """The prepared model of ``source``, its tensors mapped; None where none is stored (or it
     does not load: it is then removed, to be rebuilt)."""
     path = path_for(source)
     if (header := _header(path)) is None:
         return None
     try:
-        model = _restore(torch.load(path, mmap=True, weights_only=True))
-        model.start(llama.Config(**header["config"]))
-        loaded = model.eval(), Tokenizer.from_state(header["tokenizer"])
+        state = torch.load(path, mmap=True, weights_only=True)
+        config = llama.Config(**header["config"])
+        tokenizer = Tokenizer.from_state(header["tokenizer"])
+        if header.get("weights", True):
+            model = _restore(state)
+            model.start(config)
+            loaded = Stored(config, tokenizer, model=model.eval())
+        else:
+            layout, terms = state["layout"], state["terms"]
+            assert isinstance(layout, str) and terms.shape == (config.vocab_size, 4)
+            loaded = Stored(config, tokenizer, gguf=header["gguf"], layout=layout, terms=terms)
     except Exception as err:  # noqa: BLE001 - any damage means: rebuild it
         say(
             f"The prepared model {path} does not load ({type(err).__name__}: {err}); rebuilding it."
@@ -150,15 +179,20 @@ def _damaged(path: Path, why: str) -> None:
     _remove(path)
 
 
-def save_later(source: Path, model: llama.CompactLlama, tokenizer: Tokenizer) -> None:
-    """Store the prepared form of ``source``: the model's tensors and attributes (``<key>.pt``),
-    then its config and tokenizer (``<key>.json``), each written whole and renamed into place.
-    In a thread, so that a model's first requests do not wait for the write (a
-    1.5B model's 5.7 GB: 13 s on this machine's disk); the interpreter waits for it at exit,
-    ``wait()`` before (a process that ends by os._exit must call it)."""
+def save_later(
+    source: Path, model: llama.CompactLlama, tokenizer: Tokenizer, gguf: dict | None = None
+) -> None:
+    """Store the prepared form of ``source``: where ``gguf`` (the file's GGUFHeader.state) is
+    given, the model runs from the file and only its header and head terms are stored; else
+    the model's tensors and attributes (``<key>.pt``), then its config and tokenizer
+    (``<key>.json``), each written whole and renamed into place. In a thread, so that a model's
+    first requests do not wait for the write (a 1.5B model's 5.7 GB: 13 s on this machine's
+    disk); the interpreter waits for it at exit, ``wait()`` before (a process that ends by
+    os._exit must call it)."""
     cap = cap_bytes()  # a bad setting is said here, not in the thread
+    state, header = _snapshot(model, tokenizer, gguf)
     thread = threading.Thread(
-        target=_write, args=(source, *_snapshot(model, tokenizer), cap), name="prepare-model"
+        target=_write, args=(source, state, header, cap), name="prepare-model"
     )
     thread.start()
     _writing.append(thread)
@@ -173,11 +207,14 @@ def wait() -> None:
 _writing: list[threading.Thread] = []
 
 
-def _snapshot(model: llama.CompactLlama, tokenizer: Tokenizer) -> tuple[dict, dict]:
+def _snapshot(model: llama.CompactLlama, tokenizer: Tokenizer, gguf: dict | None):
     """The model's state as of now (a later kernel choice replaces tensors, never writes into
-    them), and the header."""
+    them) or, run from the file, its head's terms; and the header."""
     header = {"format": FORMAT, "config": model.config.to_dict(), "tokenizer": tokenizer.state()}
-    return _state(model), header
+    if gguf is None:
+        return _state(model), header | {"weights": True}
+    terms = {"layout": model.matmul, "terms": model.lm_head.terms.clone()}
+    return terms, header | {"weights": False, "gguf": gguf}
 
 
 CAP_ENV = "CONSTRAINED_SPEC_CACHE_GB"
@@ -193,7 +230,8 @@ def cap_bytes() -> int:
 
 def _write(source: Path, state: dict, header: dict, cap: int) -> None:
     path = path_for(source)
-    size = _stored_bytes(state)
+    text = json.dumps(header)
+    size = _stored_bytes(state) + len(text.encode())  # the header too: most of a laid model's
     try:
         if size > cap:
             say(
@@ -219,7 +257,7 @@ def _write(source: Path, state: dict, header: dict, cap: int) -> None:
             finally:
                 torch.serialization.set_crc32_options(crc32)
         os.replace(f.name, path)
-        atomic_write(path.with_suffix(".json"), json.dumps(header))
+        atomic_write(path.with_suffix(".json"), text)
         _sweep(path, source)
         written = path.stat().st_size + path.with_suffix(".json").stat().st_size
         say(
@@ -268,6 +306,8 @@ def _last_use(path: Path) -> float:
 
 
 def _mb(size: int) -> str:
+    if size < 1e5:  # a laid model's header and terms
+        return f"{size / 1e3:.0f} kB"
     return f"{size / 1e6:.0f} MB" if size >= 1e7 else f"{size / 1e6:.1f} MB"
 
 

@@ -59,8 +59,9 @@ class Tokenizer:
         # each id's piece, read for the vocabulary's bytes at every load (one backend call per
         # id: 0.34 s for Gemma's 262k tokens)
         pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        form, built = _fast_form(backend, pieces)
         state = {
-            **_fast_form(backend, pieces),  # "backend", and "bpe" where that form holds
+            **form,  # "backend", and "bpe" where that form holds
             "pieces": pieces,
             "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id,
@@ -78,7 +79,8 @@ class Tokenizer:
                 for i, t in tokenizer.added_tokens_decoder.items()
             },
         }
-        return cls.from_state(state)
+        # the fast form's tokenizer was built to check it (0.3 s at a 150k vocabulary): kept
+        return cls.from_state(state) if built is None else cls(built, state)
 
     @classmethod
     def from_state(cls, state: dict) -> Tokenizer:
@@ -142,28 +144,30 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def _fast_form(backend: str, pieces: list[str | None]) -> dict:
+def _fast_form(backend: str, pieces: list[str | None]):
     """The state's backend: {"backend": the JSON with the BPE's vocabulary and merges left out,
     "bpe": its vocabulary's size (``pieces``' first ids) and merges (``_merges``)} where
     ``_bpe_backend`` gives back exactly ``backend``'s tokenizer (its JSON, written again, is
-    ``backend``); else {"backend": backend}."""
+    ``backend``), with that tokenizer; else ({"backend": backend}, None)."""
     parts = json.loads(backend)
     model = parts["model"]
     vocab, merges = model.get("vocab"), model.get("merges")
     if model.get("type") != "BPE" or not isinstance(vocab, dict) or not isinstance(merges, list):
-        return {"backend": backend}
+        return {"backend": backend}, None
     if list(vocab) != pieces[: len(vocab)] or list(vocab.values()) != list(range(len(vocab))):
-        return {"backend": backend}
+        return {"backend": backend}, None
     if not all(isinstance(pair, list) and len(pair) == 2 for pair in merges):
-        return {"backend": backend}  # an older JSON's "a b" strings
+        return {"backend": backend}, None  # an older JSON's "a b" strings
     ids = array("i", [vocab[token] for pair in merges for token in pair])
     bpe = {"vocab": len(vocab), "merges": base64.b64encode(ids.tobytes()).decode()}
     shell = json.dumps({**parts, "model": {**model, "vocab": {}, "merges": []}})
     try:
-        same = _bpe_backend(shell, bpe, pieces).to_str() == backend
+        built = _bpe_backend(shell, bpe, pieces)
     except Exception:  # noqa: BLE001 - an option this tokenizers' BPE does not take: the JSON
-        same = False
-    return {"backend": shell, "bpe": bpe} if same else {"backend": backend}
+        return {"backend": backend}, None
+    if built.to_str() != backend:
+        return {"backend": backend}, None
+    return {"backend": shell, "bpe": bpe}, built
 
 
 def _bpe_backend(shell: str, bpe: dict, pieces: list[str | None]) -> tokenizers.Tokenizer:
