@@ -153,6 +153,28 @@ def test_fits_is_the_rule(tiny_tokenizer):
     assert not budget.fits(c, start, vocab.ids_by_bytes[b"x"], 99)
 
 
+def test_a_byte_level_matcher_that_stops_leaves_no_completion(tiny_tokenizer):
+    """llguidance's parser limits may stop the byte-level matcher on a path the model's tokens
+    took (a large schema's rows grow a byte at a time): that state then has no completion, so
+    its token does not fit; never an error in the middle of a reply."""
+    vocab = token_vocabulary(tiny_tokenizer)
+    c = compile_constraint(vocab, len(tiny_tokenizer) + 6, regex="(ab|ba)+")
+    assert c.completion(c.initial_state).text == b"ab"
+
+    class Stopped:
+        def deep_copy(self):
+            return self
+
+        def consume_token(self, token):
+            return False
+
+    c._byte_matchers[0] = Stopped()  # the root's: every other state's starts from it
+    b = c.tokenize(c.initial_state, b"b", 1)[0]  # not the completion's first byte: walked
+    assert c.step(c.initial_state, b) is not None
+    assert c.completion(c.step(c.initial_state, b)) is None
+    assert not budget.fits(c, c.initial_state, b, 99)
+
+
 def test_redrawn_tokens_are_draws_from_the_rest():
     """budget.redrawn: after the token that a uniform u drew is removed, the draw from the
     rescaled uniform is one from the renormalised rest; integrated over a fine grid of u, the

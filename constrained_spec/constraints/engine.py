@@ -278,9 +278,10 @@ class GuidanceConstraint:
         data = self.vocab.token_bytes[self._token[state]]
         if parent is not None and parent.text.startswith(data):
             return self._spelled(parent.text[len(data) :])
-        if parent is not None and closing.accepts_ending(
-            self._bytes_at(state), parent.text, _BYTE_EOS
-        ):
+        matcher = self._bytes_at(state)
+        if matcher is None:  # llguidance's limits, on the byte-level path: no completion known
+            return None
+        if parent is not None and closing.accepts_ending(matcher, parent.text, _BYTE_EOS):
             return parent
         return self._walk(state)
 
@@ -290,9 +291,11 @@ class GuidanceConstraint:
         while s != 0:
             path.append(self.vocab.token_bytes[self._token[s]])
             s = self._parent[s]
-        hints = _hints(self._grammar)
+        matcher, hints = self._bytes_at(state), _hints(self._grammar)
+        if matcher is None:
+            return None
         text = closing.complete(
-            self._bytes_at(state).deep_copy(),
+            matcher.deep_copy(),
             _BYTE_EOS,
             self.source == "schema",
             hints,
@@ -305,8 +308,10 @@ class GuidanceConstraint:
         tokens = self.vocab.spelled_length(text)
         return None if tokens is None else Completion(text, tokens + 1)
 
-    def _bytes_at(self, state: int) -> llg.LLMatcher:
-        """A byte-level matcher on ``state``'s text (kept: do not consume from it)."""
+    def _bytes_at(self, state: int) -> llg.LLMatcher | None:
+        """A byte-level matcher on ``state``'s text (kept: do not consume from it); None where
+        llguidance stops on the way (a limit of its parser: a byte at a time, a large schema's
+        rows can outgrow what the model's tokens kept within)."""
         chain, s = [], state
         while s not in self._byte_matchers and s != 0:
             chain.append(s)
@@ -318,9 +323,10 @@ class GuidanceConstraint:
         if chain:
             matcher = matcher.deep_copy()
             for s in reversed(chain):
-                for b in self.vocab.token_bytes[self._token[s]]:
-                    ok = matcher.consume_token(b)
-                    assert ok, matcher.get_error()
+                if not all(
+                    matcher.consume_token(b) for b in self.vocab.token_bytes[self._token[s]]
+                ):
+                    return None
             self._byte_matchers[state] = matcher
         self._byte_matchers.move_to_end(state)
         while len(self._byte_matchers) > BYTE_MATCHERS:
