@@ -22,6 +22,7 @@ from constrained_spec.constraints import (
 )
 from constrained_spec.decoding import budget
 from constrained_spec.decoding.drafters import CompositeDrafter, logits_width, model_drafter
+from constrained_spec.errors import BudgetMaskWarning
 from constrained_spec.testing import (
     PERSON,
     assert_greedy_match,
@@ -350,6 +351,16 @@ def test_a_budget_below_the_shortest_reply_is_refused_before_any_model_work(tiny
     assert f"{shortest.tokens} tokens" in message and "budget_mask=False" in message
     gen.row(dict(prompt="hello", schema=PERSON, max_new_tokens=shortest.tokens))
     gen.row(dict(prompt="hello", schema=PERSON, max_new_tokens=3, budget_mask=False))
+
+
+def test_without_a_completion_the_mask_is_off_and_says_so(tiny_target, tiny_tokenizer):
+    """A constraint whose shortest text is longer than a walk goes (closing.MAX_BYTES): no
+    completion is known, so the budget mask cannot vouch for a reply: a BudgetMaskWarning, and
+    the reply is cut at max_new_tokens as without the mask."""
+    gen = Generator(tiny_target, tiny_tokenizer)
+    with pytest.warns(BudgetMaskWarning, match="budget mask is off"):
+        res = gen.generate("hello", regex="a{5000}", max_new_tokens=4)
+    assert res.finish_reason == "length" and len(res.token_ids) == 4
 
 
 class NoForward(torch.nn.Module):
