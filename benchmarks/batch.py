@@ -41,7 +41,7 @@ def measure(gen: Generator, requests: list[dict], sizes: list[int], say, repeats
         for speculative in (False, True):
             timed[speculative].sort(key=lambda t: t[0])
             wall, results = timed[speculative][len(timed[speculative]) // 2]
-            tokens = sum(len(r.token_ids) + (r.finish_reason == "stop") for r in results)
+            tokens = sum(len(r.token_ids) + (r.finish_reason != "length") for r in results)
             outputs = [r.token_ids for r in results]
             reference.setdefault(speculative, outputs)
             run = {
@@ -65,7 +65,7 @@ def measure(gen: Generator, requests: list[dict], sizes: list[int], say, repeats
                 "same_runs": all(
                     [r.token_ids for r in t[1]] == outputs for t in timed[speculative]
                 ),  # seeded rows: the same tokens on every run
-                "stopped": sum(r.finish_reason == "stop" for r in results),
+                "stopped": sum(r.finish_reason != "length" for r in results),
             }
             runs.append(run)
             say(

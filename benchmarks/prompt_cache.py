@@ -128,7 +128,7 @@ def run_batch(gen, requests, keep: bool, size: int) -> dict:
 def summary(mode: str, results, start: float, requests, gen) -> dict:
     wall = time.perf_counter() - start
     prompt = [len(gen.encode_prompt(r["prompt"])) - 1 for r in requests]  # prefilled tokens
-    tokens = sum(len(r.token_ids) + (r.finish_reason == "stop") for r in results)
+    tokens = sum(len(r.token_ids) + (r.finish_reason != "length") for r in results)
     return {
         "mode": mode,
         "wall_s": wall,
@@ -138,7 +138,7 @@ def summary(mode: str, results, start: float, requests, gen) -> dict:
         "cached": sum(r.stats.cached_prompt_tokens for r in results),
         "prompt_tokens": sum(prompt),
         "outputs": [r.token_ids for r in results],
-        "valid": sum(r.finish_reason == "stop" for r in results),
+        "valid": sum(r.finish_reason != "length" for r in results),
     }
 
 

@@ -151,7 +151,7 @@ def _summary(config: dict, rows: list, ok: list, base: dict) -> dict:
     )
     if any("exact_match" in r for r in ok):
         s["exact_match_share"] = sum(bool(r.get("exact_match")) for r in ok) / len(ok)
-    s["stopped_share"] = sum(r["finish_reason"] == "stop" for r in ok) / len(ok)
+    s["stopped_share"] = sum(r["finish_reason"] != "length" for r in ok) / len(ok)
     ttfts = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
     s["ttft_ms_mean"] = 1e3 * statistics.mean(ttfts) if ttfts else None
     tpots = [r["tpot_s"] for r in ok if r.get("tpot_s") is not None]

@@ -353,6 +353,7 @@ class Bench:
     def __init__(self, args, model, tokenizer, configs):
         self.args, self.model, self.tokenizer = args, model, tokenizer
         self.gen = Generator(model, tokenizer, draft=None, open_objects=args.open_objects)
+        self.budget_mask = not args.no_budget_mask  # replies finish within --max-new-tokens
         self.float_gen = self._float_gen(args) if any(c.float_target for c in configs) else None
         self.eos = self.gen.vocab.eos_id
         self._outlines = None  # outlines Transformers model, or the exception it raised
@@ -481,6 +482,7 @@ class Bench:
             speculative=speculative,
             adaptive_k=config.adaptive,
             drafter=drafter,
+            budget_mask=self.budget_mask,
         )
         wall = time.perf_counter() - t0
         s, n = result.stats, len(result.token_ids)
@@ -502,7 +504,7 @@ class Bench:
             "mask_calls": self.meter.mask_calls,
             "target_calls": s.target_calls,
             "forward_calls": self.meter.forwards,
-            "committed_tokens": n + (result.finish_reason == "stop"),
+            "committed_tokens": n + (result.finish_reason != "length"),
             "drafted": s.drafted,
             "accepted": s.accepted,
             "accepted_by_position": s.accepted_by_position,
@@ -828,7 +830,7 @@ def judge(row: dict, request: Request, config: Config, reference: dict | None, g
     except ValueError:
         value, parsed = None, False
     row["valid"] = (
-        parsed and row["finish_reason"] == "stop" and workloads.is_valid(request.schema, value)
+        parsed and row["finish_reason"] != "length" and workloads.is_valid(request.schema, value)
     )
     if request.expected is not None:
         row["exact_match"] = parsed and value == request.expected
@@ -1076,7 +1078,10 @@ def parse_args(argv=None):
         help="the target's weights for every engine configuration but "
         "baseline-float (default: auto, as Generator.from_pretrained)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default 256 (40 with --quick)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 256 (64 with --quick)")
+    p.add_argument(
+        "--no-budget-mask", action="store_true", help="ours may be cut at --max-new-tokens too"
+    )
     p.add_argument("--seed", type=int, default=0, help="selects the requests; seeds T>0 sampling")
     p.add_argument(
         "--data",
@@ -1122,7 +1127,7 @@ def parse_args(argv=None):
     q = args.quick
     args.threads = args.threads or (1 if q else None)  # tiny model: threads only add overhead
     args.n = args.n if args.n is not None else (2 if q else 40)
-    args.max_new_tokens = args.max_new_tokens or (40 if q else 256)
+    args.max_new_tokens = args.max_new_tokens or (64 if q else 256)
     args.max_schema_chars = args.max_schema_chars or (500 if q else 1500)
     args.max_instance_chars = args.max_instance_chars or (120 if q else 300)
     return args

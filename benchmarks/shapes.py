@@ -682,7 +682,9 @@ def _our_requests(gen, requests, max_new_tokens: int, **options) -> list[dict]:
             r["prompt_ids"], schema=r["schema"], max_new_tokens=max_new_tokens, **options
         )
         wall = time.perf_counter() - t0
-        n = len(result.token_ids) + (result.finish_reason == "stop")  # EOS counted, as llama.cpp's
+        n = len(result.token_ids) + (
+            result.finish_reason != "length"
+        )  # EOS counted, as llama.cpp's
         rows.append(
             {
                 "id": r["id"],

@@ -3,8 +3,9 @@
 Everything the user typed is validated before the model loads (that takes seconds); bad input
 ends with one line on stderr and exit code 2. Output text goes to stdout, everything else
 (live view, stats, errors) to stderr, so ``constrained-spec generate ... > out.json`` works:
-output cut at --max-new-tokens is not the constraint's, so it exits 3 with stdout empty
-(``--partial`` prints the incomplete text anyway).
+the output finishes within --max-new-tokens (the budget mask); with --no-budget-mask, output cut
+there is not the constraint's, so it exits 3 with stdout empty (``--partial`` prints the
+incomplete text anyway). A --max-new-tokens below the constraint's shortest output is exit 2.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .constraints import grammar_for, grammar_kind, grammar_names, load_grammar,
 from .decoding import cost
 from .decoding.head import shipped_head
 from .errors import (
+    BudgetTooSmall,
     ConstraintError,
     DraftHeadError,
     GenerationInputError,
@@ -61,7 +63,9 @@ except ImportError:
 
 EXIT_FAILED = 1  # a batch job in which every row failed
 EXIT_USAGE = 2
-EXIT_INCOMPLETE = 3  # generation stopped at --max-new-tokens: the output is not the constraint's
+EXIT_INCOMPLETE = (
+    3  # cut at --max-new-tokens (--no-budget-mask): the output is not the constraint's
+)
 # Errors that mean "the input is unusable", not "the program is wrong": one line, exit 2.
 INPUT_ERRORS = (
     ConstraintError,
@@ -237,8 +241,14 @@ def _add_sampling_arguments(command: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         metavar="N",
-        help="stop after N generated tokens (default: 256); output cut there does not "
-        "satisfy the constraint: exit code 3, stdout empty (see --partial)",
+        help="the output finishes within N tokens (default: 256): the budget mask keeps only "
+        "tokens after which it still can, so it is never cut (see --no-budget-mask)",
+    )
+    command.add_argument(
+        "--no-budget-mask",
+        action="store_true",
+        help="let the output run to --max-new-tokens and be cut there: a cut output does not "
+        "satisfy the constraint (exit code 3, stdout empty; see --partial)",
     )
     command.add_argument(
         "--stop",
@@ -333,6 +343,11 @@ def _add_batch_command(commands) -> None:
         "--seed", type=int, default=None, help="row seeds: this plus the row's line number"
     )
     command.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    command.add_argument(
+        "--no-budget-mask",
+        action="store_true",
+        help="let outputs be cut at --max-new-tokens (default: each finishes within it)",
+    )
     command.add_argument(
         "--no-speculation", action="store_true", help="the batched masked baseline"
     )
@@ -497,6 +512,7 @@ def _batch(args, out: Console, err: Console) -> int:
         top_p=args.top_p,
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
+        budget_mask=not args.no_budget_mask,
         raw_prompt=args.raw_prompt,
     )
     columns = (
@@ -743,7 +759,14 @@ def _generate(args, out: Console, err: Console) -> int:
         return 1
     load_s = time.perf_counter() - t0
     prompt = _prompt_for(gen, request.prompt, args, err)
-    result, meter, wall_s = _decode(gen, prompt, request.constraint, args, err)
+    try:
+        result, meter, wall_s = _decode(gen, prompt, request.constraint, args, err)
+    except BudgetTooSmall as e:  # checked before any model work, in the CLI's terms
+        raise UsageError(
+            f"--max-new-tokens {e.given} is below the {e.shortest} tokens of the shortest output "
+            f"found for this constraint ({e.text!r}, then the end): raise it to {e.shortest} at "
+            "least, or pass --no-budget-mask to have the output cut."
+        ) from None
     incomplete = result.finish_reason == "length"
     _print_output(result.text, incomplete, args, err)
     if args.stats:
@@ -800,6 +823,7 @@ def _decode(gen: Generator, prompt, constraint: dict, args, err: Console):
             prompt,
             **constraint,
             max_new_tokens=args.max_new_tokens,
+            budget_mask=not args.no_budget_mask,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
@@ -1009,7 +1033,7 @@ def stats_table(
             f"{'none (baseline)' if request.draft is None or args.no_speculation else request.draft}",
         ),
         ("target weights", weights),
-        ("finish", f"{result.finish_reason}, {n} tokens"),
+        ("finish", f"{result.finish_reason}, {n} tokens{_budget_note(result)}"),
         (
             "target calls",
             f"{s.target_calls} ({n / s.target_calls if s.target_calls else 0:.2f} tokens per call)",
@@ -1037,6 +1061,11 @@ def stats_table(
 def _first_line(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     return text.splitlines()[0]
+
+
+def _budget_note(result) -> str:
+    removed = result.stats.budget_removed
+    return f" (the budget mask removed the token drawn at {removed} of them)" if removed else ""
 
 
 def main(argv: list[str] | None = None) -> int:

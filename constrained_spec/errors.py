@@ -30,6 +30,14 @@ class GenerationInputError(ValueError):
     """A generate() argument is unusable: empty prompt, prompt too long, bad sampling settings."""
 
 
+class BudgetTooSmall(GenerationInputError):
+    """max_new_tokens is below the shortest reply the constraint allows (the budget mask)."""
+
+    def __init__(self, message: str, given: int, shortest: int, text: str):
+        super().__init__(message)
+        self.given, self.shortest, self.text = given, shortest, text
+
+
 class VocabularyMismatch(ValueError):
     """The draft model does not share the target's vocabulary."""
 
@@ -40,3 +48,7 @@ class DraftHeadError(ValueError):
 
 class WeightsError(ValueError):
     """The requested weights option cannot run this model on this machine."""
+
+
+class BudgetMaskWarning(UserWarning):
+    """The budget mask is off for a request: no way to finish its reply was found."""

@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,14 @@ from .decoding.head import DraftHead, HeadDraft, has_shipped_head, load_head, sh
 from .decoding.loop import AdaptiveK, Round, Row, Stats, TokenLogprob
 from .decoding.sample import SamplingConfig
 from .decoding.text import MAX_STOP_STRINGS, ReplyText, stop_problem, stop_strings
-from .errors import ConstraintError, GenerationInputError, VocabularyMismatch, WeightsError
+from .errors import (
+    BudgetMaskWarning,
+    BudgetTooSmall,
+    ConstraintError,
+    GenerationInputError,
+    VocabularyMismatch,
+    WeightsError,
+)
 from .target import DEFAULT_MODEL, describe_weights, kv, load_model, quantize_int8
 from .target import skinny_matmul as use_skinny
 
@@ -66,6 +74,8 @@ class Request:
     stop: str | list[str] | None = None
     logprobs: bool = False  # Result.logprobs: each token's log-prob (decoding/loop.TokenLogprob)
     top_logprobs: int = 0  # and this many of the most likely tokens at its position (0..20)
+    # only tokens after which the reply can still finish within max_new_tokens: never cut
+    budget_mask: bool = True
 
     @classmethod
     def of(cls, request, index: int | None = None) -> Request:
@@ -146,7 +156,9 @@ class Result:
     text: str  # the reply, before the stop string that ended it (if one did)
     value: Any  # the parsed JSON when a schema was given and generation stopped
     token_ids: list[int]  # generated ids, EOS excluded (a stop string's tokens included)
-    finish_reason: str  # "stop" (EOS or a stop string, where the text is complete) | "length"
+    # "stop" (EOS or a stop string, where the text is complete); "budget" (the same, after the
+    # budget mask removed a token the model drew: made to finish in time) | "length" (cut)
+    finish_reason: str
     stats: Stats
     logprobs: list[TokenLogprob] | None = None  # one per token_ids' token, if asked for
 
@@ -354,6 +366,8 @@ class Generator:
         constraint = self.compile(**request.constraint)
         generator = torch.Generator(device=next(self.target.parameters()).device)
         generator.manual_seed(request.seed if request.seed is not None else torch.seed())
+        max_new = min(request.max_new_tokens, self.context - len(prompt_ids))  # then "length"
+        budget_mask = request.budget_mask and _fits_budget(request, constraint, max_new)
         drafter = self.drafter if drafter is None else drafter
         if batched:
             drafter = _row_drafter(drafter)
@@ -364,12 +378,13 @@ class Generator:
             sampling,
             generator,
             drafter if request.speculative else None,
-            min(request.max_new_tokens, self.context - len(prompt_ids)),  # then "length"
+            max_new,
             request.num_draft_tokens,
             adaptive,
             index,
             ReplyText(self.vocab, constraint, stop_strings(request.stop)),
             request.top_logprobs if request.logprobs else None,
+            budget_mask,
         )
 
     def result(self, row: Row) -> Result:
@@ -378,7 +393,7 @@ class Generator:
         token_ids = [t for t in row.output if t != eos]
         text = row.reply.text.decode("utf-8", errors="replace")
         finish = row.finish_reason
-        parse = row.constraint.source == "schema" and finish == "stop"
+        parse = row.constraint.source == "schema" and finish in ("stop", "budget")
         value = json.loads(text) if parse else None
         logprobs = [s for s in row.scores if s.token != eos] if row.logprobs is not None else None
         return Result(text, value, token_ids, finish, row.stats, logprobs)
@@ -424,6 +439,36 @@ class Generator:
 
 
 BAD_REQUEST_ERRORS = (ConstraintError, GenerationInputError)
+
+
+def _fits_budget(request: Request, constraint: Constraint, max_new: int) -> bool:
+    """Whether the budget mask can run (a completion of the empty reply was found: see
+    Constraint.completion), after checking that the reply's shortest form fits ``max_new``."""
+    shortest = constraint.completion(constraint.initial_state)
+    if shortest is None:  # the budget mask cannot vouch for any reply: off, and said so
+        warnings.warn(
+            f"no way to finish a reply was found for this {constraint.source}: the budget mask "
+            "is off for this request, and the reply may be cut at max_new_tokens.",
+            BudgetMaskWarning,
+            stacklevel=4,
+        )
+        return False
+    if shortest.tokens > max_new:
+        given = (
+            f"max_new_tokens={request.max_new_tokens}"
+            if max_new == request.max_new_tokens
+            else f"the context's room after the prompt ({max_new} tokens)"
+        )
+        text = shortest.text.decode(errors="replace")
+        raise BudgetTooSmall(
+            f"{given} is below the {shortest.tokens} tokens of the shortest reply found for this "
+            f"{constraint.source} ({text!r}, then the end of text): raise max_new_tokens to "
+            f"{shortest.tokens} at least, or pass budget_mask=False to have the reply cut.",
+            max_new,
+            shortest.tokens,
+            text,
+        )
+    return True
 
 
 def _request(prompt, settings: dict) -> Request:

@@ -241,6 +241,7 @@ def _result_fields(result) -> dict:
             "drafted": stats.drafted,
             "accepted": stats.accepted,
             "cached_prompt_tokens": stats.cached_prompt_tokens,
+            "budget_removed": stats.budget_removed,
             "latency_s": round(stats.total_s, 4),
         },
     }
@@ -249,5 +250,5 @@ def _result_fields(result) -> dict:
 def _line_of(row: Row, fields: dict) -> tuple[dict, str]:
     if "error" in fields:
         return {"id": row.id, "error": fields["error"]}, fields["kind"]
-    kind = "stopped" if fields["finish_reason"] == "stop" else "length"
+    kind = "length" if fields["finish_reason"] == "length" else "stopped"  # or "budget"
     return {"id": row.id, **fields}, kind

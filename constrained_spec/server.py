@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from .constraints import grammar_for, grammar_names, load_grammar, load_schema
 from .decoding import cost, loop
 from .decoding.text import MAX_STOP_STRINGS, held_prefix, stop_problem
-from .errors import ConstraintError, GenerationInputError
+from .errors import BudgetTooSmall, ConstraintError, GenerationInputError
 from .generator import MAX_TOP_LOGPROBS, Generator
 from .generator import Request as GenerationRequest
 from .target import DEFAULT_MODEL
@@ -118,6 +118,8 @@ class ChatRequest(BaseModel):
     top_logprobs: int | None = None
     regex: str | None = None  # extension: the whole reply matches this regex
     grammar: str | None = None  # extension: the name of a shipped grammar (grammars/)
+    # extension: the reply finishes within max_tokens (default where there is a constraint)
+    budget_mask: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class Plan:
     stop: list[str] | None = None  # the reply ends before the first (where it may end)
     top_logprobs: int | None = None  # None: no log-probs; k: each token's and k alternatives
     n: int = 1  # choices: rows of the batch, each with its own seed
+    budget_mask: bool = True  # Request.budget_mask: the reply finishes within max_tokens
 
 
 def plan(req: ChatRequest, config: ServerConfig) -> Plan:
@@ -164,9 +167,11 @@ def plan(req: ChatRequest, config: ServerConfig) -> Plan:
         messages = [{"role": "system", "content": preamble}] + messages
     top_p = None if req.top_p in (None, 1) else req.top_p
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    # free text has no form to keep: cut at max_tokens ("length"), as OpenAI's
+    budget_mask = constraint != {"regex": FREE_TEXT} if req.budget_mask is None else req.budget_mask
     return Plan(
         messages, constraint, tool, temperature, top_p, max_tokens, req.seed, req.stream,
-        stop, _top_logprobs(req), _choices(req, config),
+        stop, _top_logprobs(req), _choices(req, config), budget_mask,
     )  # fmt: skip
 
 
@@ -559,7 +564,7 @@ class Worker:
                 else:
                     self._end(job, "completed", "done", item)
         except (ConstraintError, GenerationInputError) as e:  # the schema compile, the prompt
-            self._end(job, "failed", "error", APIError(400, str(e), "invalid_request"))
+            self._end(job, "failed", "error", _input_error(e))
         except APIError as e:
             self._end(job, "failed", "error", e)
         except Exception as e:  # a bug: answer 500 with its name, keep serving
@@ -608,7 +613,7 @@ class Worker:
             row = self.gen.row(as_request(job.plan), batched=True)
             loop.admit(self.gen.target, row)
         except (ConstraintError, GenerationInputError) as e:
-            self._end(job, "failed", "error", APIError(400, str(e), "invalid_request"))
+            self._end(job, "failed", "error", _input_error(e))
             return None
         except Exception as e:  # a bug: answer 500 with its name, keep serving the others
             error = APIError(500, f"{type(e).__name__}: {e}", "internal_error")
@@ -630,6 +635,20 @@ except (OSError, AttributeError, TypeError):
     _libc_trim = None
 
 
+def _input_error(e: ValueError) -> APIError:
+    """A request the Generator refused (before any model work) as a 400."""
+    if isinstance(e, BudgetTooSmall):
+        return APIError(
+            400,
+            f"max_tokens={e.given} is below the {e.shortest} tokens of the shortest reply found "
+            f"for this request's format ({e.text!r}, then the end): raise max_tokens to "
+            f'{e.shortest} at least, or send "budget_mask": false to have the reply cut.',
+            "max_tokens_too_small",
+            "max_tokens",
+        )
+    return APIError(400, str(e), "invalid_request")
+
+
 def as_request(p: Plan) -> GenerationRequest:
     """A job's plan as the Generator's request."""
     return GenerationRequest(
@@ -642,6 +661,7 @@ def as_request(p: Plan) -> GenerationRequest:
         stop=p.stop,
         logprobs=p.top_logprobs is not None,
         top_logprobs=p.top_logprobs or 0,
+        budget_mask=p.budget_mask,
     )
 
 
@@ -680,11 +700,19 @@ def usage(prompt_tokens: int, results: list) -> dict:
     }
 
 
+# Result.finish_reason in OpenAI's terms: "budget" (ended by EOS after the budget mask removed a
+# token the model drew: complete and valid, made to finish within max_tokens) is "stop", since
+# OpenAI's "length" means a cut reply (openai's parse() raises on it); the choice's extension
+# field "budget_shaped" says which it was.
+OPENAI_FINISH = {"budget": "stop"}
+
+
 def message(plan_: Plan, result) -> tuple[dict, str]:
     """The reply message and finish_reason; a stopped tool reply is a tool call, an "auto" one
     its text and calls (if it made any)."""
-    if plan_.tool is None or result.finish_reason != "stop":
-        return {"role": "assistant", "content": result.text}, result.finish_reason
+    finish = OPENAI_FINISH.get(result.finish_reason, result.finish_reason)
+    if plan_.tool is None or finish != "stop":
+        return {"role": "assistant", "content": result.text}, finish
     if plan_.tool == AUTO:
         content, calls = split_calls(result.text)
         if not calls:
@@ -742,8 +770,9 @@ def logprobs(result, vocab) -> dict | None:
 
 def chunk(rid: str, model: str, index: int, delta: dict, finish: str | None = None, **extra) -> str:
     choice = {"index": index, "delta": delta, "finish_reason": finish}
-    if "logprobs" in extra:
-        choice["logprobs"] = extra.pop("logprobs")
+    for key in ("logprobs", "budget_shaped"):  # the choice's, not the chunk's
+        if key in extra:
+            choice[key] = extra.pop(key)
     body = {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -909,6 +938,7 @@ class _Reply:
             "message": msg,
             "logprobs": logprobs(result, vocab),
             "finish_reason": finish,
+            "budget_shaped": result.finish_reason == "budget",  # extension (OPENAI_FINISH)
         }
 
     def usage(self) -> dict:
@@ -995,6 +1025,7 @@ def _last_chunks(reply: _Reply, index: int) -> list[str]:
     extra = {"usage": reply.usage()} if len(reply.results) == len(reply.jobs) else {}
     if choice["logprobs"] is not None:
         extra["logprobs"] = choice["logprobs"]
+    extra["budget_shaped"] = choice["budget_shaped"]
     parts.append(chunk(rid, model, index, {}, choice["finish_reason"], **extra))
     return parts
 

@@ -32,6 +32,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from .constraints import FINISHED, Constraint
+from .decoding.budget import fits
 from .decoding.drafters import CompositeDrafter, logits_width
 from .decoding.head import DraftHead
 from .errors import ConstraintError, UnsupportedSchemaError
@@ -452,10 +453,12 @@ def sequence_distribution(
     top_k: int | None = None,
     top_p: float | None = None,
     prune: float = 1e-6,
+    budget: int | None = None,
 ) -> dict[tuple[int, ...], float]:
     """{token sequence (EOS excluded): probability} under plain masked sampling from ``target``
     (fresh forwards, no cache, no speculation), by enumerating the constraint's language;
-    branches below ``prune`` are dropped (their total must stay under 1e-3)."""
+    branches below ``prune`` are dropped (their total must stay under 1e-3). ``budget``: the
+    reply's max_new_tokens, with the budget mask (``budget_policy``)."""
     dist: dict[tuple[int, ...], float] = {}
     pruned = 0.0
 
@@ -463,6 +466,8 @@ def sequence_distribution(
         nonlocal pruned
         logits = last_logits(target, prompt + seq, constraint.mask(state)).double().tolist()
         policy = reference_policy(logits, constraint.allowed(state), temperature, top_k, top_p)
+        if budget is not None:
+            policy = budget_policy(policy, logits, constraint, state, budget - len(seq))
         for token, p in policy.items():
             if prob * p < prune:
                 pruned += prob * p
@@ -475,6 +480,20 @@ def sequence_distribution(
     assert pruned < 1e-3, f"pruned mass {pruned:.2e}: raise prune or shorten the language"
     assert dist, "the enumeration reached no accepting state"
     return dist
+
+
+def budget_policy(
+    policy: dict[int, float], logits: Sequence[float], constraint: Constraint, state: int, room: int
+) -> dict[int, float]:
+    """``policy`` (reference_policy's) under the budget mask with ``room`` tokens left: its
+    tokens that fit, renormalised; if none does (top-k or top-p kept only tokens that do not),
+    the legal token that fits with the largest logit."""
+    fit = {t: p for t, p in policy.items() if fits(constraint, state, t, room)}
+    if fit:
+        total = sum(fit.values())
+        return {t: p / total for t, p in fit.items()}
+    fitting = [t for t in constraint.allowed(state) if fits(constraint, state, t, room)]
+    return {max(fitting, key=lambda t: logits[t]): 1.0}
 
 
 def chi_square(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]):

@@ -55,7 +55,8 @@ def test_greedy_rows_equal_their_single_runs(
         prompt = gen.encode_prompt(request["prompt"])
         assert_greedy_match(target, constraint, prompt, alone.token_ids, got.token_ids)
         assert got.finish_reason == alone.finish_reason
-        assert (got.value is not None) == (got.finish_reason == "stop" and "schema" in request)
+        finished = got.finish_reason in ("stop", "budget")  # "budget": made to finish in time
+        assert (got.value is not None) == (finished and "schema" in request)
         drafted += got.stats.drafted
     assert drafted > 0, "no row drafted: the batch ran the baseline"
 
@@ -196,7 +197,7 @@ def test_a_row_samples_exactly_inside_a_batch_of_other_schemas(
     prompt = tiny_tokenizer.encode(LOOKUP_PROMPT)
     exact = sequence_distribution(tiny_int4_target, gen.compile(regex=FORCED_REGEX), prompt, 1.0)
     tested = dict(prompt=prompt, regex=FORCED_REGEX, temperature=1.0, max_new_tokens=12)
-    other = dict(prompt="hello", schema=PERSON, temperature=0.7, max_new_tokens=15)
+    other = dict(prompt="hello", schema=PERSON, temperature=0.7, max_new_tokens=20)
     mixed = [{**r, "seed": s} for s in range(2000) for r in (tested, other)]
     rows = gen.generate_batch(mixed, batch_size=4)[::2]
     assert all(r.finish_reason == "stop" for r in rows)

@@ -31,6 +31,7 @@ FLAGS = [
     "--top-p",
     "--seed",
     "--max-new-tokens",
+    "--no-budget-mask",
     "--stop",
     "--partial",
     "--num-draft-tokens",

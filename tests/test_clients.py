@@ -199,6 +199,31 @@ def test_bad_fields_answer_400_naming_the_field(served, fields, param, code):
     assert e.value.body["param"] == param and e.value.body["code"] == code
 
 
+def test_a_reply_the_budget_shaped_is_complete_and_says_so(served):
+    """A JSON reply the budget mask made to finish within max_tokens: OpenAI's "stop" (complete,
+    it parses) with the extension "budget_shaped", streamed alike; a max_tokens below the
+    shortest reply is a 400 naming both numbers; free text is cut at max_tokens ("length")."""
+    client, gen, _ = served
+    shortest = gen.compile(schema=testing.PERSON).completion(0).tokens
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": testing.PERSON}}
+    asked = dict(model="tiny", messages=ASK, response_format=fmt, temperature=0)
+    reply = client.chat.completions.create(max_tokens=shortest + 1, **asked).choices[0]
+    assert reply.finish_reason == "stop" and reply.budget_shaped is True
+    jsonschema.validate(json.loads(reply.message.content), testing.PERSON)
+    chunks = list(client.chat.completions.create(max_tokens=shortest + 1, stream=True, **asked))
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].budget_shaped
+    flag = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "boolean"}}}
+    asked_flag = dict(asked, response_format=flag)
+    whole = client.chat.completions.create(max_tokens=100, **asked_flag).choices[0]
+    assert whole.finish_reason == "stop" and whole.budget_shaped is False
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(max_tokens=shortest - 1, **asked)
+    assert e.value.body["param"] == "max_tokens" and e.value.body["code"] == "max_tokens_too_small"
+    assert f"max_tokens={shortest - 1} is below the {shortest} tokens" in e.value.body["message"]
+    free = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=3).choices[0]
+    assert free.finish_reason == "length" and free.budget_shaped is False
+
+
 # ---------------------------------------------------------------- tools
 
 

@@ -883,12 +883,14 @@ def test_a_sentencepiece_vocabulary_maps_every_token_to_its_exact_bytes(spm_file
     """Gemma's and Phi-3's vocabulary kind (llama's SentencePiece; transformers reads Phi-3's
     with its own normalizer): "▁" is a space, <0xNN> the byte NN, a run of spaces (stored as
     real spaces in Gemma files) those spaces, control tokens no text; text outside the pieces
-    (Zoë, 東京) is generated through the byte tokens, exactly, by the Generator end to end."""
+    (Zoë, 東京) is generated through the byte tokens, exactly, by the Generator end to end; every
+    byte has a token (the budget mask's completions may use any)."""
     gen = Generator.from_pretrained(str(spm_file))
     assert gen.tokenizer.chat_template is None and gen.vocab.eos_id == 1
     expected = [None] * 5 + [bytes([b]) for b in range(256)]
     expected += [p.replace("▁", " ").encode() for p in testing.SPM_PIECES]
     assert list(gen.vocab.token_bytes[: len(expected)]) == expected
+    assert gen.vocab.missing_bytes == (), "byte fallback: every byte a token (the budget mask)"
     assert gen.tokenizer.encode("the")[0] == 2, "no <bos> before a prompt"
     result = gen.generate("the", regex="Zoë 東京  yes", max_new_tokens=30)
     assert result.text == "Zoë 東京  yes" and result.finish_reason == "stop"

@@ -7,6 +7,7 @@ import http.server
 import json
 import threading
 
+import jsonschema
 import pytest
 
 from constrained_spec import cli, testing
@@ -100,6 +101,7 @@ def test_the_cli_exits_3_when_cut_at_max_new_tokens(tiny_cli, capsys, partial):
         json.dumps(testing.PERSON),
         "--max-new-tokens",
         "3",
+        "--no-budget-mask",
     ]
     code = cli.main(args + ["--seed", "0"] + (["--partial"] if partial else []) + ["hi"])
     out, err = capsys.readouterr()
@@ -109,6 +111,20 @@ def test_the_cli_exits_3_when_cut_at_max_new_tokens(tiny_cli, capsys, partial):
         assert out.startswith('{"') and out.endswith("\n")
     else:
         assert out == ""
+
+
+def test_the_cli_refuses_a_budget_below_the_shortest_output(tiny_cli, capsys):
+    """With the budget mask (the default): exit 2 before any model work, naming both numbers
+    and the ways out; one token more and the output is complete, made to finish in time."""
+    args = ["generate", "--raw-prompt", "--schema", json.dumps(testing.PERSON), "--seed", "0"]
+    code = cli.main(args + ["--max-new-tokens", "16", "hi"])
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_USAGE and out == "" and err.count("\n") == 1, err
+    assert "--max-new-tokens 16 is below the 17 tokens" in err and "--no-budget-mask" in err
+    assert cli.main(args + ["--max-new-tokens", "17", "--stats", "hi"]) == 0
+    out, err = capsys.readouterr()
+    jsonschema.validate(json.loads(out), testing.PERSON)
+    assert "finish                  budget, 17 tokens" in err, err
 
 
 def test_the_cli_exits_0_when_complete(tiny_cli, capsys):

@@ -74,7 +74,7 @@ def test_closing_the_stream_stops_decoding(tiny_target, tiny_tokenizer):
     calls = []
     hook = tiny_target.register_forward_hook(lambda *a: calls.append(1))
     try:
-        stream = gen.stream("hello", regex="[a-z]{40}", max_new_tokens=40)
+        stream = gen.stream("hello", regex="[a-z]{40}", max_new_tokens=41)
         assert calls == [], "stream() ran the model before it was iterated"
         assert isinstance(next(stream), str)
         stream.close()
@@ -97,7 +97,7 @@ def test_an_open_stream_holds_the_generators_lock(tiny_target, tiny_tokenizer):
     import threading
 
     gen = Generator(tiny_target, tiny_tokenizer)
-    stream = gen.stream("hello", regex="[a-z]{40}", max_new_tokens=40)
+    stream = gen.stream("hello", regex="[a-z]{40}", max_new_tokens=41)
     next(stream)  # decoding has begun: the lock is held
     other = threading.Thread(target=gen.generate, args=("hello",), kwargs={"regex": "yes"})
     other.start()

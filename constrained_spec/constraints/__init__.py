@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from .closing import Completion
 from .engine import FINISHED, GuidanceConstraint, compile_constraint, grammar_for
 from .grammars import grammar_kind, grammar_names, load_grammar
 from .schemas import load_schema
@@ -21,6 +22,7 @@ from .vocabulary import TokenVocabulary, token_vocabulary
 
 __all__ = [
     "FINISHED",
+    "Completion",
     "Constraint",
     "GuidanceConstraint",
     "TokenVocabulary",
@@ -78,4 +80,10 @@ class Constraint(Protocol):
 
     def accepts(self, text: str) -> bool:
         """True iff ``text`` is a complete accepted text."""
+        ...
+
+    def completion(self, state: int) -> Completion | None:
+        """A text that finishes the output from ``state`` (then EOS) and the tokens it takes,
+        EOS included; a function of the state, one token fewer after its first token (the
+        budget mask relies on both); None if none was found."""
         ...

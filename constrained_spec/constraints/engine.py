@@ -27,7 +27,8 @@ import torch
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from ..errors import ConstraintError, SchemaTooComplex, UnsupportedSchemaError
-from . import rewrite
+from . import closing, rewrite
+from .closing import Completion
 from .schemas import check_schema, load_schema
 from .vocabulary import TokenVocabulary
 
@@ -50,6 +51,8 @@ COMPILED_CACHE = 32  # constraints kept in memory (LRU), by grammar × vocabular
 # states, compile_grammar hands later requests a fresh constraint (3 ms) instead of the cached one,
 # whose states stay valid for the requests still holding it.
 MAX_STATES = 1_000_000
+COMPLETIONS = 16384  # completions kept per constraint (LRU; a lost one is found again the same way)
+BYTE_MATCHERS = 256  # byte-level matcher copies kept per constraint (LRU), for completions
 
 
 class GuidanceConstraint:
@@ -76,6 +79,9 @@ class GuidanceConstraint:
         self._width = (vocab_size + 7) // 8  # bytes in a state's bitmask
         self._textless = _textless_spans(vocab, self._width)
         self._eos_at = divmod(self.eos_id, 8)  # EOS's byte and bit in a bitmask
+        self._grammar = grammar
+        self._completions: OrderedDict[int, Completion | None] = OrderedDict()
+        self._byte_matchers: OrderedDict[int, llg.LLMatcher] = OrderedDict()
         self._none_legal = bytes(self._width)
         # the first mask now: a grammar whose language is empty (a schema that is only
         # {"$ref": "#"}) fails here, at compile time, not at a request's first token
@@ -243,6 +249,94 @@ class GuidanceConstraint:
         on_cpu = getattr(device, "type", device) == "cpu"  # a torch.device or its name
         return masks if on_cpu else masks.to(device)  # (a cold torch call fewer on the CPU)
 
+    def completion(self, state: int) -> Completion | None:
+        """How the output can finish from ``state``: a text the grammar accepts to the end (then
+        EOS) and the tokens that spell it, EOS included; None if none was found. A function of
+        the state (of its token path): the parent's completion less the token's bytes, where it
+        began with them; the parent's, where it still finishes the text after the token; else a
+        walk from the state (``closing.complete``). Along the first, a completion's first token
+        leads to a state whose completion takes one token fewer: a reply that could finish in
+        time still can after it (the budget mask, decoding/budget.py)."""
+        if state == FINISHED:
+            return Completion(b"", 0)
+        with self._lock:
+            chain, s = [], state  # the states down to ``state`` whose completion is not kept
+            while s not in self._completions and s != 0:
+                chain.append(s)
+                s = self._parent[s]
+            if s not in self._completions:
+                self._completions[0] = self._walk(0)
+            found = self._completions[s]
+            self._completions.move_to_end(s)
+            for s in reversed(chain):
+                found = self._completions[s] = self._child_completion(s, found)
+            while len(self._completions) > COMPLETIONS:
+                self._completions.popitem(last=False)
+            return found
+
+    def _child_completion(self, state: int, parent: Completion | None) -> Completion | None:
+        data = self.vocab.token_bytes[self._token[state]]
+        if parent is not None and parent.text.startswith(data):
+            return self._spelled(parent.text[len(data) :])
+        matcher = self._bytes_at(state)
+        if matcher is None:  # llguidance's limits, on the byte-level path: no completion known
+            return None
+        if parent is not None and closing.accepts_ending(matcher, parent.text, _BYTE_EOS):
+            return parent
+        return self._walk(state)
+
+    def _walk(self, state: int) -> Completion | None:
+        path = []
+        s = state
+        while s != 0:
+            path.append(self.vocab.token_bytes[self._token[s]])
+            s = self._parent[s]
+        matcher, hints = self._bytes_at(state), _hints(self._grammar)
+        if matcher is None:
+            return None
+        text = closing.complete(
+            matcher.deep_copy(),
+            _BYTE_EOS,
+            self.source == "schema",
+            hints,
+            b"".join(reversed(path)),
+            _spelled_bytes(self.vocab),
+        )
+        return None if text is None else self._spelled(text)
+
+    def _spelled(self, text: bytes) -> Completion | None:
+        tokens = self.vocab.spelled_length(text)
+        return None if tokens is None else Completion(text, tokens + 1)
+
+    def _bytes_at(self, state: int) -> llg.LLMatcher | None:
+        """A byte-level matcher on ``state``'s text (kept: do not consume from it); None where
+        llguidance stops on the way (a limit of its parser: a byte at a time, a large schema's
+        rows can outgrow what the model's tokens kept within)."""
+        chain, s = [], state
+        while s not in self._byte_matchers and s != 0:
+            chain.append(s)
+            s = self._parent[s]
+        if s == 0 and 0 not in self._byte_matchers:
+            root = llg.LLMatcher(_byte_tokenizer(), self._grammar, log_level=0)
+            self._byte_matchers[0] = root
+        matcher = self._byte_matchers[s]
+        if chain:
+            matcher = matcher.deep_copy()
+            for s in reversed(chain):
+                if not all(
+                    matcher.consume_token(b) for b in self.vocab.token_bytes[self._token[s]]
+                ):
+                    return None
+            self._byte_matchers[state] = matcher
+        self._byte_matchers.move_to_end(state)
+        while len(self._byte_matchers) > BYTE_MATCHERS:
+            oldest = next(iter(self._byte_matchers))
+            if oldest == 0:  # the root stays
+                self._byte_matchers.move_to_end(0)
+                continue
+            del self._byte_matchers[oldest]
+        return matcher
+
     def accepts_tokens(self, tokens: list[int]) -> bool:
         """True iff the tokens (optionally ending in EOS) form a complete accepted text; asked of
         llguidance's parser directly (no masks: fast for long texts). tests/test_constraints.py
@@ -301,6 +395,8 @@ class GuidanceConstraint:
             self._masks.clear()
             self._snapshots.clear()
             self._matcher, self._at, self._copied_at = self._root.deep_copy(), 0, 0
+            self._completions.clear()
+            self._byte_matchers.clear()
 
 
 @cache
@@ -328,6 +424,27 @@ def _textless_spans(vocab: TokenVocabulary, width: int) -> list[tuple[int, int, 
             spans.append((start, i, int.from_bytes(bits[start:i].tobytes(), "little")))
             start = None
     return spans
+
+
+_BYTE_EOS = 256  # EOS's id in the byte-level vocabulary of the completions' matcher
+
+
+@cache
+def _byte_tokenizer() -> llg.LLTokenizer:
+    """The 256 bytes as tokens, then EOS: the vocabulary completions are walked in."""
+    return _ll_tokenizer(
+        TokenVocabulary(tuple(bytes([b]) for b in range(256)) + (None,), _BYTE_EOS)
+    )
+
+
+@cache
+def _spelled_bytes(vocab: TokenVocabulary) -> frozenset[int]:
+    return frozenset(range(256)) - set(vocab.missing_bytes)
+
+
+@lru_cache(maxsize=64)
+def _hints(grammar: str) -> tuple[bytes, ...]:
+    return closing.hints(grammar)
 
 
 @cache

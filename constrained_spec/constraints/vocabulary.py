@@ -54,6 +54,27 @@ class TokenVocabulary:
                 longest[b[:2]] = max(longest.get(b[:2], 0), len(b))
         return longest
 
+    @cached_property
+    def missing_bytes(self) -> tuple[int, ...]:
+        """The bytes no single token spells (none in a byte-level BPE or a SentencePiece
+        vocabulary with byte fallback)."""
+        return tuple(b for b in range(256) if bytes([b]) not in self.ids_by_bytes)
+
+    def spelled_length(self, data: bytes) -> int | None:
+        """How many tokens spell ``data`` by greedy longest match (None: some byte cannot be
+        spelled). Any spelling of text the grammar accepts is legal token by token (the masks
+        hold every token whose bytes keep the text a prefix of an accepted one), so this bounds
+        the tokens a completion takes."""
+        count, pos, table, longest = 0, 0, self.ids_by_bytes, self.longest_by_start
+        while pos < len(data):
+            for end in range(min(len(data), pos + longest.get(data[pos : pos + 2], 1)), pos, -1):
+                if data[pos:end] in table:
+                    break
+            else:
+                return None
+            count, pos = count + 1, end
+        return count
+
     def text_bytes(self, ids: list[int]) -> bytes:
         """The bytes of a token sequence; special tokens become NUL, which never matches text."""
         return b"".join(self.token_bytes[i] or b"\x00" for i in ids)

@@ -16,6 +16,7 @@ target bit for bit; a float target's dense LM head only up to its last bits: a n
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterable, Iterator
@@ -25,7 +26,7 @@ import torch
 
 from ..constraints import FINISHED, Constraint
 from ..target import kernels, kv
-from . import cost
+from . import budget, cost
 from .drafters import EMPTY_DRAFT, Draft, Drafter
 from .sample import (
     SamplingConfig,
@@ -72,6 +73,7 @@ class Stats:
     drafted_by_source: dict[str, int] = field(default_factory=dict)  # forced/grammar/lookup/model
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     cached_prompt_tokens: int = 0  # prompt tokens copied from a kept prompt (llama.PromptCache)
+    budget_removed: int = 0  # positions where the budget mask removed the token drawn first
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -146,6 +148,7 @@ class Row:
     index: int = 0  # its position in the caller's list of requests
     reply: ReplyText | None = None  # its text and stop strings; None: ended by EOS alone
     logprobs: int | None = None  # None: none kept; k: each token's log-prob and k alternatives
+    budget_mask: bool = True  # only tokens after which the reply can finish in time (budget.py)
     cache: object = None
     tokens: list[int] = field(default_factory=list)  # prompt + committed
     state: int = 0
@@ -168,9 +171,13 @@ class Row:
 
     @property
     def finish_reason(self) -> str:
-        """ "stop" iff EOS or a stop string ended it (either only where the text is complete),
-        else "length" (``max_new_tokens`` or the context)."""
-        return "stop" if self.state == FINISHED else "length"
+        """ "stop" iff EOS or a stop string ended it (either only where the text is complete);
+        "budget" if so after the budget mask removed a token the target drew (the reply is
+        complete, made to finish within ``max_new_tokens``); else "length" (``max_new_tokens``
+        or the context)."""
+        if self.state != FINISHED:
+            return "length"
+        return "budget" if self.stats.budget_removed else "stop"
 
     @property
     def reads_features(self) -> bool:
@@ -220,6 +227,7 @@ def step(target, rows: list[Row]) -> list[Round]:
     start = time.perf_counter()
     proposed = [propose(row) for row in rows]
     drafts, states = zip(*(legal_states(r.constraint, r.state, d) for r, d in zip(rows, proposed)))
+    drafts, states = zip(*(fitting(r, d, at) for r, d, at in zip(rows, drafts, states)))
     lengths = plan(cost.pass_cost(target, len(rows)), rows, drafts)
     proposed = [p if k == len(d) else p.truncate(k) for p, d, k in zip(proposed, drafts, lengths)]
     drafts = [d.truncate(k) for d, k in zip(drafts, lengths)]
@@ -232,7 +240,7 @@ def step(target, rows: list[Row]) -> list[Round]:
     logits, hidden = kv.forward_rows(  # (Σ n_i, V), (Σ n_i, d) or None
         target, [row.cache for row in rows], fed, device, legal, features
     )
-    outcomes = verify(logits, legal, [len(f) for f in fed], drafts, rows)  # the host sync
+    outcomes = verify(logits, legal, [len(f) for f in fed], drafts, rows, states)  # host sync
     times = (drafted - start, time.perf_counter() - drafted)
     rounds, at = [], 0
     for row, draft, row_states, (n, token, scores), shown in zip(
@@ -370,6 +378,14 @@ def legal_states(constraint: Constraint, state: int, draft: Draft) -> tuple[Draf
     return draft, states
 
 
+def fitting(row: Row, draft: Draft, states: list[int]) -> tuple[Draft, list[int]]:
+    """The draft and its states, a deterministic draft cut before its first token that the
+    budget mask removes (budget.cut) where the row has one."""
+    return (
+        budget.cut(row.constraint, row.room, draft, states) if row.budget_mask else (draft, states)
+    )
+
+
 def legal_masks(constraint: Constraint, states: list[int], device) -> torch.Tensor:
     """The legal tokens at ``states``, (len(states), V) bool: the constraint's bitmasks unpacked
     by the target's compiled code where it is built (one call), else by the constraint."""
@@ -386,33 +402,35 @@ def verify(
     sizes: list[int],
     drafts: list[Draft],
     rows: list[Row],
+    states: list[list[int]],
 ) -> list[tuple[int, int, list[TokenLogprob]]]:
     """The exact acceptance rule for every row, (accepted length, the target's token, the
     log-probs of draft[:accepted] + [token] where the row keeps them), from ONE host sync.
-    ``logits``, ``legal``: (Σ sizes, V), each row's [last committed] + draft in turn. A greedy
-    row needs only its positions' masked argmax, taken for the whole pass in one call (after a
-    forward, each small call costs more than its work); a sampled row with a deterministic
-    draft (or none) draws the target's own token at each of its positions and keeps the draft
-    up to the first that differs (``sample.verify_deterministic``: a seeded row then commits
-    the same tokens however much it drafts); one with sampled draft tokens runs Leviathan's
-    rule against the q they were drawn from."""
+    ``logits``, ``legal``: (Σ sizes, V), each row's [last committed] + draft in turn; ``states``:
+    each row's automaton states along its draft. A greedy row needs only its positions' masked
+    argmax, taken for the whole pass in one call (after a forward, each small call costs more
+    than its work); a sampled row with a deterministic draft (or none) draws the target's own
+    token at each of its positions and keeps the draft up to the first that differs
+    (``sample.verify_deterministic``: a seeded row then commits the same tokens however much it
+    drafts); one with sampled draft tokens runs Leviathan's rule against the q they were drawn
+    from. Then each row's budget mask (``within_budget``)."""
     bounds = list(zip(itertools.accumulate([0] + sizes), itertools.accumulate(sizes)))
     greedy = [row.sampling.greedy for row in rows]
     masked = logits.masked_fill(~legal, float("-inf")) if any(greedy) else None
     best = masked.argmax(-1) if any(greedy) else logits.new_empty(0, dtype=torch.long)
     sent = []  # per row: (n, token) of a sampled row, then its scores if it keeps them
     rewinds = {}  # row index → its generator's state before a deterministic draft's draws
+    probs = {}  # row index → a sampled row's p rows (k+1, V)
     for i, ((a, b), draft, row, g) in enumerate(zip(bounds, drafts, rows, greedy)):
         if g:
             if row.logprobs is not None:  # the committed tokens are the argmaxes
                 sent.append(scored(masked[a:b].log_softmax(-1), best[a:b], row.logprobs))
             continue
-        device = logits.device
-        target_probs = policy(logits[a:b], legal[a:b], row.sampling)  # (k+1, V)
-        draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # (k,)
+        target_probs = probs[i] = policy(logits[a:b], legal[a:b], row.sampling)  # (k+1, V)
+        draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)  # (k,)
         if draft.probs is None:  # deterministic: the target's own draws (the same tokens
-            if len(draft):  # whatever the row drafts), its generator rewound after the sync
-                rewinds[i] = row.generator.get_state()
+            if len(draft) or row.budget_mask:  # whatever the row drafts), its generator
+                rewinds[i] = row.generator.get_state()  # rewound after the sync
             n, token, tokens = verify_deterministic(target_probs, draft_ids, row.generator)
         else:
             n, token = verify_sampled(target_probs, draft.probs, draft_ids, row.generator)
@@ -425,13 +443,67 @@ def verify(
     best, host, outcomes = [int(t) for t in best], iter(host), []
     for i, ((a, b), draft, row, g) in enumerate(zip(bounds, drafts, rows, greedy)):
         n, token = greedy_outcome(best[a:b], draft.tokens) if g else map(int, next(host))
+        keeps = row.logprobs is not None
+        kept = (
+            read_scores(next(host), b - a, [*draft.tokens[:n], token], row.logprobs)
+            if keeps
+            else []
+        )
+        if row.budget_mask:
+            position = Position(logits[a:b], legal[a:b], probs.get(i), rewinds.get(i))
+            n, token, kept = within_budget(row, draft, states[i], (n, token), position, kept)
         if i in rewinds and n < len(draft):  # k + 1 uniforms drawn, n + 1 used
             rewind(row.generator, rewinds[i], n + 1)
-        committed = draft.tokens[:n] + [token]
-        keeps = row.logprobs is not None
-        kept = read_scores(next(host), b - a, committed, row.logprobs) if keeps else []
-        outcomes.append((n, token, kept))
+        outcomes.append((n, token, kept[: n + 1]))
     return outcomes
+
+
+@dataclass(frozen=True)
+class Position:
+    """What a row's pass gave at its positions, for the budget mask's redraws: logits and
+    legal masks (k+1, V), a sampled row's p rows and its generator's state before its draws
+    (a deterministic draft's; None: its draws are fresh)."""
+
+    logits: torch.Tensor
+    legal: torch.Tensor
+    probs: torch.Tensor | None
+    before: torch.Tensor | None
+
+
+def within_budget(row: Row, draft: Draft, states, outcome, position: Position, kept: list):
+    """(n, token, log-probs) once the budget mask is applied: the target's drawn tokens are
+    checked in order, and the first that does not fit is drawn again from the same policy
+    without it (budget.settle); the round then commits up to that position. A log-prob kept
+    for the new token is its policy's (the grammar-masked policy's, not renormalised)."""
+    n, token = outcome
+    drawn = draft.tokens[:n] + [token]
+    redraws = lambda j: redraws_at(row, position, drawn[j], j)  # noqa: E731
+    settled = budget.settle(row.constraint, row.room, states, drawn, redraws)
+    if settled is None:
+        return n, token, kept
+    row.stats.budget_removed += 1
+    n, token = settled
+    if kept:
+        rows = position.logits[n].masked_fill(~position.legal[n], float("-inf")).log_softmax(-1)
+        if position.probs is not None:
+            rows = position.probs[n].log()
+        kept = kept[:n] + [dataclasses.replace(kept[n], token=token, logprob=float(rows[token]))]
+    return n, token, kept
+
+
+def redraws_at(row: Row, position: Position, first: int, j: int) -> Iterator[int]:
+    """The tokens the row's policy draws at its position j once ``first`` and each later one
+    are removed; then, where the policy's support runs out (top-k, top-p) or for a greedy row,
+    the legal tokens by descending logit."""
+    if position.probs is not None and position.before is not None:  # a deterministic draft:
+        replay = torch.Generator(device=position.probs.device)  # the uniform that drew first
+        replay.set_state(position.before)
+        drawn = position.probs.shape[0]  # as many as verify_deterministic drew: k + 1
+        uniform = torch.rand(drawn, generator=replay, dtype=torch.float64, device=replay.device)
+        yield from budget.redrawn(position.probs[j], first, float(uniform[j]))
+    elif position.probs is not None:  # Leviathan's rule drew it: fresh draws
+        yield from budget.fresh_draws(position.probs[j], first, row.generator)
+    yield from budget.ranked(position.logits[j].masked_fill(~position.legal[j], float("-inf")))
 
 
 def scored(logprobs: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:

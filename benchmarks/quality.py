@@ -1,0 +1,209 @@
+"""What the replies are worth: extraction requests from JSONSchemaBench's held-out half (the files
+whose name's sha256 ends in an odd byte, as benchmarks/coverage.py splits them), each prompt
+stating one valid instance as ``field: value`` lines (workloads' "extract"), answered by the
+built-in model, greedy, at each --max-new-tokens with and without the budget mask, one after the
+other on each request (the order alternating).
+
+Scores per budget and mode: valid (the reply finished, parses, and jsonschema with its format
+checker accepts it), exact (the reply equals the instance), leaf accuracy (every leaf path of the
+instance, the reply's value there equal to it, numbers compared as numbers; a reply that is not
+valid gets none right), tok/s (output tokens over decode seconds), and how many greedy replies
+that finished without the mask are the same tokens with it.
+
+    flock /tmp/quiet.lock python benchmarks/quality.py --out /tmp/quality
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import report  # noqa: E402
+import workloads  # noqa: E402
+from coverage import half  # noqa: E402
+
+from constrained_spec import Generator  # noqa: E402
+from constrained_spec.errors import BudgetTooSmall  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", type=Path, default=workloads.DEV_SET)
+    ap.add_argument("--half", choices=("held-out", "tuned"), default="held-out")
+    ap.add_argument("--n", type=int, default=40, help="requests (one more, first, warms up)")
+    ap.add_argument("--seed", type=int, default=0, help="shuffles the files: the selection")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[256, 64], metavar="N")
+    ap.add_argument("--model", default=None, help="default: the built-in model")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    start = time.time()
+    gen = Generator.from_pretrained(*([args.model] if args.model else []))
+    requests = select(gen, args)
+    warmup, requests = requests[0], requests[1:]
+    answer(gen, warmup, min(args.budgets), True)
+    rows = []
+    for i, request in enumerate(requests):
+        for budget in args.budgets:
+            for mask in (i % 2 == 0, i % 2 == 1):  # alternating which mode runs first
+                rows.append(answer(gen, request, budget, mask))
+        print(f"[{i + 1}/{len(requests)}] {request.file}", flush=True)
+    summary = summarize(rows, args.budgets)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = report.run_metadata("benchmarks/quality.py", argv or sys.argv[1:], start)
+    meta |= {"half": args.half, "requests": [r.file for r in requests]}
+    results = {"meta": meta, "summary": summary, "rows": rows}
+    (args.out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False))
+    (args.out / "report.md").write_text(table(summary, meta))
+    print(table(summary, meta))
+    return 0
+
+
+def select(gen, args) -> list[workloads.Request]:
+    """n + 1 extract requests from the files of one half (shuffled by --seed), as workloads
+    selects them (compiles, a short valid instance the automaton accepts, a prompt that fits)."""
+    files = sorted(p for p in args.data.glob("*.json") if half(p.name) == args.half)
+    random.Random(args.seed).shuffle(files)
+    chosen = []
+    for path in files:
+        if len(chosen) == args.n + 1:
+            break
+        _, request = workloads._try_file(gen, path, "extract", workloads.Selection(), len(chosen))
+        if request is not None:
+            chosen.append(request)
+    return chosen
+
+
+def answer(gen, request, budget: int, mask: bool) -> dict:
+    row = {"file": request.file, "budget": budget, "mask": mask}
+    if getattr(gen.target, "prompt_cache", None) is not None:
+        gen.target.prompt_cache.clear()  # each run computes its whole prompt
+    try:
+        result = gen.generate(
+            request.messages,
+            schema=request.schema,
+            max_new_tokens=budget,
+            temperature=0.0,
+            budget_mask=mask,
+        )
+    except BudgetTooSmall as e:  # the schema's shortest reply does not fit: none valid
+        _, total = leaves_right(request.expected, _MISSING)
+        return row | {"finish_reason": "refused", "error": str(e), "valid": False,
+                      "exact": False, "leaves_right": 0, "leaves": total, "output_tokens": 0,
+                      "decode_s": 0.0, "budget_removed": 0, "token_ids": []}  # fmt: skip
+    value, valid = None, False
+    if result.finish_reason != "length":
+        value = json.loads(result.text)
+        valid = workloads.is_valid(request.schema, value)
+    right, total = leaves_right(request.expected, value if valid else _MISSING)
+    return row | {
+        "finish_reason": result.finish_reason,
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "valid": valid,
+        "exact": valid and same(value, request.expected),
+        "leaves_right": right,
+        "leaves": total,
+        "output_tokens": len(result.token_ids),
+        "decode_s": result.stats.total_s,
+        "budget_removed": result.stats.budget_removed,
+    }
+
+
+_MISSING = object()
+
+
+def leaves_right(expected, got, path=()) -> tuple[int, int]:
+    """(leaf paths of ``expected`` whose value ``got`` has there, leaf paths): a leaf is a
+    scalar or an empty container."""
+    if isinstance(expected, dict) and expected:
+        pairs = [(v, got.get(k, _MISSING) if isinstance(got, dict) else _MISSING) for k, v in
+                 expected.items()]  # fmt: skip
+    elif isinstance(expected, list) and expected:
+        pairs = [(v, got[i] if isinstance(got, list) and i < len(got) else _MISSING) for i, v in
+                 enumerate(expected)]  # fmt: skip
+    else:
+        return int(got is not _MISSING and same(got, expected)), 1
+    counts = [leaves_right(e, g) for e, g in pairs]
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+
+def same(a, b) -> bool:
+    """JSON equality with numbers compared as numbers (1 == 1.0; true is not 1)."""
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
+    if number(a) and number(b):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def summarize(rows: list[dict], budgets: list[int]) -> dict:
+    out = {}
+    for budget in budgets:
+        for mask in (False, True):
+            got = [r for r in rows if r["budget"] == budget and r["mask"] == mask]
+            out[f"{budget}/{'mask' if mask else 'no mask'}"] = {
+                "requests": len(got),
+                "valid": sum(r["valid"] for r in got),
+                "exact": sum(r["exact"] for r in got),
+                "leaf_accuracy": sum(r["leaves_right"] for r in got)
+                / sum(r["leaves"] for r in got),
+                "cut": sum(r["finish_reason"] == "length" for r in got),
+                "refused": sum(r["finish_reason"] == "refused" for r in got),
+                "budget_shaped": sum(r["finish_reason"] == "budget" for r in got),
+                "tok_s": sum(r["output_tokens"] for r in got) / sum(r["decode_s"] for r in got),
+            }
+        pairs = {
+            r["file"]: r for r in rows if r["budget"] == budget and not r["mask"]
+        }  # the replies without the mask that finished, against theirs with it
+        with_mask = [r for r in rows if r["budget"] == budget and r["mask"]]
+        finished = [r for r in with_mask if pairs[r["file"]]["finish_reason"] == "stop"]
+        out[f"{budget}/unchanged"] = {
+            "finished_without_mask": len(finished),
+            "same_tokens_with_mask": sum(
+                r["token_ids"] == pairs[r["file"]]["token_ids"] for r in finished
+            ),
+        }
+    return out
+
+
+def table(summary: dict, meta: dict) -> str:
+    lines = [
+        f"# Reply quality: {len(meta['requests'])} extract requests, {meta['half']} half",
+        "",
+        f"`{meta['command']}` — {meta['date']}, {meta['machine']}, commit {meta['commit']}",
+        "",
+        "| max_new_tokens / mode | valid | exact | leaf accuracy | cut | refused | budget-shaped "
+        "| tok/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, s in summary.items():
+        if key.endswith("unchanged"):
+            continue
+        n = s["requests"]
+        lines.append(
+            f"| {key} | {s['valid']}/{n} | {s['exact']}/{n} | {s['leaf_accuracy']:.1%} | "
+            f"{s['cut']} | {s['refused']} | {s['budget_shaped']} | {s['tok_s']:.1f} |"
+        )
+    lines.append("")
+    for key, s in summary.items():
+        if key.endswith("unchanged"):
+            lines.append(
+                f"- {key.split('/')[0]}: {s['same_tokens_with_mask']} of the "
+                f"{s['finished_without_mask']} greedy replies that finished without the mask "
+                "are the same tokens with it"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
