@@ -1,5 +1,5 @@
-"""The kernel library (constrained_spec/target/csrc/), built when the package is: once per
-instruction-set variant of this machine's architecture (constrained_spec/target/isa.py), in
+"""The kernel library (constrained_spec/model/csrc/), built when the package is: once per
+instruction-set variant of this machine's architecture (constrained_spec/model/isa.py), in
 parallel, beside the package (in place for an editable install, into the wheel otherwise). A C++
 compiler is all it needs: torch is no build requirement (pip's isolated build would fetch a
 multi-GB CUDA build). Without a compiler the install still succeeds, with one warning; the
@@ -15,11 +15,11 @@ from setuptools import Command, Distribution, setup
 from setuptools.command.build import build
 
 ROOT = Path(__file__).resolve().parent
-PACKAGE = Path("constrained_spec", "target")
+PACKAGE = Path("constrained_spec", "model")
 
 
 def load_isa():
-    """constrained_spec/target/isa.py by its path: the package's __init__ imports torch."""
+    """constrained_spec/model/isa.py by its path: the package's __init__ imports torch."""
     spec = importlib.util.spec_from_file_location(
         "_constrained_spec_isa", ROOT / PACKAGE / "isa.py"
     )

@@ -26,10 +26,10 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 import workloads  # noqa: E402
 
 from constrained_spec import Generator  # noqa: E402
-from constrained_spec.target import kv  # noqa: E402
-from constrained_spec.target.llama import from_transformers  # noqa: E402
-from constrained_spec.target.machine import cache_dir  # noqa: E402
-from constrained_spec.target.models import BUILTIN_MODELS, DEFAULT_MODEL, load_model  # noqa: E402
+from constrained_spec.model import kv  # noqa: E402
+from constrained_spec.model.llama import from_transformers  # noqa: E402
+from constrained_spec.model.machine import cache_dir  # noqa: E402
+from constrained_spec.model.models import BUILTIN_MODELS, DEFAULT_MODEL, load_model  # noqa: E402
 
 
 def sequences(gen, n: int, data: Path) -> list[tuple[list[int], int]]:

@@ -23,7 +23,7 @@ import workloads
 from run import forget_prompts, machine_info
 
 from constrained_spec import Generator
-from constrained_spec.target.models import DEFAULT_MODEL
+from constrained_spec.model.models import DEFAULT_MODEL
 
 
 def measure(gen: Generator, requests: list[dict], sizes: list[int], say, repeats=1) -> list[dict]:

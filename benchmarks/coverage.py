@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from constrained_spec import testing  # noqa: E402
 from constrained_spec.constraints import compile_constraint, engine, patterns, token_vocabulary  # noqa: E402
 from constrained_spec.errors import SchemaTooComplex, UnsupportedSchemaError  # noqa: E402
-from constrained_spec.target import load_tokenizer  # noqa: E402
+from constrained_spec.model import load_tokenizer  # noqa: E402
 
 
 def source_of(name: str) -> str:

@@ -9,7 +9,7 @@ prepared models; then again in a second fresh process on the cache the first one
 file and load: seconds from the process's start to the model loaded (imports included), the peak
 resident memory (VmHWM: it counts the memory-mapped file's pages too, which the system can
 reclaim), the anonymous memory after the load (the process's own: what cannot be reclaimed); and
-the bytes the first load stored (target.prepared). Also the CPU time the process took to the
+the bytes the first load stored (model.prepared). Also the CPU time the process took to the
 model loaded, all threads: on a machine shared with other work, where the seconds depend on
 what else runs, it tells what the load costs. Linux only (it reads /proc/self/status).
 """
@@ -30,7 +30,7 @@ LOAD = """
 import time
 start = time.perf_counter()
 import json, resource
-from constrained_spec.target import models, prepared
+from constrained_spec.model import models, prepared
 model, _ = models.load_model({path!r}, weights="int4")
 loaded = time.perf_counter() - start
 usage = resource.getrusage(resource.RUSAGE_SELF)

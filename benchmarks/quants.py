@@ -24,8 +24,8 @@ import gguf
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent)]
 
-from constrained_spec.target.machine import cache_dir  # noqa: E402
-from constrained_spec.target.models import BUILTIN_MODELS, DEFAULT_MODEL, verified_gguf  # noqa: E402
+from constrained_spec.model.machine import cache_dir  # noqa: E402
+from constrained_spec.model.models import BUILTIN_MODELS, DEFAULT_MODEL, verified_gguf  # noqa: E402
 
 
 def write(source: Path, out: Path, kind: str) -> Path:

@@ -76,10 +76,10 @@ from constrained_spec.decoding.drafters import (  # noqa: E402
     model_drafter,
 )
 from constrained_spec.decoding.head import DraftHead, HeadDraft, load_head, shipped_head  # noqa: E402
-from constrained_spec.target import kernels, kv  # noqa: E402
-from constrained_spec.target.llama import CompactLlama, from_transformers  # noqa: E402
-from constrained_spec.target.machine import cache_dir  # noqa: E402
-from constrained_spec.target.models import (  # noqa: E402
+from constrained_spec.model import kernels, kv  # noqa: E402
+from constrained_spec.model.llama import CompactLlama, from_transformers  # noqa: E402
+from constrained_spec.model.machine import cache_dir  # noqa: E402
+from constrained_spec.model.models import (  # noqa: E402
     BUILTIN_MODELS,
     DEFAULT_MODEL,
     WEIGHTS,

@@ -50,9 +50,9 @@ import run  # noqa: E402  (forward_ms, bandwidth_limit, forget_prompts: the engi
 import workloads  # noqa: E402
 
 from constrained_spec import Generator  # noqa: E402
-from constrained_spec.target import families  # noqa: E402
-from constrained_spec.target.machine import cache_dir  # noqa: E402
-from constrained_spec.target.models import BUILTIN_MODELS, DEFAULT_MODEL, verified_gguf  # noqa: E402
+from constrained_spec.model import families  # noqa: E402
+from constrained_spec.model.machine import cache_dir  # noqa: E402
+from constrained_spec.model.models import BUILTIN_MODELS, DEFAULT_MODEL, verified_gguf  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ def timed(argv: list[str], env: dict) -> tuple[float, str]:
 
 
 def prepared_files(model: str) -> list[Path]:
-    from constrained_spec.target import models, prepared
+    from constrained_spec.model import models, prepared
 
     source = models.model_file(model)
     return [prepared.path_for(source)] if source else []
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     say = lambda *a, **k: print(*a, flush=True, **k)
-    from constrained_spec.target.models import DEFAULT_MODEL
+    from constrained_spec.model.models import DEFAULT_MODEL
 
     model = args.model or DEFAULT_MODEL
     versions = {"this checkout": sys.executable}

@@ -1,7 +1,7 @@
 """constrained_spec: exact speculative decoding under JSON Schema, regex and grammar masks.
 
 Layers, arrows pointing down: ``constraints`` (schema/regex/grammar → token automaton) and
-``target`` (the model, its kernels and caches) know nothing of each other; ``decoding`` (the
+``model`` (the target model, its kernels and caches) know nothing of each other; ``decoding`` (the
 exact rule, drafters, the one loop) uses both; ``generator`` (Generator, Request, Result) and the
 CLI, server and corpus jobs sit on top.
 

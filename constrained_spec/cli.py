@@ -40,7 +40,7 @@ from .errors import (
 )
 from .generator import DRAFTS, SETTINGS, Generator, Request, setting_problems
 from .jobs import done_ids, read_rows, run_job, run_job_on_ray
-from .target import (
+from .model import (
     BUILTIN_MODELS,
     DEFAULT_MODEL,
     WEIGHTS,

@@ -41,8 +41,8 @@ from .errors import (
     VocabularyMismatch,
     WeightsError,
 )
-from .target import DEFAULT_MODEL, describe_weights, kv, load_model, quantize_int8
-from .target import skinny_matmul as use_skinny
+from .model import DEFAULT_MODEL, describe_weights, kv, load_model, quantize_int8
+from .model import skinny_matmul as use_skinny
 
 __all__ = ["Generator", "Request", "Result"]
 
@@ -218,7 +218,7 @@ class Generator:
         the target's tokenizer. ``weights``: one of models.WEIGHTS; "auto" runs the built-in
         model's own 4-bit blocks where this machine runs them faster (measured once, cached).
         ``skinny_matmul``: on the CPU, float verify passes (2–32 tokens) use
-        target.models.SkinnyLinear, cheaper (git show 8fe3c79:docs/measurements.md); one-token
+        model.models.SkinnyLinear, cheaper (git show 8fe3c79:docs/measurements.md); one-token
         steps are unchanged."""
         if draft in ("int8", "bf16") and weights != "float":  # copies of a transformers target
             if weights != "auto":

@@ -41,7 +41,7 @@ from .decoding.text import MAX_STOP_STRINGS, held_prefix, stop_problem
 from .errors import BudgetTooSmall, ConstraintError, GenerationInputError
 from .generator import MAX_TOP_LOGPROBS, Generator
 from .generator import Request as GenerationRequest
-from .target import DEFAULT_MODEL
+from .model import DEFAULT_MODEL
 
 __all__ = ["ServerConfig", "create_app", "serve"]
 

@@ -37,8 +37,8 @@ from .decoding.drafters import CompositeDrafter, logits_width
 from .decoding.head import DraftHead
 from .errors import ConstraintError, UnsupportedSchemaError
 from .generator import Generator
-from .target import families, kernels, kv, llama
-from .target import models as target_models
+from .model import families, kernels, kv, llama
+from .model import models as target_models
 
 # A greedy output may differ from the masked baseline only where the baseline's top-2 masked
 # logits are closer than this: the logits of a k-token verify pass and of k one-token steps
@@ -748,9 +748,9 @@ def server_process(*args: str, timeout_s: float = 900.0) -> Iterator[str]:
 
 
 def compact_gguf(path, layers: str = "python"):
-    """A GGUF file's compact model (target/files.from_gguf), its layers run ``layers``
+    """A GGUF file's compact model (model/files.from_gguf), its layers run ``layers``
     (run_layers)."""
-    from .target import files, models
+    from .model import files, models
 
     model = files.from_gguf(path, models.load_config(path))
     run_layers(model, layers)

@@ -27,7 +27,7 @@ def int4_target(tokenizer, way: str):
     """The tiny target's weights quantized as the default model ships (Q4_1 linears, Q8_0 LM
     head), in the compact forward, its layers and 4-bit matmuls run ``way`` ("fused/avx2", ...);
     a way that cannot run here skips, saying why."""
-    from constrained_spec.target import kernels, llama
+    from constrained_spec.model import kernels, llama
 
     layers, matmul = way.split("/")
     if layers == "fused" and (missing := kernels.fused_missing()):
@@ -48,7 +48,7 @@ def tiny_int4_target(request, tiny_tokenizer):
     scalar reference) and on the Python loop with torch's kernel (an install without the kernel
     library). The fused layers with the other kernels run in the kernel-level tests
     (tests/test_llama.py, tests/test_compiled.py) and in every_int4_target's."""
-    from constrained_spec.target import models
+    from constrained_spec.model import models
 
     if request.param == "python":
         return int4_target(tiny_tokenizer, "python/torch")

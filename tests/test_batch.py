@@ -11,7 +11,7 @@ from constrained_spec.decoding import cost, loop
 from constrained_spec.decoding.cost import PassCost
 from constrained_spec.decoding.drafters import EMPTY_DRAFT, CompositeDrafter, Draft
 from constrained_spec.decoding.sample import SamplingConfig
-from constrained_spec.target import kv, machine
+from constrained_spec.model import kv, machine
 from constrained_spec.testing import (
     PERSON,
     assert_greedy_match,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from constrained_spec import testing
-from constrained_spec.target import files, isa, kernels
+from constrained_spec.model import files, isa, kernels
 
 SOURCE = Path(__file__).with_name("csrc") / "blocks_test.cpp"
 

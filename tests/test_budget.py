@@ -129,7 +129,7 @@ def test_a_vocabulary_says_which_bytes_it_cannot_spell(missing):
 def test_the_default_models_vocabulary_spells_every_byte_json_text_holds():
     """SmolLM2's vocabulary has no token for 21 bytes: 6 control characters (JSON escapes them)
     and bytes that never begin a character below U+40000 in UTF-8; no reply can hold them."""
-    from constrained_spec.target.models import load_tokenizer
+    from constrained_spec.model.models import load_tokenizer
 
     vocab = token_vocabulary(load_tokenizer())
     printable = set(range(0x20, 0x7F)) | set(range(0x80, 0xC0)) | set(range(0xC2, 0xF1))

@@ -10,7 +10,7 @@ import torch
 
 from constrained_spec import cli, testing
 from constrained_spec.errors import SettingError
-from constrained_spec.target import disk, machine, models, prepared, repack
+from constrained_spec.model import disk, machine, models, prepared, repack
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import torch
 
 from constrained_spec import testing
 from constrained_spec.decoding import cost
-from constrained_spec.target import compiled, isa, kernels, llama, machine, models, prepared
+from constrained_spec.model import compiled, isa, kernels, llama, machine, models, prepared
 
 DAMAGES = ["missing", "empty", "truncated", "garbage", "another version's"]
 GARBAGE = b"\xff\xfe\x00" + random.Random(58).randbytes(4093)  # not UTF-8, not JSON, not a zip

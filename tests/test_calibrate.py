@@ -13,7 +13,7 @@ import pytest
 
 from constrained_spec import cli, testing
 from constrained_spec.decoding import cost
-from constrained_spec.target import machine, models, prepared
+from constrained_spec.model import machine, models, prepared
 
 
 @pytest.fixture

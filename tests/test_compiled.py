@@ -17,7 +17,7 @@ import torch
 
 from constrained_spec import testing
 from constrained_spec.errors import SettingError
-from constrained_spec.target import compiled, isa, kernels, llama, models
+from constrained_spec.model import compiled, isa, kernels, llama, models
 
 V3 = isa.VARIANTS["x86_64"][1].needs
 V4 = isa.VARIANTS["x86_64"][2].needs
@@ -146,7 +146,7 @@ def test_a_failed_native_build_is_said_once_and_remembered(tmp_path, monkeypatch
     said = [line for line in capfd.readouterr().err.splitlines() if "constrained_spec:" in line]
     assert len(said) == 2 and "compiling" in said[0] and "fatal error: nothing.h" in said[1]
     assert count.read_text().count("run") == 1
-    code = "from constrained_spec.target import compiled; print(compiled.describe())"
+    code = "from constrained_spec.model import compiled; print(compiled.describe())"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}
     )

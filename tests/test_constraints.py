@@ -16,7 +16,7 @@ from constrained_spec import ConstraintError, Generator, UnsupportedSchemaError,
 from constrained_spec.constraints import FINISHED, engine, grammar_for, rewrite
 from constrained_spec.constraints.vocabulary import token_vocabulary
 from constrained_spec.decoding import loop
-from constrained_spec.target import kernels
+from constrained_spec.model import kernels
 from constrained_spec.testing import PERSON
 
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
@@ -182,7 +182,7 @@ def test_eos_only_where_complete(tiny_tokenizer):
 def test_a_special_token_named_in_a_grammar_is_never_legal():
     """llguidance lets a Lark grammar name a token by id (``<[5]>``), special ones included; the
     masks keep only ids with text (and EOS where complete), whatever the matcher allows."""
-    from constrained_spec.target.models import load_tokenizer
+    from constrained_spec.model.models import load_tokenizer
 
     tokenizer = load_tokenizer()  # the default model's: 17 specials, in bitmask bytes 0-2
     vocab = token_vocabulary(tokenizer)
@@ -201,7 +201,7 @@ def test_a_bitmask_row_kept_as_llguidance_gave_it_equals_the_cleared_one(width_b
     """``_ours`` keeps llguidance's row where it needs no change (no skipped pass over it): on
     rows with and without special ids, EOS right or wrong, a tail past V or none, the result is
     the row with only text ids (and EOS iff accepting), V bits wide."""
-    from constrained_spec.target.models import load_tokenizer
+    from constrained_spec.model.models import load_tokenizer
 
     tokenizer = load_tokenizer()
     vocab = token_vocabulary(tokenizer)
@@ -737,7 +737,7 @@ def test_masks_after_rollbacks_equal_a_fresh_matchers(every, monkeypatch):
 
     import numpy as np
 
-    from constrained_spec.target.models import load_tokenizer
+    from constrained_spec.model.models import load_tokenizer
 
     monkeypatch.setattr(engine, "SNAPSHOT_EVERY", every)
     case = json.loads((Path(__file__).parent / "data" / "llg_rollback_case.json").read_text())

@@ -17,8 +17,8 @@ from constrained_spec import (
 )
 from constrained_spec.constraints import FINISHED
 from constrained_spec.decoding import loop
-from constrained_spec.target import kv
-from constrained_spec.target.llama import CompactCache
+from constrained_spec.model import kv
+from constrained_spec.model.llama import CompactCache
 from constrained_spec.testing import PERSON, assert_greedy_match, last_logits, random_head
 
 # PERSON with a bounded age: a finite language whose longest text (~110 bytes) fits in 200 tokens
@@ -205,7 +205,7 @@ def test_a_draft_model_with_a_shorter_context_stops_drafting_where_it_ends(
     """A draft model running fewer positions than the target (a LongRoPE draft's original
     context) drafts up to its last position; past it the target goes on alone, to the tokens
     the masked baseline commits."""
-    from constrained_spec.target import llama
+    from constrained_spec.model import llama
 
     tiny = testing.tiny_model(tiny_tokenizer, seed=1, layers=1, max_positions=24)
     short = llama.from_transformers(tiny, "int8")  # a compact cache holds 24 positions at most
@@ -364,7 +364,7 @@ def test_matches_continue_past_an_accepting_prefix(
 def test_greedy_identity_with_skinny_matmul(tiny_target, tiny_draft, tiny_tokenizer):
     """Verify passes through models.SkinnyLinear (from_pretrained's CPU default) keep the
     baseline's greedy tokens (up to near-ties)."""
-    from constrained_spec.target.models import skinny_matmul
+    from constrained_spec.model.models import skinny_matmul
 
     target = skinny_matmul(copy.deepcopy(tiny_target))
     gen = Generator(target, tiny_tokenizer, draft=tiny_draft)

@@ -12,7 +12,7 @@ import torch
 
 from constrained_spec import Generator, SamplingConfig
 from constrained_spec.decoding.drafters import CompositeDrafter, logits_width, model_drafter
-from constrained_spec.target import kernels
+from constrained_spec.model import kernels
 from constrained_spec.testing import chi_square, random_head, sequence_distribution
 
 REGEX = "(ab|ba|yes|no){1,2}"

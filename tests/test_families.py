@@ -1,4 +1,4 @@
-"""Model families beyond Llama (target/families.py), Gemma 3 and Gemma 2 first: tiny gemma3 and
+"""Model families beyond Llama (model/families.py), Gemma 3 and Gemma 2 first: tiny gemma3 and
 gemma2 GGUFs written here (testing.write_gguf) against transformers' float32 Gemma3ForCausalLM and
 Gemma2ForCausalLM on gguf's dequantization of the same file; each declared part of a block shown
 to matter (Gemma 2's soft-caps too), the sliding window's boundary exactly transformers'; steps,
@@ -35,7 +35,7 @@ from transformers import (
 
 from constrained_spec import Generator, SamplingConfig, cli, testing
 from constrained_spec.errors import GenerationInputError, WeightsError
-from constrained_spec.target import families, files, kernels, kv, llama, models, prepared
+from constrained_spec.model import families, files, kernels, kv, llama, models, prepared
 
 needs_fused = pytest.mark.skipif(
     kernels.fused_missing() is not None, reason=f"no fused layers: {kernels.fused_missing()}"

@@ -1,4 +1,4 @@
-"""GGUF files on the fast path (target/files.py): every architecture and tensor type we run,
+"""GGUF files on the fast path (model/files.py): every architecture and tensor type we run,
 against gguf's own dequantization with transformers' float32 forward, on files written here
 (testing.write_gguf); exactness and greedy identity on quantized Qwen2 and Qwen3 files; a GGUF
 draft model; bad files refused by name before any weight is read."""
@@ -15,7 +15,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from constrained_spec import Generator, SamplingConfig, testing
 from constrained_spec.errors import WeightsError
-from constrained_spec.target import files, kernels, kv, models
+from constrained_spec.model import files, kernels, kv, models
 
 needs_fused = pytest.mark.skipif(
     kernels.fused_missing() is not None, reason=f"no fused layers: {kernels.fused_missing()}"

@@ -19,7 +19,7 @@ from constrained_spec.errors import (
     UnsupportedSchemaError,
 )
 from constrained_spec.generator import Generator
-from constrained_spec.target import machine, models
+from constrained_spec.model import machine, models
 
 # ---------------------------------------------------------------- 2: no $ref is fetched
 

@@ -23,7 +23,7 @@ from constrained_spec.decoding.head import (
     vocabulary_positions,
 )
 from constrained_spec.errors import DraftHeadError, VocabularyMismatch
-from constrained_spec.target import kv
+from constrained_spec.model import kv
 from constrained_spec.testing import PERSON, assert_greedy_match, random_head
 
 

@@ -14,7 +14,7 @@ from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
 from constrained_spec import testing
 from constrained_spec.errors import SettingError, WeightsError
 from constrained_spec.generator import Generator
-from constrained_spec.target import compiled, files, kernels, kv, llama, models
+from constrained_spec.model import compiled, files, kernels, kv, llama, models
 
 BF16 = 2.0**-8  # unit roundoff of bf16 (8 significant bits): relative error of one rounding
 # The tiny tokenizer's corpus, each text alone and all joined: 94 teacher-forced positions

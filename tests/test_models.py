@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from constrained_spec import testing
-from constrained_spec.target import models
-from constrained_spec.target.models import BuiltinModel, ModelFetchError, load_model, quantize_int8
+from constrained_spec.model import models
+from constrained_spec.model.models import BuiltinModel, ModelFetchError, load_model, quantize_int8
 
 NAME = "tiny-test"
 MEMBER = testing.WHEEL_MEMBER

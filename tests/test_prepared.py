@@ -22,8 +22,8 @@ from constrained_spec.constraints.vocabulary import (
     _sentencepiece,
     _sentencepiece_all,
 )
-from constrained_spec.target import kernels, models, prepared, repack
-from constrained_spec.target.tokenizer import Tokenizer
+from constrained_spec.model import kernels, models, prepared, repack
+from constrained_spec.model.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
 
@@ -35,7 +35,7 @@ def gguf_file(tmp_path):
 
 @pytest.fixture(params=["laid", "converted"])
 def way(request, monkeypatch):
-    """How a GGUF loads: "laid" from the file at every load (target/repack: the prepared entry
+    """How a GGUF loads: "laid" from the file at every load (model/repack: the prepared entry
     holds no weights), or "converted" with torch ops where the repack library is missing (no
     compiler: the prepared entry holds the whole model)."""
     if request.param == "converted":
@@ -63,7 +63,7 @@ def test_a_prepared_model_maps_to_the_model_it_was_converted_to(gguf_file, way):
     first_text = Generator(model, tokenizer).generate(ids, schema=SCHEMA, max_new_tokens=30)
 
     with pytest.MonkeyPatch.context() as patch:
-        from constrained_spec.target import files, gguf_header
+        from constrained_spec.model import files, gguf_header
 
         def explode(*args, **kwargs):
             raise AssertionError("the GGUF file was read again")
@@ -222,7 +222,7 @@ def test_a_warm_start_of_the_default_model_never_imports_transformers():
     prepared.wait()
     code = (
         "from constrained_spec import Generator\n"
-        "from constrained_spec.target import gguf_header\n"
+        "from constrained_spec.model import gguf_header\n"
         "def explode(*a, **k): raise AssertionError('the GGUF metadata was parsed')\n"
         "gguf_header.GGUFHeader._read = explode\n"
         "gen = Generator.from_pretrained()\n"
@@ -366,7 +366,7 @@ def test_a_schema_defers_rfc3987_syntax_until_an_iri_is_checked():
 
 @pytest.mark.parametrize("vocabulary", ["bpe", "spm"])
 def test_the_stored_tokenizer_form_gives_back_the_same_tokenizer(tmp_path, vocabulary):
-    """A BPE tokenizer stored as its pieces and merges' ids (target.tokenizer's fast form),
+    """A BPE tokenizer stored as its pieces and merges' ids (model.tokenizer's fast form),
     read back: the same JSON as transformers' backend, the same ids for a few strings, the same
     bytes per token."""
     gguf = testing.write_gguf(tmp_path / "t.gguf", "gemma3", "Q8_0", vocabulary=vocabulary)

@@ -1,4 +1,4 @@
-"""Running a GGUF from the file (target/repack, csrc/repack.cpp; target/gguf_header): the repack
+"""Running a GGUF from the file (model/repack, csrc/repack.cpp; model/gguf_header): the repack
 lays every tensor type into every kernel's layout bit for bit as the torch path does, a whole
 model laid from the file computes the converted model's logits bit for bit, the file's header
 reads as gguf's GGUFReader reads it, and a later load reads neither the file's metadata nor
@@ -17,7 +17,7 @@ import torch
 
 from constrained_spec import testing
 from constrained_spec.errors import WeightsError
-from constrained_spec.target import files, gguf_header, kernels, models, prepared, repack
+from constrained_spec.model import files, gguf_header, kernels, models, prepared, repack
 
 pytestmark = pytest.mark.skipif(repack.library() is None, reason="the repack does not build here")
 
@@ -273,7 +273,7 @@ def test_a_load_runs_from_the_file_and_stores_no_weights(tmp_path):
     logits = model(torch.tensor(ids), model.new_cache())[0]
     code = (
         "import sys, json, torch\n"
-        "from constrained_spec.target import gguf_header, models\n"
+        "from constrained_spec.model import gguf_header, models\n"
         "def explode(*a, **k): raise AssertionError('the metadata was read again')\n"
         "gguf_header.GGUFHeader._read = explode\n"
         f"model, tokenizer = models.load_model({str(path)!r}, weights='int4')\n"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from constrained_spec import testing
-from constrained_spec.target import families, files, models
+from constrained_spec.model import families, files, models
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import shapes  # noqa: E402

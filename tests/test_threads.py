@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from constrained_spec import testing
-from constrained_spec.target import kernels, models
+from constrained_spec.model import kernels, models
 
 SHAPES = {  # a sliding window and soft-caps (gemma2), q/k norms (qwen3), plain GQA (llama)
     "llama": dict(layers=2, heads=4, kv_heads=2),

@@ -1,5 +1,5 @@
 """The kernel library of another commit against this checkout's, in one process: the other
-commit's ``constrained_spec/target/csrc/`` is built as this checkout's variant is (isa.py), and
+commit's ``constrained_spec/model/csrc/`` is built as this checkout's variant is (isa.py), and
 the two libraries take turns, round after round, on the same loaded model — so both meet the
 same minute of a noisy shared machine, which separate runs a few minutes apart do not (30–50%
 swings here).
@@ -46,7 +46,7 @@ import workloads  # noqa: E402
 from run import forget_prompts  # noqa: E402
 
 from constrained_spec import Generator  # noqa: E402
-from constrained_spec.target import compiled, isa, kernels, kv, llama  # noqa: E402
+from constrained_spec.model import compiled, isa, kernels, kv, llama  # noqa: E402
 
 CONTEXT = list(range(1000, 1400))  # a 400-token context before each timed pass
 SIZES = (1, 4, 8, 17, 32)  # new tokens a pass: a step, a verify pass, batches' rows

@@ -3,7 +3,7 @@
 Reads every module's imports from its source (module level and inside functions alike: an
 import hidden in a function still ties two modules together) and checks:
 - cycles among the package's modules (strongly connected components of the import graph);
-- the layers: ``constraints`` and ``target`` never import each other, ``decoding`` imports
+- the layers: ``constraints`` and ``model`` never import each other, ``decoding`` imports
   neither the top (``generator``, ``cli``, ``server``, ``jobs``, ``testing``) nor anything
   above it, and no layer imports the top.
 
@@ -20,8 +20,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "constrained_spec"
 # what each layer may import from the package (the modules at the package's root: errors)
 ALLOWED = {
     "constraints": {"constraints", "errors"},
-    "target": {"target", "errors"},
-    "decoding": {"decoding", "constraints", "target", "errors"},
+    "model": {"model", "errors"},
+    "decoding": {"decoding", "constraints", "model", "errors"},
 }
 
 

@@ -24,9 +24,9 @@ from pathlib import Path
 START = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from constrained_spec.target import files, gguf_header, kernels, models, prepared, repack  # noqa: E402
-from constrained_spec.target.machine import cache_dir  # noqa: E402
-from constrained_spec.target.tokenizer import Tokenizer  # noqa: E402
+from constrained_spec.model import files, gguf_header, kernels, models, prepared, repack  # noqa: E402
+from constrained_spec.model.machine import cache_dir  # noqa: E402
+from constrained_spec.model.tokenizer import Tokenizer  # noqa: E402
 
 IMPORTED = time.perf_counter()
 _inside: dict[str, float] = collections.defaultdict(float)

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the package, run.py
 from run import forward_ms  # noqa: E402
 
-from constrained_spec.target import kernels, kv  # noqa: E402
-from constrained_spec.target.models import DEFAULT_MODEL, load_model, skinny_matmul  # noqa: E402
+from constrained_spec.model import kernels, kv  # noqa: E402
+from constrained_spec.model.models import DEFAULT_MODEL, load_model, skinny_matmul  # noqa: E402
 
 PHASES = {
     "aten::_weight_int4pack_mm_for_cpu": "4-bit matmuls",

@@ -62,8 +62,8 @@ from constrained_spec.decoding.head import (  # noqa: E402
     unrolled,
     vocabulary_positions,
 )
-from constrained_spec.target import kv  # noqa: E402
-from constrained_spec.target.models import DEFAULT_MODEL, load_model  # noqa: E402
+from constrained_spec.model import kv  # noqa: E402
+from constrained_spec.model.models import DEFAULT_MODEL, load_model  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -258,7 +258,7 @@ def self_distilled(target, tokenizer, files, args, budget, say):
 
     from constrained_spec import ConstraintError, Generator
     from constrained_spec.constraints import FINISHED
-    from constrained_spec.target.models import skinny_matmul
+    from constrained_spec.model.models import skinny_matmul
 
     skinny_matmul(target)  # a batch step feeds --batch rows: W·xᵀ streams the weights once
     gen = Generator(target, tokenizer)  # its compile: schema → regex → cached constraint

@@ -100,7 +100,7 @@ def token_vocabulary(tokenizer) -> TokenVocabulary:
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     # ids whose bytes are not their piece's: added tokens are stored as plain text; special ones
     # (chat markers etc.) never appear in constrained text, nor a GGUF file's UNUSED tokens
-    # (padding such as Qwen's "[PAD151643]": never text, as in llama.cpp; target.models.
+    # (padding such as Qwen's "[PAD151643]": never text, as in llama.cpp; model.models.
     # load_tokenizer names them)
     added = tokenizer.added_tokens_decoder
     own = {i: None if t.special else t.content.encode() for i, t in added.items()}

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..target import kernels, machine
-from ..target.llama import CompactLlama
-from ..target.models import shape_key
+from ..model import kernels, machine
+from ..model.llama import CompactLlama
+from ..model.models import shape_key
 from .sample import SamplingConfig, policy, verify_deterministic
 
 # The grid: rows per pass, and tokens each row feeds (1: the baseline step, 1 + k: k drafts).

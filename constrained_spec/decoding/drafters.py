@@ -22,8 +22,8 @@ from typing import Protocol
 import torch
 
 from ..constraints import FINISHED, Constraint
-from ..target import kv
-from ..target.llama import common_prefix
+from ..model import kv
+from ..model.llama import common_prefix
 from .sample import SamplingConfig, draw, one_hot, policy
 
 UNTEMPERED = SamplingConfig(temperature=1.0)  # a greedy draft's confidence: its softmax at T = 1

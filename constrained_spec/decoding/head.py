@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import DraftHeadError, VocabularyMismatch
-from ..target import kv
+from ..model import kv
 
 HEADS = Path(__file__).parent / "heads"  # shipped weights: <name>.safetensors + <name>.json card
 COPY_NGRAMS = (2, 1)  # the head's copy proposals: after the last bigram, after the last token

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..constraints import FINISHED, Constraint
-from ..target import kernels, kv
+from ..model import kernels, kv
 from . import budget, cost
 from .drafters import EMPTY_DRAFT, Draft, Drafter
 from .sample import (

@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "../../constrained_spec/target/csrc/blocks.h"
+#include "../../constrained_spec/model/csrc/blocks.h"
 
 namespace {
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_layers.cpp"
-# the library's translation units: the fused layers and kernels, and the GGUF repack (target/repack)
+# the library's translation units: the fused layers and kernels, and the GGUF repack (model/repack)
 SOURCES = (SOURCE, SOURCE.with_name("repack.cpp"))
 HEADERS = [SOURCE.with_name(name) for name in ("abi.h", "blocks.h", "parallel.h", "vec.h")]
 LIBRARIES = Path(__file__).with_name("libs")  # where the build puts the variants

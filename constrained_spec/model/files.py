@@ -413,7 +413,7 @@ def from_gguf(
 ) -> llama.CompactLlama:
     """The compact model of a GGUF file of ARCHITECTURES (``config``: its transformers config,
     gguf_config). ``layout``: the 4-bit kernel (one of ours, kernels.INT4_KERNELS) whose layout
-    the linears and the head's blocks are laid in straight from the file's blocks (target/repack),
+    the linears and the head's blocks are laid in straight from the file's blocks (model/repack),
     each tensor's file pages dropped once laid; the head's bound ``terms`` where they are known
     (stored for this file and kernel). None: the torch path (each tensor decoded to q, scale and
     zero, models.use_kernels then re-lays them). ``reader``: the file's header where it is
@@ -635,7 +635,7 @@ def _group_scales(raw: np.ndarray, kind: str):
 def _rows(tensor, laid: bool = False) -> torch.Tensor | kernels.BlockRows:
     """A table of rows (the token embedding, the LM head's): a Q8_0 or Q6_K tensor's blocks as
     they are (kernels.BlockRows; the head's 8-bit screen runs on Q8_0's too), else float32 rows
-    (_float). ``laid``: read by target/repack, a row at a time (no temporaries the size of the
+    (_float). ``laid``: read by model/repack, a row at a time (no temporaries the size of the
     table: a float32 table is then the only copy of its values)."""
     kind = tensor.tensor_type
     if laid:

@@ -2,7 +2,7 @@
 // pointers and sizes in, outputs allocated by the caller; each call a range of whole tiles of
 // rows, which the caller runs on its threads in parallel). It computes what kernels.Int4Linear's
 // Python path computes from the same blocks, bit for bit (tests/test_repack.py compares every
-// type and layout): the file's block types, decoded as target/files.py decodes them, then
+// type and layout): the file's block types, decoded as model/files.py decodes them, then
 //
 //   * a 4-bit affine group (Q4_0, Q4_1, Q4_K: w = d·q + m, q in 0..15), when every row of the
 //     weight is one: q, scale d and zero m + 8d (one copy of the input);

@@ -1,9 +1,9 @@
 """Prepared models: what a model's later loads read instead of its file's metadata, stored once
 per model file. Two kinds, one layout:
 
-* run from the file (a GGUF whose blocks target/repack lays into the kernels' layout at load, in
+* run from the file (a GGUF whose blocks model/repack lays into the kernels' layout at load, in
   seconds): ``<key>.json`` holds the config, the tokenizer (in the form it loads fastest from,
-  target.tokenizer) and the GGUF's header (its scalar metadata and tensor table: no metadata parse
+  model.tokenizer) and the GGUF's header (its scalar metadata and tensor table: no metadata parse
   at a later load, and no transformers), ``<key>.pt`` the LM head's bound terms for its kernel
   (kernels.Q8Head: a pass over every row of the head, 1-2 s at a 150k vocabulary). A few MB, where
   the weights laid out would take 1-4x the file.
@@ -46,7 +46,7 @@ from .machine import atomic_write, cache_dir, cpu_name, say, setting
 from .tokenizer import Tokenizer
 
 # v2: Q8_0 embeddings and head rows as their blocks (kernels.Q8Rows); v3: a BPE tokenizer's
-# vocabulary and merges as ids (target.tokenizer's fast form); v4: Q6_K ones too, as their
+# vocabulary and merges as ids (model.tokenizer's fast form); v4: Q6_K ones too, as their
 # blocks (kernels.BlockRows, Q8Rows' successor: Gemma 2 2B's embedding 0.74 GB, was 2.4 in float32);
 # v5: a GGUF run from the file stores its header and the head's terms, no weights
 FORMAT = "prepared v5"

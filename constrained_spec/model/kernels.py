@@ -227,7 +227,7 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_rows(cls, rows: repack.Rows, copies: int, kernel: str) -> Int4Linear:
-        """A linear laid in ``kernel``'s layout straight from a file's rows (target/repack: the
+        """A linear laid in ``kernel``'s layout straight from a file's rows (model/repack: the
         same tiles and scales use_kernel lays from the same blocks). The rows stay where they lie
         (``source``): the prompts' bf16 copy and the dequantized weights are computed from them,
         where the torch path keeps per-row scales and offsets (a quarter of the weights' bytes)."""

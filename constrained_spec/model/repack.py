@@ -5,7 +5,7 @@ layout). A weight is given as its rows (``Rows``: a pointer to each row's blocks
 type), so a llama file's q/k un-permutation, partial rotary's row order, stacked tensors and a
 head's padding are only an order of pointers.
 
-``library()`` finds the compiled code: the kernel library (target/compiled.py) that this
+``library()`` finds the compiled code: the kernel library (model/compiled.py) that this
 process runs, which holds it beside the fused layers; None where none runs, and the callers then
 take the torch path (files.py, models.py).
 """
