@@ -205,4 +205,3 @@ def first_error(output: str) -> str:
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     errors = [line for line in lines if re.search(r"\berror\b", line, re.IGNORECASE)]
     return (errors or lines or ["the compiler failed and said nothing"])[0][:300]
-
