@@ -12,8 +12,23 @@ where that changes the grammar. Instances are judged by jsonschema with its form
 held-out half: the files whose name's sha256 ends in an odd byte (the rewriting rules were chosen
 looking at the other half only).
 
+``fuzz``: the schema compiler on random schemas and mutated dev schemas, thousands of them. Each
+case builds a schema from its seed (even seeds: testing.random_schema; odd seeds: one
+testing.mutate_schema change to a file of --data, the committed sample by default), compiles it
+against the tiny byte-level test tokenizer and then checks, in a forked child (so that a hang is
+caught):
+    the compile returns a constraint or raises a documented error (ConstraintError and its
+      subclasses); any other exception is an "undocumented exception" (goal 0);
+    every text the automaton accepts validates with jsonschema: random walks over the automaton,
+      the dev file's own test instances (valid and invalid) and small random JSON values; an
+      accepted text that jsonschema rejects is "invalid accepted" (goal 0);
+    the case finishes within --hang-s (goal 0 "hangs");
+    a case whose texts jsonschema itself cannot judge (it recurses without end) is "unjudged".
+
     python benchmarks/coverage.py --data ../shared/data/jsonschemabench-dev --out OUT
     python benchmarks/coverage.py --report-only --out OUT
+    python benchmarks/coverage.py fuzz --cases 2000 --out benchmarks/results/fuzz
+    python benchmarks/coverage.py fuzz --report-only --out benchmarks/results/fuzz  # results.jsonl
 """
 
 from __future__ import annotations
@@ -23,6 +38,8 @@ import collections
 import hashlib
 import json
 import math
+import multiprocessing as mp
+import os
 import random
 import sys
 import time
@@ -62,7 +79,7 @@ def make_oracle(schema: dict):
     return oracle
 
 
-def run_file(schema: dict, tests: list, oracle, tok, vocab, fuzz_n: int) -> dict:
+def run_file(schema: dict, tests: list, oracle, tok, vocab, walks: int) -> dict:
     t0 = time.perf_counter()
     try:
         constraint = compile_constraint(vocab, len(tok), schema=schema)
@@ -77,7 +94,7 @@ def run_file(schema: dict, tests: list, oracle, tok, vocab, fuzz_n: int) -> dict
     try:
         out["mask_ms"] = mask_times(constraint, tests, tok)  # first: no state cached yet
         out |= check_instances(constraint, tests, oracle, tok)
-        out |= fuzz(constraint, oracle, fuzz_n)
+        out |= random_walks(constraint, oracle, walks)
         out |= with_open_objects(schema, tests, oracle, tok, vocab)
     except Exception as e:  # a limit hit while stepping: reported, counted as an error
         out |= {"status": "error", "message": f"walk: {type(e).__name__}: {e}"[:300]}
@@ -101,7 +118,7 @@ def check_instances(c, tests, oracle, tok) -> dict:
     return dict(r) | ({"invalid_examples": examples[:3]} if examples else {})
 
 
-def fuzz(c, oracle, n: int) -> dict:
+def random_walks(c, oracle, n: int) -> dict:
     """Texts of random walks over the automaton's byte tokens: every one must validate."""
     rng, bad, done = random.Random(0), [], 0
     for _ in range(n):
@@ -263,16 +280,110 @@ def _open_share(s):
     return f"{o['valid_accepted']}/{o['valid']} ({100 * o['valid_accepted'] / max(o['valid'], 1):.1f}%){errors}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data" / "sample")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--limit", type=int, help="at most N files")
-    ap.add_argument("--fuzz", type=int, default=2, help="random walks per schema")
-    ap.add_argument("--report-only", action="store_true")
-    args = ap.parse_args()
-    command = "python benchmarks/coverage.py " + " ".join(sys.argv[1:])
-    args.out.mkdir(parents=True, exist_ok=True)
+# --- fuzz ---------------------------------------------------------------------------------------
+
+
+def make_fuzz_case(seed: int, files: list[Path]) -> tuple[dict, list, str]:
+    """(schema, candidate instances from its dev file, kind) for this seed."""
+    rng = random.Random(seed)
+    if seed % 2 == 0:
+        return testing.random_schema(rng), [], "random"
+    d = json.loads(rng.choice(files).read_text())
+    return testing.mutate_schema(d["schema"], rng), [t["data"] for t in d["tests"]], "mutated"
+
+
+def fuzz_case(seed: int, files: list[Path], vocab, vocab_size: int, walks: int) -> dict:
+    """One case, in the calling process; returns its record (an undocumented exception is
+    caught here and recorded, so that the run goes on)."""
+    schema, instances, kind = make_fuzz_case(seed, files)
+    record = {"seed": seed, "kind": kind}
+    try:
+        constraint = compile_constraint(vocab, vocab_size, schema=schema)
+    except testing.SCHEMA_ERRORS as e:
+        return record | {"outcome": "documented", "error": type(e).__name__}
+    except Exception as e:  # the bug this script looks for
+        return record | {"outcome": "undocumented", "error": f"{type(e).__name__}: {e}"[:300]}
+    rng = random.Random(seed)
+    texts = [testing.random_text(constraint, rng) for _ in range(walks)]
+    values = instances + [testing.random_value(rng) for _ in range(4)]
+    for ensure_ascii in (False, True):
+        texts += [json.dumps(v, separators=(",", ":"), ensure_ascii=ensure_ascii) for v in values]
+    accepted = [t for t in texts if t is not None and constraint.accepts(t)]
+    try:
+        bad = testing.accepted_but_invalid(constraint, schema, accepted)
+    except RecursionError:  # jsonschema recursing without end (a $ref cycle under not): no oracle
+        return record | {"outcome": "unjudged", "accepted": len(accepted)}
+    constraint.clear_caches()
+    return (
+        record
+        | {
+            "outcome": "compiled",
+            "accepted": len(accepted),
+            "invalid_accepted": len(bad),
+            "examples": bad[:2],
+        }
+        | ({"schema": schema} if bad else {})
+    )
+
+
+def bounded(fn, hang_s: float) -> dict:
+    """``fn()`` (a JSON record) in a forked child, so that a hang anywhere (the compile, a
+    jsonschema ``pattern`` that backtracks) is stopped and counted."""
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+
+    def target():
+        child.send_bytes(json.dumps(fn()).encode())
+        os._exit(0)
+
+    proc = ctx.Process(target=target)
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(hang_s):
+            return {"outcome": "hang"}
+        return json.loads(parent.recv_bytes())
+    except EOFError:  # the child died without a record: a crash of native code, or memory
+        return {"outcome": "undocumented", "error": f"child died (exit {proc.exitcode})"}
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        parent.close()
+
+
+def write_fuzz_summary(records: list[dict], wall_s: float | None, command: str, out: Path) -> None:
+    summary = fuzz_summary(records) | {"wall_s": wall_s and round(wall_s)}
+    summary["command"] = command
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+
+
+def fuzz_summary(records: list[dict]) -> dict:
+    outcomes = collections.Counter(r["outcome"] for r in records)
+    compiled = [r for r in records if r["outcome"] == "compiled"]
+    return {
+        "cases": len(records),
+        "by_kind": dict(collections.Counter(r.get("kind", "?") for r in records)),
+        "compiled": outcomes["compiled"],
+        "documented_errors": dict(
+            collections.Counter(r["error"] for r in records if r["outcome"] == "documented")
+        ),
+        "undocumented_exceptions": outcomes["undocumented"],
+        "hangs": outcomes["hang"],
+        "unjudged": outcomes["unjudged"],  # jsonschema itself could not decide (RecursionError)
+        "texts_accepted": sum(r["accepted"] for r in compiled),
+        "invalid_accepted": sum(r["invalid_accepted"] for r in compiled),
+        "failing_seeds": [
+            r["seed"]
+            for r in records
+            if r["outcome"] in ("undocumented", "hang") or r.get("invalid_accepted")
+        ][:50],
+    }
+
+
+def run_dev(args, command: str) -> None:
+    """Every file of --data (results.jsonl), then report.md and summary.json."""
     results = args.out / "results.jsonl"
     if not args.report_only:
         files = sorted(args.data.glob("*.json"))[: args.limit]
@@ -289,7 +400,7 @@ def main() -> None:
                 oracle = make_oracle(d["schema"])
                 if oracle is not None:
                     record["result"] = run_file(
-                        d["schema"], d["tests"], oracle, tok, vocab, args.fuzz
+                        d["schema"], d["tests"], oracle, tok, vocab, args.walks
                     )
                 out.write(json.dumps(record, separators=(",", ":")) + "\n")
                 if i % 250 == 0:
@@ -297,6 +408,49 @@ def main() -> None:
     records = [json.loads(x) for x in results.read_text().splitlines()]
     report(records, args.out, command)
     print((args.out / "report.md").read_text())
+
+
+def run_fuzz(args, command: str) -> None:
+    """--cases seeded cases (results.jsonl, one record per case), then summary.json."""
+    if args.report_only:  # e.g. of a run stopped early: its first N seeds are `--cases N`
+        records = [json.loads(x) for x in (args.out / "results.jsonl").read_text().splitlines()]
+        return write_fuzz_summary(
+            records, None, f"{command} ({len(records)} cases summarized)", args.out
+        )
+    files = sorted(p for p in args.data.glob("*.json"))
+    tokenizer = testing.tiny_tokenizer()
+    vocab = token_vocabulary(tokenizer)
+    records, t0 = [], time.perf_counter()
+    with open(args.out / "results.jsonl", "w") as log:
+        for seed in range(args.first_seed, args.first_seed + args.cases):
+            record = bounded(
+                lambda s=seed: fuzz_case(s, files, vocab, len(tokenizer), args.walks), args.hang_s
+            ) | {"seed": seed}
+            records.append(record)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+    write_fuzz_summary(records, time.perf_counter() - t0, command, args.out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    modes = "dev: every file of --data (the default); fuzz: seeded random and mutated schemas"
+    ap.add_argument("mode", nargs="?", choices=("dev", "fuzz"), default="dev", help=modes)
+    ap.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data" / "sample")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--walks", type=int, help="random automaton texts per schema (2; fuzz: 8)")
+    ap.add_argument("--report-only", action="store_true", help="from the results.jsonl there")
+    ap.add_argument("--limit", type=int, help="at most N files")
+    fuzz = ap.add_argument_group("fuzz")
+    fuzz.add_argument("--cases", type=int, default=2000)
+    fuzz.add_argument("--first-seed", type=int, default=0)
+    fuzz.add_argument("--hang-s", type=float, default=60.0, help="a case longer than this hangs")
+    args = ap.parse_args()
+    if args.walks is None:  # fuzz's schemas are small: more walks each
+        args.walks = 8 if args.mode == "fuzz" else 2
+    command = "python benchmarks/coverage.py " + " ".join(sys.argv[1:])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (run_fuzz if args.mode == "fuzz" else run_dev)(args, command)
 
 
 if __name__ == "__main__":

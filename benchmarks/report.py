@@ -26,7 +26,7 @@ GOALS = {"greedy": 3.0, "sampled": 2.0}
 
 
 def run_metadata(script: str, argv: list[str], start: float) -> dict:
-    """What a server benchmark's results.json says of its run (load.py, soak.py): the command,
+    """What a server benchmark's results.json says of its run (serve.py load, serve.py soak): the command,
     when and how long, the machine, the commit (dirty: tracked files changed) and the load
     average at its end."""
 

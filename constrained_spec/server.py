@@ -57,7 +57,7 @@ CALLED = "function"
 AUTO = "<auto>"  # Plan.tool of an "auto" reply; never a function's name (those are [\w.-])
 POLL_S = 0.25  # how often a waiting handler checks whether its client has gone
 # glibc keeps the heap pages that requests' short-lived buffers freed (masks, matchers, logits):
-# in benchmarks/soak.py the free heap grew by 87 MB over 1,500 requests with the caches flat, and
+# in benchmarks/serve.py soak the free heap grew by 87 MB over 1,500 requests with the caches flat, and
 # malloc_trim gave it back. The worker trims at most this often, between rounds (~20 ms).
 TRIM_EVERY_S = 10.0
 

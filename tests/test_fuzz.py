@@ -1,7 +1,7 @@
 """Fuzzing the schema compiler, short enough for CI: random schemas and mutated dev schemas
 either compile or raise a documented error (ConstraintError and its subclasses), and every text
 the automaton accepts validates with jsonschema. The long run with its numbers is
-benchmarks/fuzz.py (docs/hardening.md)."""
+benchmarks/coverage.py fuzz (docs/hardening.md)."""
 
 import json
 import random
@@ -21,7 +21,7 @@ FUZZ = settings(
     max_examples=100,  # milliseconds a compile: many cases fit in seconds
     deadline=None,  # a compile takes milliseconds, far more on a loaded machine
     database=None,
-    derandomize=True,  # the same cases on every CI run; benchmarks/fuzz.py explores further
+    derandomize=True,  # the same cases on every CI run; benchmarks/coverage.py fuzz explores further
     suppress_health_check=[
         HealthCheck.too_slow,
         HealthCheck.data_too_large,

@@ -403,12 +403,13 @@ def test_plan_builds_the_tool_envelope_and_preamble():
 
 
 def test_the_load_benchmark_runs_as_a_user_runs_it(tmp_path):
-    """benchmarks/load.py from the repository root (it starts its own server): every request
+    """benchmarks/serve.py load from the repository root (it starts its own server): every request
     answered to its own client, and the report written."""
     # room for the schema's shortest reply (the budget mask refuses less): about 15 tokens
     args = ["--clients", "1,2", "--requests", "1", "--max-tokens", "24", "--out", str(tmp_path)]
+    load = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "load"]
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "load.py"), *args, "--server-args=--threads 1"],
+        [*load, *args, "--server-args=--threads 1"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -37,7 +37,7 @@ FINISHED = -1  # the state after EOS: nothing is legal any more
 MASK_CACHE = 256  # bitmasks kept per constraint (FIFO; a 49k vocabulary's: 6 kB each)
 # Bool masks kept per constraint (LRU): V bytes each (49 kB at 49k, 262 kB at Gemma's 262k), 8x a
 # bitmask, and rebuilt from it in one unpack (no llguidance call). A round asks for its newest
-# states' masks; at 256 the 20 busy schemas of benchmarks/soak.py filled theirs for 10,000 requests
+# states' masks; at 256 the 20 busy schemas of benchmarks/serve.py soak filled theirs for 10,000 requests
 # (RSS +46% after the first 1,000, docs/server.md "Memory").
 BOOL_MASKS = 32
 SNAPSHOTS = 256  # matcher copies kept per constraint (LRU)

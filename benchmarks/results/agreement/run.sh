@@ -3,4 +3,4 @@
 # positions of 24 extract requests from the committed sample (no timing: any thread count).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-python benchmarks/agreement.py --n 24 --out benchmarks/results/agreement
+python benchmarks/quality.py agreement --n 24 --out benchmarks/results/agreement

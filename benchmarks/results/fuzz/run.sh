@@ -4,4 +4,4 @@
 # results.jsonl, one record per case, is not committed). A few minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-python benchmarks/fuzz.py --cases 2000 --out benchmarks/results/fuzz
+python benchmarks/coverage.py fuzz --cases 2000 --out benchmarks/results/fuzz

@@ -14,6 +14,6 @@ for w in extract generate; do
 done
 # the server, 1 and 16 clients (the reports here were written to /tmp/ls/load-final and
 # /tmp/ls/load-final-default, then copied: the same commands)
-python benchmarks/load.py --clients 1,16 --requests 20 --max-tokens 48 \
+python benchmarks/serve.py load --clients 1,16 --requests 20 --max-tokens 48 \
   --server-args "--threads 1 --batch-size 16" --out $R/serve-threads1
-python benchmarks/load.py --clients 1,16 --requests 20 --max-tokens 48 --out $R/serve-default
+python benchmarks/serve.py load --clients 1,16 --requests 20 --max-tokens 48 --out $R/serve-default

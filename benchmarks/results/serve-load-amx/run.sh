@@ -4,5 +4,5 @@
 # requests of 48 tokens per client count. About 2 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-python benchmarks/load.py --clients 1,16 --requests 20 --max-tokens 48 \
+python benchmarks/serve.py load --clients 1,16 --requests 20 --max-tokens 48 \
   --server-args "--threads 1 --batch-size 16" --out "${OUT:-benchmarks/results/serve-load-amx}"

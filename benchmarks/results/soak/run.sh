@@ -5,5 +5,5 @@
 # About 15 minutes on 2 cores; holds /tmp/quiet.lock for the whole run.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-flock /tmp/quiet.lock python benchmarks/soak.py --requests 10000 --minutes 30 --clients 8 \
+flock /tmp/quiet.lock python benchmarks/serve.py soak --requests 10000 --minutes 30 --clients 8 \
   --max-tokens 24 --out "${OUT:-benchmarks/results/soak}"
