@@ -12,11 +12,11 @@ token, each measured in fresh processes from the moment the process is started.
   first token and the end, on a short schema;
 - the CLI call ``constrained-spec generate --schema examples/person.json "..."``: wall time.
 
-Warm: the model prepared and the kernels built and calibrated before (every run after the first);
-cold: the prepared model file removed first (the conversion a new model's first load pays; the
-one-time download and kernel build are not counted). ``--first-run``: first of all, the CLI call
+Warm: the model prepared and its pass costs measured before (every run after the first); cold:
+the prepared entry removed first (what a new model's first load pays; the one-time download is
+not counted). ``--first-run``: first of all, the CLI call
 once on an empty cache (``CONSTRAINED_SPEC_CACHE``: a new folder, kept for the runs after it):
-what a new machine's first call pays (download, kernel build, calibration, preparing), with the
+what a new machine's first call pays (download, pass costs, preparing), with the
 progress lines it printed. ``--baseline-python PY`` runs the same with
 another Python whose constrained_spec is another version (e.g. a virtualenv with
 ``pip install -e`` of ``git worktree add /tmp/before <commit>``), for comparison.
@@ -24,8 +24,8 @@ Medians over ``--repeats`` processes; the machine should be otherwise idle.
 
 ``--first-load``: the time and memory of a GGUF file's first load, of the load after it, and the
 disk the first one wrote beside the model: what a user's machine meets when it brings a model.
-Each file loads in a fresh process with an empty cache of its own (the compiled kernels copied
-in, so no compile is timed: the fused layers and the GGUF repack), under the default cap on
+Each file loads in a fresh process with an empty cache of its own (the kernels, the GGUF repack
+among them, ship prebuilt: nothing is compiled), under the default cap on
 prepared models; then again in a second fresh process on the cache the first one left. Prints per
 file and load: seconds from the process's start to the model loaded (imports included), the peak
 resident memory (VmHWM: it counts the memory-mapped file's pages too, which the system can
