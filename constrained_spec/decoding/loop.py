@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..constraints import FINISHED, Constraint
-from ..model import kernels, kv
+from ..model import kernels, kv, machine
 from . import budget, cost
 from .drafters import EMPTY_DRAFT, Draft, Drafter
 from .sample import (
@@ -225,6 +225,7 @@ def step(target, rows: list[Row]) -> list[Round]:
     (``plan``), ONE target forward over all rows' [last committed] + draft, the exact acceptance
     rule per row (one host sync), commit and roll back per row."""
     start = time.perf_counter()
+    machine.follow_free_cores()  # the same reply on any count: fewer where others keep cores
     proposed = [propose(row) for row in rows]
     drafts, states = zip(*(legal_states(r.constraint, r.state, d) for r, d in zip(rows, proposed)))
     drafts, states = zip(*(fitting(r, d, at) for r, d, at in zip(rows, drafts, states)))

@@ -159,6 +159,41 @@ def others_share(before, after) -> float | None:
     return max(others, 0.0) / ((after[2] - before[2]) * (os.cpu_count() or 1))
 
 
+# --- threads that follow the free cores -------------------------------------------------------------
+
+FOLLOW_ENV = "CONSTRAINED_SPEC_FOLLOW_CORES"  # "0": torch's thread count whatever the load
+# On this 2-core machine, the default model's greedy extraction (quiet: 289 tok/s on 2 threads,
+# 192 on 1): with one busy `python -c "while True: pass"` beside it, 73 tok/s on 2 threads
+# (a barrier waits for the thread the OS has descheduled) and 185 on 1; OMP_WAIT_POLICY=passive
+# kept 140 busy but cost quiet runs the same (140). Replies do not depend on the thread count
+# (tests/test_threads.py), so the count may change between any two passes.
+_follow: dict = {"at": None, "ceiling": None, "set": None}
+
+
+def follow_free_cores() -> int:
+    """Run torch, and so our kernels (they take its count), on the cores that other processes
+    left free over the last MIN_JUDGED_S or more: at most the thread count the user (or torch)
+    set, at least one. Cheap between judgements (a clock read); returns the threads now."""
+    current = torch.get_num_threads()
+    if os.environ.get(FOLLOW_ENV, "").strip() == "0":
+        return current
+    if current != _follow["set"]:  # the first call, or the user set a count since: the ceiling
+        _follow["ceiling"] = _follow["set"] = current
+    before = _follow["at"]
+    if before is not None and time.perf_counter() - before[2] < MIN_JUDGED_S:
+        return current
+    _follow["at"] = after = cpu_times()
+    share = others_share(before, after)
+    if share is None:
+        return current
+    cores = os.cpu_count() or 1
+    wanted = max(1, min(_follow["ceiling"], round(cores * (1.0 - share))))
+    if wanted != current:
+        torch.set_num_threads(wanted)
+        _follow["set"] = wanted
+    return wanted
+
+
 def _measurements(path: Path) -> tuple[dict, str]:
     """calibration.json's entries, and what is wrong with the file ("" if nothing: missing is
     not damaged). A damaged file's entries are all measured again."""
