@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from constrained_spec import testing
+from constrained_spec import Generator, testing
 from constrained_spec.decoding import cost
 from constrained_spec.model import compiled, isa, kernels, llama, machine, models, prepared
 
@@ -113,6 +113,26 @@ def test_a_load_measures_nothing(cache, gguf, monkeypatch):
     prepared.wait()
     models.load_model(str(gguf), weights="int4")
     assert not (cache / "calibration.json").exists()
+
+
+def test_a_cache_that_cannot_be_written_runs_from_the_file_and_says_so_once(
+    tmp_path, gguf, capfd, monkeypatch
+):
+    """A cache under a file (as read-only or full: writes fail): a GGUF still loads and
+    generates, and one line says why nothing is kept; the built-in model, which is fetched into
+    the cache, stops with an error naming the folder and the setting."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv(machine.CACHE_ENV, str(blocked / "cache"))
+    monkeypatch.setattr(machine, "_said_unwritable", False)
+    gen = Generator.from_pretrained(str(gguf), weights="int4")
+    prepared.wait()
+    assert gen.generate("ab", regex="[a-z]{3}", max_new_tokens=8).finish_reason == "stop"
+    lines = [x for x in said(capfd) if "measuring this model's pass costs" not in x]
+    assert len(lines) == 1 and "cannot be written (Not a directory)" in lines[0], lines
+    assert machine.CACHE_ENV in lines[0]
+    with pytest.raises(models.ModelFetchError, match=f"cannot be made.*{machine.CACHE_ENV}"):
+        models.builtin_gguf(models.DEFAULT_MODEL)
 
 
 # --- CONSTRAINED_SPEC_KERNELS=native: the build stamp and the built library -----------------------

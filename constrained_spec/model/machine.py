@@ -91,8 +91,24 @@ def remembered(what: str, measure, valid=None) -> dict:
     try:
         atomic_write(path, json.dumps(known, indent=1))
     except OSError as err:  # a read-only cache still runs, measuring again next time
-        say(f"could not cache the measurement in {path}: {err}")
+        unwritable(err)
     return result
+
+
+_said_unwritable = False
+
+
+def unwritable(err: OSError) -> None:
+    """Say once a process that the cache cannot be written (read-only, full, not a folder): the
+    model runs from its file all the same, and what is measured is measured again next time."""
+    global _said_unwritable
+    if not _said_unwritable:
+        _said_unwritable = True
+        why = err.strerror or type(err).__name__
+        say(
+            f"the cache {cache_dir()} cannot be written ({why}): running from the model's file, "
+            f"measuring again in each process; {CACHE_ENV}=<a writable folder> keeps them."
+        )
 
 
 PROVISIONAL = "provisional"  # a stored entry's mark: measured under load, why
@@ -199,7 +215,7 @@ def _measurements(path: Path) -> tuple[dict, str]:
     not damaged). A damaged file's entries are all measured again."""
     try:
         known = json.loads(path.read_bytes())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (a cache that cannot be written says so)
         return {}, ""
     except (OSError, ValueError, RecursionError) as err:  # unreadable, cut short, not JSON
         return {}, f"unreadable ({type(err).__name__})"

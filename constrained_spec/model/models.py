@@ -457,7 +457,14 @@ def _load_gguf_int4(name_or_path: str):
 def builtin_gguf(name: str) -> Path:
     """The built-in model's GGUF, fetched and verified once (then checked by its sha256)."""
     root = cache_dir() / name
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file in the way, read-only, full
+        raise ModelFetchError(
+            f"the built-in model {name!r} is fetched into the cache, and {root} cannot be made "
+            f"({err.strerror or err}): set {CACHE_ENV} to a writable folder, or pass a GGUF "
+            "file's path (it runs from the file)"
+        ) from err
     return verified_gguf(BUILTIN_MODELS[name], root)
 
 

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from . import kernels, llama
-from .machine import atomic_write, cache_dir, cpu_name, say, setting
+from .machine import atomic_write, cache_dir, cpu_name, say, setting, unwritable
 from .tokenizer import Tokenizer
 
 # v2: Q8_0 embeddings and head rows as their blocks (kernels.Q8Rows); v3: a BPE tokenizer's
@@ -265,7 +265,7 @@ def _write(source: Path, state: dict, header: dict, cap: int) -> None:
             f"prepared models take {_mb(_usage(path.parent))} of {cap / 1e9:g} GB ({CAP_ENV})."
         )
     except OSError as err:  # a read-only or full cache: the model still runs, converted again
-        say(f"Could not store the prepared model in {path}: {err}")
+        unwritable(err)
 
 
 def _make_room(folder: Path, size: int, cap: int) -> None:
