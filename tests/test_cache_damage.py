@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,29 @@ def test_a_cache_that_cannot_be_written_runs_from_the_file_and_says_so_once(
     assert machine.CACHE_ENV in lines[0]
     with pytest.raises(models.ModelFetchError, match=f"cannot be made.*{machine.CACHE_ENV}"):
         models.builtin_gguf(models.DEFAULT_MODEL)
+
+
+def test_lines_said_at_once_from_threads_stay_whole(capfd):
+    """The prepared model's writer thread and a measurement say their lines at the same moment
+    (a cache that cannot be written): each comes out a line of its own. print() wrote the text
+    and its newline apart, and two lines ran into one (CI lost the unwritable line that way)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # a thread switch between any two bytecodes
+    try:
+        threads = [
+            threading.Thread(target=lambda i=i: [machine.say(f"line {i}") for _ in range(300)])
+            for i in range(4)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    lines = capfd.readouterr().err.splitlines()
+    assert sorted(lines) == sorted(
+        f"constrained_spec: line {i}" for i in range(4) for _ in range(300)
+    )
 
 
 # --- CONSTRAINED_SPEC_KERNELS=native: the build stamp and the built library -----------------------

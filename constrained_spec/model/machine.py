@@ -11,6 +11,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -95,6 +96,7 @@ def remembered(what: str, measure, valid=None) -> dict:
     return result
 
 
+_saying = threading.Lock()  # say()'s lines, and the once-a-process flags read beside them
 _said_unwritable = False
 
 
@@ -102,13 +104,15 @@ def unwritable(err: OSError) -> None:
     """Say once a process that the cache cannot be written (read-only, full, not a folder): the
     model runs from its file all the same, and what is measured is measured again next time."""
     global _said_unwritable
-    if not _said_unwritable:
+    with _saying:  # the prepared model's writer thread and a measurement may both fail at once
+        if _said_unwritable:
+            return
         _said_unwritable = True
-        why = err.strerror or type(err).__name__
-        say(
-            f"the cache {cache_dir()} cannot be written ({why}): running from the model's file, "
-            f"measuring again in each process; {CACHE_ENV}=<a writable folder> keeps them."
-        )
+    why = err.strerror or type(err).__name__
+    say(
+        f"the cache {cache_dir()} cannot be written ({why}): running from the model's file, "
+        f"measuring again in each process; {CACHE_ENV}=<a writable folder> keeps them."
+    )
 
 
 PROVISIONAL = "provisional"  # a stored entry's mark: measured under load, why
@@ -252,7 +256,11 @@ def setting(name: str, default: float, zero: str = "no limit") -> float:
 
 
 def say(message: str) -> None:
-    print(f"constrained_spec: {message}", file=sys.stderr, flush=True)
+    """One line on stderr, written whole: print() writes the text and its newline apart, so
+    two threads' lines (the prepared model's writer, a measurement) could run into one."""
+    with _saying:
+        sys.stderr.write(f"constrained_spec: {message}\n")
+        sys.stderr.flush()
 
 
 def release_freed_memory() -> None:
