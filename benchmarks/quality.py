@@ -40,6 +40,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 import report  # noqa: E402
 import workloads  # noqa: E402
 from coverage import half  # noqa: E402
+from gguf_file import PlainPrompts  # noqa: E402
 
 from constrained_spec import Generator  # noqa: E402
 from constrained_spec.errors import BudgetTooSmall  # noqa: E402
@@ -65,25 +66,32 @@ def main(argv: list[str] | None = None) -> int:
     replies.add_argument("--seed", type=int, default=0, help="shuffles the files: the selection")
     replies.add_argument("--budgets", type=int, nargs="+", default=[256, 64], metavar="N")
     replies.add_argument("--model", default=None, help="default: the built-in model")
+    replies.add_argument(
+        "--loop-guard", action="store_true", help="every reply with loop_guard=True"
+    )
     args = ap.parse_args(argv)
     if args.mode == "agreement":
         return agreement(args.data or workloads.DATA, args.n or 24, args.out, argv)
     args.data, args.n = args.data or workloads.DEV_SET, args.n or 40
     start = time.time()
-    gen = Generator.from_pretrained(*([args.model] if args.model else []))
+    gen = PlainPrompts(Generator.from_pretrained(*([args.model] if args.model else [])))
     requests = select(gen, args)
     warmup, requests = requests[0], requests[1:]
-    answer(gen, warmup, min(args.budgets), True)
+    answer(gen, warmup, min(args.budgets), True, args.loop_guard)
     rows = []
     for i, request in enumerate(requests):
         for budget in args.budgets:
             for mask in (i % 2 == 0, i % 2 == 1):  # alternating which mode runs first
-                rows.append(answer(gen, request, budget, mask))
+                rows.append(answer(gen, request, budget, mask, args.loop_guard))
         print(f"[{i + 1}/{len(requests)}] {request.file}", flush=True)
     summary = summarize(rows, args.budgets)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = report.run_metadata("benchmarks/quality.py", argv or sys.argv[1:], start)
-    meta |= {"half": args.half, "requests": [r.file for r in requests]}
+    meta |= {
+        "half": args.half,
+        "loop_guard": args.loop_guard,
+        "requests": [r.file for r in requests],
+    }
     results = {"meta": meta, "summary": summary, "rows": rows}
     (args.out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False))
     (args.out / "report.md").write_text(table(summary, meta))
@@ -106,17 +114,18 @@ def select(gen, args) -> list[workloads.Request]:
     return chosen
 
 
-def answer(gen, request, budget: int, mask: bool) -> dict:
+def answer(gen, request, budget: int, mask: bool, loop_guard: bool = False) -> dict:
     row = {"file": request.file, "budget": budget, "mask": mask}
     if getattr(gen.target, "prompt_cache", None) is not None:
         gen.target.prompt_cache.clear()  # each run computes its whole prompt
     try:
         result = gen.generate(
-            request.messages,
+            gen.prompt(request.messages),  # plain text where the model has no chat template
             schema=request.schema,
             max_new_tokens=budget,
             temperature=0.0,
             budget_mask=mask,
+            loop_guard=loop_guard,
         )
     except BudgetTooSmall as e:  # the schema's shortest reply does not fit: none valid
         _, total = leaves_right(request.expected, _MISSING)
@@ -139,6 +148,7 @@ def answer(gen, request, budget: int, mask: bool) -> dict:
         "output_tokens": len(result.token_ids),
         "decode_s": result.stats.total_s,
         "budget_removed": result.stats.budget_removed,
+        "repeats_removed": result.stats.repeats_removed,
     }
 
 

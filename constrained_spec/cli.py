@@ -97,6 +97,12 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
+LOOP_GUARD_HELP = (
+    "no token that completes an immediate repeat of a stretch of 8 bytes or more (a small "
+    "model's loops end sooner); it changes what the model would say, so it is off by default"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="constrained-spec",
@@ -250,6 +256,7 @@ def _add_sampling_arguments(command: argparse.ArgumentParser) -> None:
         help="let the output run to --max-new-tokens and be cut there: a cut output does not "
         "satisfy the constraint (exit code 3, stdout empty; see --partial)",
     )
+    command.add_argument("--loop-guard", action="store_true", help=LOOP_GUARD_HELP)
     command.add_argument(
         "--stop",
         action="append",
@@ -348,6 +355,7 @@ def _add_batch_command(commands) -> None:
         action="store_true",
         help="let outputs be cut at --max-new-tokens (default: each finishes within it)",
     )
+    command.add_argument("--loop-guard", action="store_true", help=LOOP_GUARD_HELP)
     command.add_argument(
         "--no-speculation", action="store_true", help="the batched masked baseline"
     )
@@ -513,6 +521,7 @@ def _batch(args, out: Console, err: Console) -> int:
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         budget_mask=not args.no_budget_mask,
+        loop_guard=args.loop_guard,
         raw_prompt=args.raw_prompt,
     )
     columns = (
@@ -824,6 +833,7 @@ def _decode(gen: Generator, prompt, constraint: dict, args, err: Console):
             **constraint,
             max_new_tokens=args.max_new_tokens,
             budget_mask=not args.no_budget_mask,
+            loop_guard=args.loop_guard,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,

@@ -76,6 +76,9 @@ class Request:
     top_logprobs: int = 0  # and this many of the most likely tokens at its position (0..20)
     # only tokens after which the reply can still finish within max_new_tokens: never cut
     budget_mask: bool = True
+    # no token that completes an immediate repeat of a stretch of 8 bytes or more (an array
+    # item, a phrase): small models' loops end; it changes the distribution (decoding/repeats)
+    loop_guard: bool = False
 
     @classmethod
     def of(cls, request, index: int | None = None) -> Request:
@@ -385,6 +388,7 @@ class Generator:
             ReplyText(self.vocab, constraint, stop_strings(request.stop)),
             request.top_logprobs if request.logprobs else None,
             budget_mask,
+            loop_guard=request.loop_guard,
         )
 
     def result(self, row: Row) -> Result:

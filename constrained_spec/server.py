@@ -120,6 +120,7 @@ class ChatRequest(BaseModel):
     grammar: str | None = None  # extension: the name of a shipped grammar (grammars/)
     # extension: the reply finishes within max_tokens (default where there is a constraint)
     budget_mask: bool | None = None
+    loop_guard: bool | None = None  # extension: Request.loop_guard (off by default)
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ class Plan:
     top_logprobs: int | None = None  # None: no log-probs; k: each token's and k alternatives
     n: int = 1  # choices: rows of the batch, each with its own seed
     budget_mask: bool = True  # Request.budget_mask: the reply finishes within max_tokens
+    loop_guard: bool = False  # Request.loop_guard: no immediate repeat of a stretch of the reply
 
 
 def plan(req: ChatRequest, config: ServerConfig) -> Plan:
@@ -171,7 +173,7 @@ def plan(req: ChatRequest, config: ServerConfig) -> Plan:
     budget_mask = constraint != {"regex": FREE_TEXT} if req.budget_mask is None else req.budget_mask
     return Plan(
         messages, constraint, tool, temperature, top_p, max_tokens, req.seed, req.stream,
-        stop, _top_logprobs(req), _choices(req, config), budget_mask,
+        stop, _top_logprobs(req), _choices(req, config), budget_mask, bool(req.loop_guard),
     )  # fmt: skip
 
 
@@ -662,6 +664,7 @@ def as_request(p: Plan) -> GenerationRequest:
         logprobs=p.top_logprobs is not None,
         top_logprobs=p.top_logprobs or 0,
         budget_mask=p.budget_mask,
+        loop_guard=p.loop_guard,
     )
 
 

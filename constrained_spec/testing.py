@@ -35,6 +35,7 @@ from .constraints import FINISHED, Constraint
 from .decoding.budget import fits
 from .decoding.drafters import CompositeDrafter, logits_width
 from .decoding.head import DraftHead
+from .decoding.repeats import repeats
 from .errors import ConstraintError, UnsupportedSchemaError
 from .generator import Generator
 from .model import families, kernels, kv, llama
@@ -454,11 +455,13 @@ def sequence_distribution(
     top_p: float | None = None,
     prune: float = 1e-6,
     budget: int | None = None,
+    guard: Sequence[int] | None = None,
 ) -> dict[tuple[int, ...], float]:
     """{token sequence (EOS excluded): probability} under plain masked sampling from ``target``
     (fresh forwards, no cache, no speculation), by enumerating the constraint's language;
     branches below ``prune`` are dropped (their total must stay under 1e-3). ``budget``: the
-    reply's max_new_tokens, with the budget mask (``budget_policy``)."""
+    reply's max_new_tokens, with the budget mask (``budget_policy``); ``guard``: the
+    vocabulary's bytes per token, with the loop guard too (``guard_policy``)."""
     dist: dict[tuple[int, ...], float] = {}
     pruned = 0.0
 
@@ -466,8 +469,11 @@ def sequence_distribution(
         nonlocal pruned
         logits = last_logits(target, prompt + seq, constraint.mask(state)).double().tolist()
         policy = reference_policy(logits, constraint.allowed(state), temperature, top_k, top_p)
-        if budget is not None:
-            policy = budget_policy(policy, logits, constraint, state, budget - len(seq))
+        room = budget - len(seq) if budget is not None else math.inf
+        if guard is not None:
+            policy = guard_policy(policy, logits, constraint, state, room, seq, guard)
+        elif budget is not None:
+            policy = budget_policy(policy, logits, constraint, state, room)
         for token, p in policy.items():
             if prob * p < prune:
                 pruned += prob * p
@@ -494,6 +500,33 @@ def budget_policy(
         return {t: p / total for t, p in fit.items()}
     fitting = [t for t in constraint.allowed(state) if fits(constraint, state, t, room)]
     return {max(fitting, key=lambda t: logits[t]): 1.0}
+
+
+def guard_policy(
+    policy: dict[int, float],
+    logits: Sequence[float],
+    constraint: Constraint,
+    state: int,
+    room: float,
+    seq: list[int],
+    lengths: Sequence[int],
+) -> dict[int, float]:
+    """``policy`` under the budget mask and the loop guard after ``seq``: its tokens both allow,
+    renormalised; if none, the legal token both allow with the largest logit; if the guard
+    allows no legal token that fits, ``budget_policy`` (the guard stands aside there)."""
+
+    def allowed(t: int) -> bool:
+        fit = room == math.inf or fits(constraint, state, t, room)  # inf: no budget mask
+        return fit and not repeats(seq, t, lengths)
+
+    kept = {t: p for t, p in policy.items() if allowed(t)}
+    if kept:
+        total = sum(kept.values())
+        return {t: p / total for t, p in kept.items()}
+    legal = [t for t in constraint.allowed(state) if allowed(t)]
+    if legal:
+        return {max(legal, key=lambda t: logits[t]): 1.0}
+    return policy if room == math.inf else budget_policy(policy, logits, constraint, state, room)
 
 
 def chi_square(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]):

@@ -32,6 +32,7 @@ FLAGS = [
     "--seed",
     "--max-new-tokens",
     "--no-budget-mask",
+    "--loop-guard",
     "--stop",
     "--partial",
     "--num-draft-tokens",

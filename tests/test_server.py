@@ -391,6 +391,11 @@ def test_serve_checks_its_flags_before_loading():
     assert cli.main(["serve", "--threads", "0"]) == cli.EXIT_USAGE
 
 
+def test_the_loop_guard_is_asked_for_and_off_by_default():
+    assert plan(ChatRequest(messages=ASK, loop_guard=True), ServerConfig()).loop_guard
+    assert not plan(ChatRequest(messages=ASK), ServerConfig()).loop_guard
+
+
 def test_plan_builds_the_tool_envelope_and_preamble():
     req = ChatRequest(messages=ASK, tools=TOOLS, tool_choice="required", temperature=0)
     p = plan(req, ServerConfig())

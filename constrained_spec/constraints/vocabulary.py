@@ -40,6 +40,11 @@ class TokenVocabulary:
         return out
 
     @cached_property
+    def token_lengths(self) -> tuple[int, ...]:
+        """Bytes per token id (0 for those that never appear in constrained text)."""
+        return tuple(len(b) if b is not None else 0 for b in self.token_bytes)
+
+    @cached_property
     def max_token_bytes(self) -> int:
         return max(len(b) for b in self.ids_by_bytes)
 

@@ -43,37 +43,47 @@ def fits(constraint: Constraint, state: int, token: int, room: int) -> bool:
     return completion is not None and completion.tokens <= room - 1
 
 
-def cut(constraint: Constraint, room: int, draft: Draft, states: list[int]):
-    """A deterministic draft cut before its first token that does not fit (``room``: the tokens
-    left before its first), and its states; a draft with sampled tokens unchanged."""
+Allows = Callable[[int, int, int, list[int]], bool]  # (j, state, token, tokens before j)
+
+
+def cut(allows: Allows, draft: Draft, states: list[int]):
+    """A deterministic draft cut before its first token that ``allows`` refuses (it could
+    only be rejected), and its states; a draft with sampled tokens unchanged."""
     if draft.probs is not None:
         return draft, states
     for j, token in enumerate(draft.tokens):
-        if not fits(constraint, states[j], token, room - j):
+        if not allows(j, states[j], token, draft.tokens[:j]):
             return draft.truncate(j), states[: j + 1]
     return draft, states
 
 
 def settle(
-    constraint: Constraint,
-    room: int,
+    allows: Allows,
+    relaxed: Allows,
     states: list[int],
     drawn: list[int],
     redraws: Callable[[int], Iterator[int]],
 ) -> tuple[int, int] | None:
-    """The first position whose drawn token does not fit, and the token drawn there instead:
-    ``redraws(j)`` yields the policy's draws at position j with each earlier one removed, the
-    first that fits is taken. None if every drawn token fits. ``drawn``: the tokens the target
-    drew, in order from ``states[0]`` (accepted drafts, then its own)."""
+    """The first position whose drawn token ``allows`` refuses, and the token drawn there
+    instead: ``redraws(j)`` yields the policy's draws at position j with each earlier one
+    removed, the first it allows is taken. Where it allows none, ``relaxed`` (the budget alone,
+    without the loop guard) rules that position. None if every drawn token is allowed.
+    ``drawn``: the tokens the target drew, in order from ``states[0]`` (accepted drafts, then
+    its own)."""
     for j, token in enumerate(drawn):
         if states[j] == FINISHED:  # after a drafted EOS: nothing more is committed
             return None
-        if fits(constraint, states[j], token, room - j):
+        before = drawn[:j]
+        if allows(j, states[j], token, before):
             continue
-        for other in redraws(j):
-            if other != token and fits(constraint, states[j], other, room - j):
-                return j, other
-        raise AssertionError("no token fits: the state was reached without room to finish")
+        for rule in (allows, relaxed):
+            if rule is relaxed and relaxed(j, states[j], token, before):
+                break  # the guard stands aside here: the drawn token stays
+            for other in redraws(j):
+                if other != token and rule(j, states[j], other, before):
+                    return j, other
+        else:
+            raise AssertionError("no token fits: the state was reached without room to finish")
     return None
 
 

@@ -26,7 +26,7 @@ import torch
 
 from ..constraints import FINISHED, Constraint
 from ..model import kernels, kv, machine
-from . import budget, cost
+from . import budget, cost, repeats
 from .drafters import EMPTY_DRAFT, Draft, Drafter
 from .sample import (
     SamplingConfig,
@@ -74,6 +74,7 @@ class Stats:
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     cached_prompt_tokens: int = 0  # prompt tokens copied from a kept prompt (llama.PromptCache)
     budget_removed: int = 0  # positions where the budget mask removed the token drawn first
+    repeats_removed: int = 0  # and where the loop guard did (decoding/repeats.py)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -149,6 +150,7 @@ class Row:
     reply: ReplyText | None = None  # its text and stop strings; None: ended by EOS alone
     logprobs: int | None = None  # None: none kept; k: each token's log-prob and k alternatives
     budget_mask: bool = True  # only tokens after which the reply can finish in time (budget.py)
+    loop_guard: bool = False  # no immediate repeat of a stretch of the reply (repeats.py)
     cache: object = None
     tokens: list[int] = field(default_factory=list)  # prompt + committed
     state: int = 0
@@ -164,6 +166,24 @@ class Row:
     @property
     def room(self) -> int:
         return self.max_new_tokens - len(self.output)
+
+    @property
+    def per_token(self) -> bool:
+        """Whether a mask applies where tokens are drawn: the budget mask or the loop guard."""
+        return self.budget_mask or self.loop_guard
+
+    def fits(self, j: int, state: int, token: int, before: list[int]) -> bool:
+        """Whether the budget mask (where the row has one) lets ``token`` follow ``state``, j
+        tokens into this round."""
+        return not self.budget_mask or budget.fits(self.constraint, state, token, self.room - j)
+
+    def allows(self, j: int, state: int, token: int, before: list[int]) -> bool:
+        """``fits``, and the loop guard (where the row has one) lets ``token`` follow the
+        reply and ``before`` (this round's tokens before it)."""
+        if not self.fits(j, state, token, before):
+            return False
+        lengths = self.reply.vocab.token_lengths
+        return not (self.loop_guard and repeats.repeats(self.output + before, token, lengths))
 
     @property
     def finished(self) -> bool:
@@ -381,10 +401,8 @@ def legal_states(constraint: Constraint, state: int, draft: Draft) -> tuple[Draf
 
 def fitting(row: Row, draft: Draft, states: list[int]) -> tuple[Draft, list[int]]:
     """The draft and its states, a deterministic draft cut before its first token that the
-    budget mask removes (budget.cut) where the row has one."""
-    return (
-        budget.cut(row.constraint, row.room, draft, states) if row.budget_mask else (draft, states)
-    )
+    budget mask or the loop guard removes (budget.cut) where the row has one."""
+    return budget.cut(row.allows, draft, states) if row.per_token else (draft, states)
 
 
 def legal_masks(constraint: Constraint, states: list[int], device) -> torch.Tensor:
@@ -430,7 +448,7 @@ def verify(
         target_probs = probs[i] = policy(logits[a:b], legal[a:b], row.sampling)  # (k+1, V)
         draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)  # (k,)
         if draft.probs is None:  # deterministic: the target's own draws (the same tokens
-            if len(draft) or row.budget_mask:  # whatever the row drafts), its generator
+            if len(draft) or row.per_token:  # whatever the row drafts), its generator
                 rewinds[i] = row.generator.get_state()  # rewound after the sync
             n, token, tokens = verify_deterministic(target_probs, draft_ids, row.generator)
         else:
@@ -450,7 +468,7 @@ def verify(
             if keeps
             else []
         )
-        if row.budget_mask:
+        if row.per_token:
             position = Position(logits[a:b], legal[a:b], probs.get(i), rewinds.get(i))
             n, token, kept = within_budget(row, draft, states[i], (n, token), position, kept)
         if i in rewinds and n < len(draft):  # k + 1 uniforms drawn, n + 1 used
@@ -472,18 +490,22 @@ class Position:
 
 
 def within_budget(row: Row, draft: Draft, states, outcome, position: Position, kept: list):
-    """(n, token, log-probs) once the budget mask is applied: the target's drawn tokens are
-    checked in order, and the first that does not fit is drawn again from the same policy
-    without it (budget.settle); the round then commits up to that position. A log-prob kept
+    """(n, token, log-probs) once the budget mask and the loop guard are applied: the target's
+    drawn tokens are checked in order, and the first that one of them removes is drawn again
+    from the same policy without it (budget.settle); the round then commits up to that
+    position. A log-prob kept
     for the new token is its policy's (the grammar-masked policy's, not renormalised)."""
     n, token = outcome
     drawn = draft.tokens[:n] + [token]
     redraws = lambda j: redraws_at(row, position, drawn[j], j)  # noqa: E731
-    settled = budget.settle(row.constraint, row.room, states, drawn, redraws)
+    settled = budget.settle(row.allows, row.fits, states, drawn, redraws)
     if settled is None:
         return n, token, kept
-    row.stats.budget_removed += 1
     n, token = settled
+    if row.fits(n, states[n], drawn[n], drawn[:n]):
+        row.stats.repeats_removed += 1
+    else:
+        row.stats.budget_removed += 1
     if kept:
         rows = position.logits[n].masked_fill(~position.legal[n], float("-inf")).log_softmax(-1)
         if position.probs is not None:
