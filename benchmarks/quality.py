@@ -128,7 +128,7 @@ def answer(gen, request, budget: int, mask: bool, loop_guard: bool = False) -> d
             loop_guard=loop_guard,
         )
     except BudgetTooSmall as e:  # the schema's shortest reply does not fit: none valid
-        _, total = leaves_right(request.expected, _MISSING)
+        _, total = workloads.leaves_right(request.expected, workloads.MISSING)
         return row | {"finish_reason": "refused", "error": str(e), "valid": False,
                       "exact": False, "leaves_right": 0, "leaves": total, "output_tokens": 0,
                       "decode_s": 0.0, "budget_removed": 0, "token_ids": []}  # fmt: skip
@@ -136,13 +136,13 @@ def answer(gen, request, budget: int, mask: bool, loop_guard: bool = False) -> d
     if result.finish_reason != "length":
         value = json.loads(result.text)
         valid = workloads.is_valid(request.schema, value)
-    right, total = leaves_right(request.expected, value if valid else _MISSING)
+    right, total = workloads.leaves_right(request.expected, value if valid else workloads.MISSING)
     return row | {
         "finish_reason": result.finish_reason,
         "text": result.text,
         "token_ids": result.token_ids,
         "valid": valid,
-        "exact": valid and same(value, request.expected),
+        "exact": valid and workloads.same(value, request.expected),
         "leaves_right": right,
         "leaves": total,
         "output_tokens": len(result.token_ids),
@@ -150,36 +150,6 @@ def answer(gen, request, budget: int, mask: bool, loop_guard: bool = False) -> d
         "budget_removed": result.stats.budget_removed,
         "repeats_removed": result.stats.repeats_removed,
     }
-
-
-_MISSING = object()
-
-
-def leaves_right(expected, got, path=()) -> tuple[int, int]:
-    """(leaf paths of ``expected`` whose value ``got`` has there, leaf paths): a leaf is a
-    scalar or an empty container."""
-    if isinstance(expected, dict) and expected:
-        pairs = [(v, got.get(k, _MISSING) if isinstance(got, dict) else _MISSING) for k, v in
-                 expected.items()]  # fmt: skip
-    elif isinstance(expected, list) and expected:
-        pairs = [(v, got[i] if isinstance(got, list) and i < len(got) else _MISSING) for i, v in
-                 enumerate(expected)]  # fmt: skip
-    else:
-        return int(got is not _MISSING and same(got, expected)), 1
-    counts = [leaves_right(e, g) for e, g in pairs]
-    return sum(c[0] for c in counts), sum(c[1] for c in counts)
-
-
-def same(a, b) -> bool:
-    """JSON equality with numbers compared as numbers (1 == 1.0; true is not 1)."""
-    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
-    if number(a) and number(b):
-        return a == b
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
 
 
 def summarize(rows: list[dict], budgets: list[int]) -> dict:

@@ -151,6 +151,8 @@ def _summary(config: dict, rows: list, ok: list, base: dict) -> dict:
     )
     if any("exact_match" in r for r in ok):
         s["exact_match_share"] = sum(bool(r.get("exact_match")) for r in ok) / len(ok)
+    if _sum(ok, "leaves"):
+        s["leaf_accuracy"] = _sum(ok, "leaves_right") / _sum(ok, "leaves")
     s["stopped_share"] = sum(r["finish_reason"] != "length" for r in ok) / len(ok)
     ttfts = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
     s["ttft_ms_mean"] = 1e3 * statistics.mean(ttfts) if ttfts else None
@@ -485,6 +487,7 @@ def markdown(results: dict, summary: dict, preds: list[dict], plots: list[str]) 
                 _f(s.get("acceptance"), "{:.0%}"),
                 _f(s.get("valid_share"), "{:.0%}"),
                 _f(s.get("exact_match_share"), "{:.0%}"),
+                _f(s.get("leaf_accuracy"), "{:.0%}"),
                 ident,
                 _f(s.get("ttft_ms_mean"), "{:.0f}"),
                 _f(s.get("tpot_ms_median"), "{:.1f}"),
@@ -507,6 +510,7 @@ def markdown(results: dict, summary: dict, preds: list[dict], plots: list[str]) 
                 "acceptance",
                 "valid",
                 "exact",
+                "leaves",
                 "greedy identity",
                 "TTFT ms",
                 "TPOT ms",
@@ -520,8 +524,10 @@ def markdown(results: dict, summary: dict, preds: list[dict], plots: list[str]) 
         "prompt's prefill (engine: decode loop minus prefill; peers: after their first "
         "processor call); min/median/max over requests; slower = share of "
         "requests slower than the baseline; tokens/call = committed tokens (EOS included) per "
-        "target forward that produced tokens; exact = output equals the instance stated in "
-        "the prompt (extract only); greedy identity = same token ids as the baseline "
+        "target forward that produced tokens; exact = a valid output equals the instance stated "
+        "in the prompt, numbers compared as numbers; leaves = the share of the instance's leaf "
+        "values a valid output has right at their paths (extract only; benchmarks/quality.py "
+        "scores the same way); greedy identity = same token ids as the baseline "
         "(a divergence at a position whose top-2 masked logits differ by < "
         f"{meta['near_tie']:g} is a near-tie); for peers: the same text as the baseline, "
         "informational (their regex is outlines', not ours; llama.cpp's is its own JSON "

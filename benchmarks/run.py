@@ -832,8 +832,10 @@ def judge(row: dict, request: Request, config: Config, reference: dict | None, g
     row["valid"] = (
         parsed and row["finish_reason"] != "length" and workloads.is_valid(request.schema, value)
     )
-    if request.expected is not None:
-        row["exact_match"] = parsed and value == request.expected
+    if request.expected is not None:  # scored as benchmarks/quality.py scores: cut is wrong
+        got = value if row["valid"] else workloads.MISSING
+        row["exact_match"] = row["valid"] and workloads.same(value, request.expected)
+        row["leaves_right"], row["leaves"] = workloads.leaves_right(request.expected, got)
     if not config.greedy or reference is None:
         row["identical"] = None
         return

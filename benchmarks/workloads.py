@@ -218,3 +218,35 @@ def tiny_model_and_tokenizer(seed: int = 0):
         pad_token="<|im_end|>",
     )
     return testing.tiny_model(tokenizer, seed, max_positions=4096), tokenizer
+
+
+# --- scoring a reply against the instance its prompt stated --------------------------------------
+
+MISSING = object()
+
+
+def leaves_right(expected, got) -> tuple[int, int]:
+    """(leaf paths of ``expected`` whose value ``got`` has there, leaf paths): a leaf is a
+    scalar or an empty container."""
+    if isinstance(expected, dict) and expected:
+        pairs = [(v, got.get(k, MISSING) if isinstance(got, dict) else MISSING) for k, v in
+                 expected.items()]  # fmt: skip
+    elif isinstance(expected, list) and expected:
+        pairs = [(v, got[i] if isinstance(got, list) and i < len(got) else MISSING) for i, v in
+                 enumerate(expected)]  # fmt: skip
+    else:
+        return int(got is not MISSING and same(got, expected)), 1
+    counts = [leaves_right(e, g) for e, g in pairs]
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+
+def same(a, b) -> bool:
+    """JSON equality with numbers compared as numbers (1 == 1.0; true is not 1)."""
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
+    if number(a) and number(b):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
