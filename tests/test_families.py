@@ -894,6 +894,18 @@ def test_a_sentencepiece_vocabulary_maps_every_token_to_its_exact_bytes(spm_file
     assert gen.tokenizer.encode("the")[0] == 2, "no <bos> before a prompt"
     result = gen.generate("the", regex="Zoë 東京  yes", max_new_tokens=30)
     assert result.text == "Zoë 東京  yes" and result.finish_reason == "stop"
+    # drafted text is spelled with the model's own pieces, a byte token only where none spells
+    # it (Gemma 3 writes '"' with its piece: drafts spelled <0x22> were rejected)
+    fallback = set(range(5, 5 + 256))
+    assert gen.vocab.byte_fallback == fallback
+    pieces = {b: i for i, b in enumerate(gen.vocab.token_bytes) if i not in fallback and b}
+    assert pieces, "no piece shares its bytes with a byte token: the test checks nothing"
+    for b in range(256):
+        expected_id = pieces.get(bytes([b]), 5 + b)
+        assert gen.vocab.ids_by_bytes[bytes([b])] == expected_id
+    shared = next(b for b in pieces if len(b) == 1)
+    c = gen.compile(regex=f"({re.escape(shared.decode())})+")
+    assert c.tokenize(c.initial_state, shared, 4) == [pieces[shared]]
 
 
 def test_a_base_model_takes_the_cli_prompt_as_plain_text(spm_file, capsys):

@@ -20,6 +20,9 @@ class TokenVocabulary:
 
     token_bytes: tuple[bytes | None, ...]
     eos_id: int
+    # SentencePiece's byte-fallback ids (``<0x22>``): the model writes a character with its own
+    # piece where one exists (``"``), so drafted text is spelled with those first
+    byte_fallback: frozenset[int] = frozenset()
 
     @cached_property
     def fingerprint(self) -> str:
@@ -32,10 +35,15 @@ class TokenVocabulary:
     @cached_property
     def ids_by_bytes(self) -> dict[bytes, int]:
         """One id per byte string (for spelling drafted text in tokens), EOS excluded; where
-        several ids share their bytes, the first."""
+        several ids share their bytes, the first that is not a byte-fallback id. (Gemma 3 spells
+        `"` as both <0x22> and its own piece; drafts spelled with the first were rejected: 91 of
+        the 150 grammar-drafted tokens on 16 held-out requests.)"""
         out: dict[bytes, int] = {}
         for i, b in enumerate(self.token_bytes):
-            if b and i != self.eos_id:
+            if b and i != self.eos_id and i not in self.byte_fallback:
+                out.setdefault(b, i)
+        for i in sorted(self.byte_fallback):  # bytes no other token spells
+            if (b := self.token_bytes[i]) and i != self.eos_id:
                 out.setdefault(b, i)
         return out
 
@@ -121,7 +129,8 @@ def token_vocabulary(tokenizer) -> TokenVocabulary:
         token_bytes[i] = b
     for i in missing:
         token_bytes[i] = None
-    return TokenVocabulary(tuple(token_bytes), tokenizer.eos_token_id)
+    fallback = () if byte_level else (i for i, p in enumerate(plain) if _is_byte_piece(p))
+    return TokenVocabulary(tuple(token_bytes), tokenizer.eos_token_id, frozenset(fallback))
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -152,8 +161,12 @@ def _byte_level_all(pieces: list[str]) -> list[bytes | None]:
     return [p.translate(table).encode("latin-1") if superset(p) else None for p in pieces]
 
 
+def _is_byte_piece(piece: str) -> bool:
+    return len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+
+
 def _sentencepiece(piece: str) -> bytes:
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+    if _is_byte_piece(piece):
         return bytes([int(piece[3:5], 16)])
     return piece.replace("\u2581", " ").encode()
 
