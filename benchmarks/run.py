@@ -883,7 +883,7 @@ def machine_info(args) -> dict:
         ]
     except (OSError, StopIteration):
         pass
-    info["isa"] = args.isa  # what our kernels and torch may use (--isa)
+    info["isa"] = getattr(args, "isa", None)  # what our kernels and torch may use (--isa)
     info["torch_capability"] = torch.backends.cpu.get_cpu_capability()
     with contextlib.suppress(Exception):  # llama.cpp runs what it was built for
         import llama_cpp
