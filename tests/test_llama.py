@@ -966,6 +966,29 @@ def test_use_kernels_puts_a_model_on_ours(tiny_target):
     assert all(m.packed.dtype == torch.int32 for m in compact.linears)  # our tiles, not torch's
 
 
+@needs_ours
+def test_torch_kernel_and_back_restores_the_fused_layers(tiny_target):
+    """A benchmark's torch-matmul configuration runs torch's kernel on the Python layers, then
+    puts ours back: the fused layers come back with them (they stayed in the Python loop, 4x
+    slower, for every configuration after it), and a step computes what it did before."""
+    compact = llama.from_transformers(tiny_target, "int4")
+    models.use_kernels(compact)
+    if compact.layer_kernel != "fused":
+        pytest.skip("the fused layers do not run here")
+    ours, ids = compact.matmul, torch.tensor([3, 17, 42, 9])
+
+    def logits():
+        return compact.forward_rows([ids], [compact.new_cache()])[0]
+
+    before = logits()
+    compact.use_matmul("torch")
+    assert compact.layer_kernel == "python"
+    compact.use_matmul(ours)
+    assert (compact.matmul, compact.layer_kernel) == (ours, "fused")
+    assert compact.prompt_cache is not None
+    torch.testing.assert_close(logits(), before, rtol=0, atol=0)
+
+
 # --- the mask-aware LM head -----------------------------------------------------------------------
 
 

@@ -351,6 +351,7 @@ class CompactLlama(nn.Module):
         self._fused = None  # the fused layers' arguments, where they run
         self.prompt_cache: PromptCache | None = None  # kept prompts, while the layers are fused
         self.cache_pool = CachePool(CACHE_POOL_BYTES)  # dropped caches' buffers, for new ones
+        self._layers_on_ours = self.layer_kernel  # what use_matmul restores after torch's kernel
         self.use_layers(self.layer_kernel)
 
     def get_input_embeddings(self) -> nn.Module:
@@ -430,12 +431,14 @@ class CompactLlama(nn.Module):
         assert kernel in kernels.INT4_KERNELS, kernel
         if not all(isinstance(m, kernels.Int4Linear) for m in self.linears):
             raise WeightsError("a 4-bit kernel runs 4-bit linears only: these are float")
+        if self.matmul != "torch":  # the layers ours ran, for when they come back
+            self._layers_on_ours = self.layer_kernel
         self._fused = self.prompt_cache = None  # its old packs: each freed once re-laid
         for linear in self.linears:
             linear.use_kernel(kernel)
         if isinstance(self.lm_head, kernels.Q8Head):  # its blocks too, the bound following
             self.lm_head.use_kernel(kernel)
-        layers = "python" if kernel == "torch" else self.layer_kernel
+        layers = "python" if kernel == "torch" else self._layers_on_ours
         self.use_layers(layers)  # the fused layers' arguments: the new packs
 
     @property
