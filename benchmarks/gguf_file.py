@@ -55,24 +55,6 @@ def load_seconds(code: tuple[str, str], path: str, repeats: int = 3) -> float:
     return min(runs)
 
 
-class PlainPrompts:
-    """The generator, its chat messages sent as plain text where the model has no template."""
-
-    def __init__(self, gen: Generator):
-        self.gen = gen
-
-    def __getattr__(self, name):
-        return getattr(self.gen, name)
-
-    def prompt(self, messages: list[dict]):
-        if self.gen.tokenizer.chat_template:
-            return messages
-        return "\n\n".join(m["content"] for m in messages) + "\n"
-
-    def encode_prompt(self, messages) -> list[int]:
-        return self.gen.encode_prompt(self.prompt(messages))
-
-
 def run_ours(gen, ids, schema, speculative: bool, max_new: int) -> dict:
     forget_prompts(gen.target)  # the other config ran this prompt: each computes its own
     t = time.perf_counter()
@@ -169,8 +151,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
     gen = Generator.from_pretrained(args.model)  # prepares the model (a later load maps it)
-    plain = PlainPrompts(gen)
-    requests, _ = workloads.select_requests(plain, "extract", args.n, workloads.Selection())
+    requests, _ = workloads.select_requests(gen, "extract", args.n, workloads.Selection())
     llama = {
         "llama.cpp": Llama(args.model, n_ctx=4096, n_threads=threads, verbose=False),
         "llama.cpp/batch8": Llama(
@@ -182,7 +163,7 @@ def main() -> None:
     configs = ["ours", "ours/baseline", *llama]
     runs, refused = [], []
     for i, request in enumerate(requests):
-        ids = plain.encode_prompt(request.messages)
+        ids = gen.encode_prompt(request.messages)  # plain text where it has no template
         gen.compile(schema=request.schema)  # compiled before the clock (cached)
         try:
             grammar = LlamaGrammar.from_json_schema(json.dumps(request.schema), verbose=False)

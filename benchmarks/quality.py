@@ -40,7 +40,6 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 import report  # noqa: E402
 import workloads  # noqa: E402
 from coverage import half  # noqa: E402
-from gguf_file import PlainPrompts  # noqa: E402
 
 from constrained_spec import Generator  # noqa: E402
 from constrained_spec.errors import BudgetTooSmall  # noqa: E402
@@ -74,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return agreement(args.data or workloads.DATA, args.n or 24, args.out, argv)
     args.data, args.n = args.data or workloads.DEV_SET, args.n or 40
     start = time.time()
-    gen = PlainPrompts(Generator.from_pretrained(*([args.model] if args.model else [])))
+    gen = Generator.from_pretrained(*([args.model] if args.model else []))
     requests = select(gen, args)
     warmup, requests = requests[0], requests[1:]
     answer(gen, warmup, min(args.budgets), True, args.loop_guard)
@@ -120,7 +119,7 @@ def answer(gen, request, budget: int, mask: bool, loop_guard: bool = False) -> d
         gen.target.prompt_cache.clear()  # each run computes its whole prompt
     try:
         result = gen.generate(
-            gen.prompt(request.messages),  # plain text where the model has no chat template
+            request.messages,  # plain text where the model has no chat template
             schema=request.schema,
             max_new_tokens=budget,
             temperature=0.0,

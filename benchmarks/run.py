@@ -647,9 +647,7 @@ class Bench:
         t = time.perf_counter()  # its grammar is built before the clock, like outlines' index
         grammar = LlamaGrammar.from_json_schema(json.dumps(request.schema), verbose=False)
         compile_s = time.perf_counter() - t
-        text = self.tokenizer.apply_chat_template(
-            request.messages, add_generation_prompt=True, tokenize=False
-        )
+        text = chat_text(self.tokenizer, request.messages)
         prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the GGUF's own vocabulary
         sampling = (
             {"temp": 0.0}
@@ -690,9 +688,7 @@ class Bench:
     def _hf_generate(self, request, processor, sampling):
         from transformers import LogitsProcessorList
 
-        text = self.tokenizer.apply_chat_template(
-            request.messages, add_generation_prompt=True, tokenize=False
-        )
+        text = chat_text(self.tokenizer, request.messages)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         input_ids = torch.tensor([ids])
         with torch.inference_mode():
@@ -807,6 +803,13 @@ def bandwidth_limit(target, step_ms=None, rounds: int = 7) -> dict:
 
 
 # --- correctness fields ------------------------------------------------------------------------
+
+
+def chat_text(tokenizer, messages: list[dict] | str) -> str:
+    """A peer's prompt text: the chat template applied, or the plain text of a base model."""
+    if isinstance(messages, str):
+        return messages
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def divergence_gap(gen, request: Request, reference: list[int], other: list[int]) -> tuple:

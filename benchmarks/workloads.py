@@ -43,7 +43,7 @@ class Request:
     source: str  # dataset subset (Github_easy, Kubernetes, ...)
     workload: str
     schema: dict
-    messages: list  # chat messages (one user turn)
+    messages: list | str  # chat messages (one user turn); plain text for a base model
     expected: object = None  # the instance stated in an extract prompt
     prompt_tokens: int = 0
 
@@ -84,6 +84,14 @@ def field_lines(value, prefix: str = "") -> list[str]:
         return [line for i, v in enumerate(value) for line in field_lines(v, f"{prefix}[{i}]")]
     text = value if isinstance(value, str) and "\n" not in value else compact(value)
     return [f"{prefix or 'value'}: {text}"]
+
+
+def as_prompt(tokenizer, messages: list[dict] | str) -> list[dict] | str:
+    """The messages as the model takes them: through its chat template where it has one, else
+    their contents as plain text (a base model, such as Gemma 3 270M's file)."""
+    if isinstance(messages, str) or getattr(tokenizer, "chat_template", None):
+        return messages
+    return "\n\n".join(m["content"] for m in messages) + "\n"
 
 
 def messages_for(workload: str, schema: dict, instance) -> list[dict]:
@@ -157,7 +165,7 @@ def _try_file(gen, path: Path, workload: str, sel: Selection, index: int):
     verdict = _compile_verdict(gen, schema, instance)
     if verdict != "ok":
         return verdict, None
-    messages = messages_for(workload, schema, instance)
+    messages = as_prompt(gen.tokenizer, messages_for(workload, schema, instance))
     prompt_tokens = len(gen.encode_prompt(messages))  # the engine's own encoding
     if prompt_tokens > sel.max_prompt_tokens:
         return "prompt too long", None

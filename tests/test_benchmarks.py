@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -164,3 +165,22 @@ def test_quick_run_from_a_clone_uses_the_committed_sample(tmp_path):
     )
     results = json.loads((out / "results.json").read_text())
     assert [(sample / q["file"]).is_file() for q in results["requests"]] == [True]
+
+
+def test_a_model_without_a_chat_template_is_prompted_in_plain_text(monkeypatch):
+    """The benchmarks run a base model's file (Gemma 3 270M has no chat template): each
+    request's messages become their contents as plain text, for ours and llama.cpp alike."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import workloads
+    from run import chat_text
+
+    messages = [{"role": "user", "content": "Extract: Alice, 30"}]
+    instruct = SimpleNamespace(
+        chat_template="{{ m }}", apply_chat_template=lambda m, **_: f"<user>{m[0]['content']}"
+    )
+    base = SimpleNamespace(chat_template=None)
+    assert workloads.as_prompt(instruct, messages) is messages
+    assert workloads.as_prompt(base, messages) == "Extract: Alice, 30\n"
+    assert workloads.as_prompt(base, workloads.as_prompt(base, messages)) == "Extract: Alice, 30\n"
+    assert chat_text(instruct, messages) == "<user>Extract: Alice, 30"
+    assert chat_text(instruct, "Extract: Alice, 30\n") == "Extract: Alice, 30\n"
