@@ -33,7 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from .constraints import FINISHED, Constraint
 from .decoding.budget import fits
-from .decoding.drafters import CompositeDrafter, logits_width
+from .decoding.drafters import CompositeDrafter, logits_width, model_drafter
 from .decoding.head import DraftHead
 from .decoding.repeats import repeats
 from .errors import ConstraintError, UnsupportedSchemaError
@@ -402,6 +402,18 @@ def random_head(target, seed: int = 0) -> DraftHead:
         head.copy_gate.weight.normal_(0, 0.3)
         head.copy_gate.bias.zero_()
     return head
+
+
+def drafter_named(kind: str | None, target, draft):
+    """The drafters the exactness tests run, by name: None (the baseline), "lookup+forced",
+    "model" (``draft`` over the target's logits width) or "head" (random_head)."""
+    if kind is None:
+        return None
+    return {
+        "lookup+forced": CompositeDrafter,
+        "model": lambda: model_drafter(draft, logits_width(target)),
+        "head": lambda: random_head(target),
+    }[kind]()
 
 
 def reference_policy(

@@ -21,7 +21,7 @@ from constrained_spec.constraints import (
     token_vocabulary,
 )
 from constrained_spec.decoding import budget
-from constrained_spec.decoding.drafters import CompositeDrafter, logits_width, model_drafter
+from constrained_spec.decoding.drafters import CompositeDrafter
 from constrained_spec.errors import BudgetMaskWarning
 from constrained_spec.testing import (
     PERSON,
@@ -274,12 +274,7 @@ def test_sampling_under_the_budget_is_exact(
     every reply in time."""
     case = dict(case)
     kind = case.pop("drafter", None)
-    draft = {
-        None: None,
-        "lookup+forced": CompositeDrafter(),
-        "model": model_drafter(tiny_draft, logits_width(tiny_target)),
-        "head": random_head(tiny_target),
-    }[kind]
+    draft = testing.drafter_named(kind, tiny_target, tiny_draft)
     gen = Generator(tiny_target, tiny_tokenizer, draft=draft)
     settings = {"temperature": 1.0, "num_draft_tokens": 3, **case}
     prompt = tiny_tokenizer.encode("yes no yes ab ba")

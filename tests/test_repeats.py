@@ -9,7 +9,7 @@ import pytest
 from constrained_spec import Generator, testing
 from constrained_spec.decoding import repeats
 from constrained_spec.decoding.budget import fits
-from constrained_spec.decoding.drafters import CompositeDrafter, logits_width, model_drafter
+from constrained_spec.decoding.drafters import CompositeDrafter
 from constrained_spec.testing import PERSON, assert_greedy_match, chi_square, random_head
 
 LOOPING = "(ab|ba|yes|no)+"
@@ -86,11 +86,7 @@ def test_sampling_under_the_guard_is_exact(
     monkeypatch.setattr(repeats, "MIN_BYTES", 2)
     case = dict(case)
     kind = case.pop("drafter", None)
-    draft = {
-        None: None,
-        "lookup+forced": CompositeDrafter(),
-        "model": model_drafter(tiny_draft, logits_width(tiny_target)),
-    }[kind]
+    draft = testing.drafter_named(kind, tiny_target, tiny_draft)
     gen = Generator(tiny_target, tiny_tokenizer, draft=draft)
     settings = {"temperature": 1.0, "num_draft_tokens": 3, **case}
     prompt = tiny_tokenizer.encode("yes no yes ab ba")
