@@ -974,7 +974,7 @@ def test_torch_kernel_and_back_restores_the_fused_layers(tiny_target):
     compact = llama.from_transformers(tiny_target, "int4")
     models.use_kernels(compact)
     if compact.layer_kernel != "fused":
-        pytest.skip("the fused layers do not run here")
+        pytest.skip(f"the fused layers do not run here: {kernels.fused_missing()}")
     ours, ids = compact.matmul, torch.tensor([3, 17, 42, 9])
 
     def logits():
