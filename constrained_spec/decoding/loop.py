@@ -493,8 +493,8 @@ def within_budget(row: Row, draft: Draft, states, outcome, position: Position, k
     """(n, token, log-probs) once the budget mask and the loop guard are applied: the target's
     drawn tokens are checked in order, and the first that one of them removes is drawn again
     from the same policy without it (budget.settle); the round then commits up to that
-    position. A log-prob kept
-    for the new token is its policy's (the grammar-masked policy's, not renormalised)."""
+    position. A log-prob kept for the new token is its policy's (the grammar-masked policy's,
+    not renormalised)."""
     n, token = outcome
     drawn = draft.tokens[:n] + [token]
     redraws = lambda j: redraws_at(row, position, drawn[j], j)  # noqa: E731
